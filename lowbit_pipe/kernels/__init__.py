@@ -1,0 +1,1 @@
+"""Compute kernels: torch reference versions (CPU, oracles) and GPU paths. Know nothing of recipes."""
