@@ -1,0 +1,24 @@
+"""Adapter contract."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+
+class Adapter:
+    """Reaches the transformer and its config inside a model object."""
+
+    name = "base"
+
+    @classmethod
+    def accepts(cls, obj: Any) -> bool:
+        raise NotImplementedError
+
+    def transformer(self, obj: Any) -> nn.Module:
+        raise NotImplementedError
+
+    def model_config(self, obj: Any) -> dict[str, Any]:
+        """The transformer's constructor config (diffusers config), {} if unknown."""
+        return {}

@@ -1,0 +1,114 @@
+"""safetensors files: header reading with clear errors, and atomic writes."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lowbit_pipe.errors import CheckpointError
+
+_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64",
+           "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Header:
+    path: str
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+
+
+def read_header(path: str | Path) -> Header:
+    """Parse and check a safetensors header; errors name the file (and key)."""
+    path = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise CheckpointError(path, f"truncated: {size} bytes, not even a header length")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8:
+                raise CheckpointError(path, f"truncated or corrupt: header claims {n} bytes, file has {size - 8} after the length")
+            raw = f.read(n)
+    except OSError as err:
+        raise CheckpointError(path, f"cannot read: {err.strerror}") from err
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise CheckpointError(path, f"corrupt header, not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(path, "corrupt header: not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    data_len = size - 8 - n
+    tensors = {}
+    for key, info in header.items():
+        try:
+            dtype, shape, (start, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(path, f"corrupt header entry ({err})", key) from err
+        if dtype not in _DTYPES:
+            raise CheckpointError(path, f"unknown dtype '{dtype}'", key)
+        if not (0 <= start <= end <= data_len):
+            raise CheckpointError(path, f"data offsets {start}..{end} run past the file's {data_len} data bytes (truncated?)", key)
+        tensors[key] = TensorInfo(dtype, shape)
+    return Header(path, dict(metadata), tensors)
+
+
+def load_tensors(path: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of a checked file (memory-mapped by safetensors)."""
+    path = str(path)
+    out = {}
+    try:
+        with safe_open(path, framework="pt") as f:
+            for key in keys if keys is not None else list(f.keys()):
+                out[key] = f.get_tensor(key)
+    except CheckpointError:
+        raise
+    except Exception as err:  # safetensors raises its own untyped errors: name the file
+        raise CheckpointError(path, f"cannot load tensors: {err}") from err
+    return out
+
+
+def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
+                *, inputs: tuple[str | Path, ...] = ()) -> int:
+    """Write `path` via a temp file + rename; never overwrites one of `inputs`. Returns bytes written."""
+    path = Path(path)
+    for source in inputs:
+        if source is not None and Path(source).exists() and path.exists() and Path(source).resolve() == path.resolve():
+            raise CheckpointError(str(path), "refusing to overwrite the input file; choose another export.path")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path.stat().st_size
+
+
+def metadata_json(metadata: dict[str, str], key: str, path: str) -> Any:
+    """A JSON value stored in the header metadata, or None."""
+    if key not in metadata:
+        return None
+    try:
+        return json.loads(metadata[key])
+    except json.JSONDecodeError as err:
+        raise CheckpointError(path, f"metadata '{key}' is not valid JSON ({err})") from err

@@ -1,0 +1,158 @@
+"""Compose a Recipe from the packaged configs plus overrides, with one-line errors naming the key path."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hydra import compose, initialize_config_module
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from lowbit_pipe.errors import RecipeError
+from lowbit_pipe.recipe import Recipe, validate
+
+CONFIG_MODULE = "lowbit_pipe.conf"
+CONFIG_NAME = "config"
+
+
+def register_schema() -> None:
+    """Register the Recipe dataclass as the schema node `lowbit_schema` (idempotent)."""
+    ConfigStore.instance().store(name="lowbit_schema", node=Recipe)
+
+
+def _full_key(err: BaseException) -> str | None:
+    while err is not None:
+        key = getattr(err, "full_key", None)
+        if key:
+            return key
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _one_line(err: BaseException) -> RecipeError:
+    """Hydra/OmegaConf errors span lines; keep the key path and the first sentence."""
+    key = _full_key(err)
+    cause = err
+    while cause.__cause__ is not None:
+        cause = cause.__cause__
+    text = str(cause).strip().splitlines()
+    message = text[0] if text else type(cause).__name__
+    if key is None:
+        for line in str(err).splitlines():
+            if line.strip().startswith("full_key:"):
+                key = line.split(":", 1)[1].strip()
+        if key is None and "'" in str(err).splitlines()[0]:
+            key = str(err).splitlines()[0].split("'")[1]
+    if "not in" in message and key:
+        message = "no such key" + (f" ({message})" if message else "")
+    return RecipeError(key or "<recipe>", message)
+
+
+def to_recipe(cfg: DictConfig) -> Recipe:
+    """DictConfig (schema-typed) -> validated Recipe dataclass."""
+    try:
+        container = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"]) if "hydra" in cfg else cfg
+        recipe = OmegaConf.to_object(container)
+    except OmegaConfBaseException as err:
+        raise _one_line(err) from None
+    if not isinstance(recipe, Recipe):
+        raise RecipeError("<recipe>", "the config is not a lowbit_pipe recipe")
+    return validate(recipe)
+
+
+def _file_overrides(data: dict[str, Any], source: str) -> tuple[list[str], dict[str, Any]]:
+    """A recipe file's `defaults: [override /model: x]` -> group overrides; the rest is merged."""
+    data = dict(data)
+    overrides = []
+    for item in data.pop("defaults", []) or []:
+        if isinstance(item, dict) and len(item) == 1:
+            (key, value), = item.items()
+            if key.startswith("override /"):
+                overrides.append(f"{key[len('override /'):]}={value}")
+                continue
+        if item != "_self_":
+            raise RecipeError(f"{source}: defaults", f"only 'override /<group>: <name>' entries are supported, got {item!r}")
+    return overrides, data
+
+
+def _split_overrides(overrides: list[str]) -> tuple[list[str], list]:
+    """Group choices (model=..., recipe=...) vs plain key=value overrides (parsed)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    groups, values = [], []
+    for o in OverridesParser.create().parse_overrides(overrides):
+        (groups if o.get_key_element().split("@")[0] in ("model", "recipe") else values).append(o)
+    return [o.input_line for o in groups], values
+
+
+def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Recipe by packaged name ("krea2_nvfp4"), YAML path, or dict, then CLI-style overrides."""
+    register_schema()
+    overrides = list(overrides)
+    extra: dict[str, Any] = {}
+    group_overrides: list[str] = []
+    if isinstance(recipe, dict):
+        group_overrides, extra = _file_overrides(recipe, "<dict recipe>")
+        name = "default"
+    elif recipe is not None and (str(recipe).endswith((".yaml", ".yml")) or Path(str(recipe)).is_file()):
+        path = Path(recipe)
+        if not path.is_file():
+            raise RecipeError("recipe", f"no recipe file at {path}")
+        try:
+            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+        except Exception as err:  # YAML parse errors: name the file
+            raise RecipeError(str(path), f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
+        group_overrides, extra = _file_overrides(data or {}, str(path))
+        name = "default"
+    else:
+        name = recipe or "default"
+    if not any(o.split("=", 1)[0].lstrip("+~") == "recipe" for o in overrides):
+        overrides = [f"recipe={name}"] + overrides
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+            if not extra:
+                cfg = compose(config_name=CONFIG_NAME, overrides=group_overrides + overrides)
+            else:
+                # File/dict recipe: packaged base, then the file, then the command line on top.
+                groups, values = _split_overrides(overrides)
+                cfg = compose(config_name=CONFIG_NAME, overrides=group_overrides + groups)
+                cfg = OmegaConf.merge(cfg, OmegaConf.create(extra))
+                for override in values:
+                    OmegaConf.update(cfg, override.get_key_element(), override.value(), merge=True)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise _one_line(err) from None
+    finally:
+        GlobalHydra.instance().clear()
+    return to_recipe(cfg)
+
+
+def check_cli(args: list[str]) -> None:
+    """Validate CLI overrides before Hydra runs anything: each sweep value is checked too."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    plain = [a for a in args if not a.startswith("-") and not a.split("=", 1)[0].lstrip("+~").startswith("hydra")]
+    try:
+        parsed = OverridesParser.create().parse_overrides(plain)
+    except HydraException as err:
+        raise RecipeError("<command line>", str(err).splitlines()[0]) from None
+    fixed, sweeps = [], []
+    for o in parsed:
+        if o.is_sweep_override():
+            values = list(o.sweep_string_iterator())
+            sweeps.append([f"{o.get_key_element()}={v}" for v in values])
+        else:
+            fixed.append(o.input_line)
+    recipe = next((o.split("=", 1)[1] for o in fixed if o.split("=", 1)[0] == "recipe"), "default")
+    rest = [o for o in fixed if o.split("=", 1)[0] != "recipe"]
+    # Every sweep value once, the others at their first value: enough to catch any bad value.
+    combos = [[s[0] for s in sweeps]] + [[s[j] if k == i else s[0] for k, s in enumerate(sweeps)]
+                                        for i, sweep in enumerate(sweeps) for j in range(1, len(sweep))]
+    for combo in combos if sweeps else [[]]:
+        chosen = rest + combo
+        rec = next((c.split("=", 1)[1] for c in combo if c.split("=", 1)[0] == "recipe"), recipe)
+        compose_recipe(rec, [c for c in chosen if c.split("=", 1)[0] != "recipe"])

@@ -1,0 +1,52 @@
+"""Context: what the stages of one run share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit_pipe.adapters import Adapter, adapter_for
+from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy
+from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.recipe import Recipe
+
+
+@dataclass
+class Context:
+    recipe: Recipe
+    run_dir: Path
+    ledger: Ledger = field(default_factory=Ledger)
+    model: Any = None  # the object the user works with: diffusers model / pipeline / nn.Module
+    owns_model: bool = False  # True when `load` built it: teardown then drops it
+    adapter: Adapter | None = None
+    arch: Arch | None = None
+    arch_config: ArchConfig | None = None
+    policy: LayerPolicy = field(default_factory=LayerPolicy)
+    model_config: dict[str, Any] = field(default_factory=dict)  # the transformer's constructor config
+    source: dict[str, Any] = field(default_factory=dict)  # where the weights came from (path, layout, quantized)
+    report: dict[str, Any] = field(default_factory=dict)  # stage results, merged into report.json
+
+    def set_model(self, model: Any, *, owned: bool) -> None:
+        self.model = model
+        self.owns_model = owned
+        self.adapter = adapter_for(model)
+        self.model_config = self.adapter.model_config(model)
+
+    @property
+    def transformer(self) -> nn.Module:
+        if self.model is None or self.adapter is None:
+            raise RuntimeError("no model loaded: the pipeline must start with the 'load' stage")
+        return self.adapter.transformer(self.model)
+
+    @property
+    def device(self) -> torch.device:
+        p = next(self.transformer.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return getattr(torch, self.recipe.model.dtype)

@@ -1,0 +1,66 @@
+"""QuantLinear: a Linear whose weight is stored in a low-bit format.
+
+Its buffers are exactly the on-disk tensors of the format (`weight`,
+`weight_scale`, ...) plus `comfy_quant`, so `state_dict()` is the ComfyUI
+layout as is, and `load_state_dict` of an exported file restores it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_format
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.format = get_format(qweight.format)
+        self.out_features, self.in_features = qweight.shape
+        self.record: dict[str, Any] = dict(qweight.record)
+        self._quant_names = tuple(qweight.tensors)
+        for key, tensor in qweight.tensors.items():
+            self.register_buffer(key, tensor)
+        self.register_buffer("comfy_quant", encode_record(self.record))
+        if bias is not None:
+            self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
+        else:
+            self.register_parameter("bias", None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, spec: FormatSpec) -> QuantLinear:
+        fmt = get_format(spec.format)
+        with torch.no_grad():
+            qweight = fmt.quantize(linear.weight.detach(), spec)
+        return cls(qweight, linear.bias)
+
+    @property
+    def qweight(self) -> QuantizedWeight:
+        return QuantizedWeight(self.format.name, (self.out_features, self.in_features),
+                               {k: getattr(self, k) for k in self._quant_names}, self.record)
+
+    def dequantize(self) -> torch.Tensor:
+        """Float32 weight [out, in] in the original basis."""
+        return self.format.dequantize(self.qweight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.format.linear(x, self.qweight, self.bias)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
+        # Quantized tensors follow device moves but never dtype casts:
+        # model.to(torch.bfloat16) must not touch codes or fp32 scales.
+        names = self._quant_names + ("comfy_quant",)
+        kept = {n: self._buffers.pop(n) for n in names}
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for n, t in kept.items():
+                self._buffers[n] = t.to(fn(t.new_empty(0)).device)
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.name}, " \
+               f"bias={self.bias is not None}"

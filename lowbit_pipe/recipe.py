@@ -1,0 +1,169 @@
+"""Dataclass schemas of every stage config, and validation.
+
+The schemas are registered in Hydra's ConfigStore, so an unknown key or a
+wrong type is refused while composing; `validate()` then checks what types
+cannot: format, rotation and stage names, rule syntax. Every error names the
+recipe path at fault (`RecipeError`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from lowbit_pipe.errors import RecipeError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelConfig:
+    """Where weights come from (the `load` stage's config)."""
+
+    arch: Optional[str] = None  # force an architecture id; None = detect
+    path: Optional[str] = None  # diffusers model dir or .safetensors file; None = embedded tiny model
+    seed: int = 0  # seed of the embedded tiny model's random weights
+    dtype: str = "float32"  # compute dtype
+    device: str = "cpu"  # "cpu", "cuda", "cuda:N" or "auto"
+    tiny_config: dict[str, Any] = field(default_factory=dict)  # diffusers config kwargs of the tiny model
+    config: dict[str, Any] = field(default_factory=dict)  # config overrides for a state-dict file without one
+
+
+@dataclass
+class FormatChoice:
+    """A quantization choice for a layer: format plus its options."""
+
+    format: str = "int8"
+    rotation: str = "none"
+    rotation_group: Optional[int] = None
+    granularity: str = "row"
+    activations: str = "dynamic"
+
+
+@dataclass
+class LayerRule:
+    """First match wins. `match` is a glob or `re:<regex>` on module names; `keep: true` stays float."""
+
+    match: str = "*"
+    keep: bool = False
+    format: Optional[str] = None  # None: the default's
+    rotation: Optional[str] = None
+    rotation_group: Optional[int] = None
+    granularity: Optional[str] = None
+    activations: Optional[str] = None
+
+
+@dataclass
+class QuantizeConfig:
+    default: FormatChoice = field(default_factory=FormatChoice)
+    rules: list[LayerRule] = field(default_factory=list)
+    keep: list[str] = field(default_factory=list)  # extra keep-float patterns
+    arch_keep_float: bool = True  # apply the architecture's keep-float list
+    sensitive: Optional[FormatChoice] = None  # format for the arch's sensitive layers; None = default
+    originals: str = "keep"  # float layers swapped out: "keep" (exact evaluate and undo), "cpu", "drop"
+
+
+@dataclass
+class ExportConfig:
+    path: Optional[str] = None  # None: <run_dir>/model.safetensors
+    dtype: str = "auto"  # unquantized tensors: "auto" (compute dtype) or a dtype name
+
+
+@dataclass
+class EvaluateConfig:
+    seed: int = 1234
+    samples: int = 2  # seeded input sets
+    batch: int = 1
+    image_tokens: int = 64
+    text_tokens: int = 8
+
+
+@dataclass
+class TeardownConfig:
+    empty_cuda_cache: bool = True
+
+
+@dataclass
+class Recipe:
+    """The whole run: ordered stage names plus one key per stage."""
+
+    name: str = "default"
+    seed: int = 0
+    pipeline: list[str] = field(default_factory=lambda: ["load", "detect", "quantize", "evaluate", "export", "teardown"])
+    model: ModelConfig = field(default_factory=ModelConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    teardown: TeardownConfig = field(default_factory=TeardownConfig)
+
+
+def _check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
+    from lowbit_pipe.formats import FORMATS, FormatSpec
+    from lowbit_pipe.formats.base import ACTIVATION_MODES, GRANULARITIES, ROTATIONS
+
+    if choice.format is not None and choice.format not in FORMATS:
+        raise RecipeError(f"{path}.format", f"unknown format '{choice.format}' (known: {', '.join(sorted(FORMATS))})")
+    if choice.rotation is not None and choice.rotation not in ROTATIONS:
+        raise RecipeError(f"{path}.rotation", f"unknown rotation '{choice.rotation}' (known: {', '.join(ROTATIONS)})")
+    if choice.granularity is not None and choice.granularity not in GRANULARITIES:
+        raise RecipeError(f"{path}.granularity", f"must be one of {list(GRANULARITIES)}, got '{choice.granularity}'")
+    if choice.activations is not None and choice.activations not in ACTIVATION_MODES:
+        raise RecipeError(f"{path}.activations", f"must be one of {list(ACTIVATION_MODES)}, got '{choice.activations}'")
+    if choice.rotation_group is not None and (choice.rotation_group <= 0 or choice.rotation_group & (choice.rotation_group - 1)):
+        raise RecipeError(f"{path}.rotation_group", f"must be a power of two, got {choice.rotation_group}")
+    if isinstance(choice, FormatChoice):
+        try:
+            FORMATS[choice.format].check_spec(FormatSpec(choice.format, choice.rotation, choice.rotation_group,
+                                                          choice.granularity, choice.activations))
+        except ValueError as err:
+            raise RecipeError(path, str(err)) from None
+
+
+def check_pattern(path: str, pattern: str) -> None:
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as err:
+            raise RecipeError(path, f"invalid regex '{pattern[3:]}': {err}") from None
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Checks types cannot express; raises RecipeError naming the path."""
+    from lowbit_pipe.stages import STAGES
+
+    for i, name in enumerate(recipe.pipeline):
+        if name not in STAGES:
+            raise RecipeError(f"pipeline[{i}]", f"unknown stage '{name}' (known: {', '.join(STAGES)})")
+    if len(set(recipe.pipeline)) != len(recipe.pipeline):
+        raise RecipeError("pipeline", f"a stage is listed twice: {recipe.pipeline}")
+    order = [n for n in ("load", "detect", "quantize") if n in recipe.pipeline]
+    if order != [n for n in recipe.pipeline if n in ("load", "detect", "quantize")]:
+        raise RecipeError("pipeline", "load, detect and quantize must run in that order")
+    if recipe.pipeline and recipe.pipeline[0] != "load":
+        raise RecipeError("pipeline[0]", f"the first stage must be 'load', got '{recipe.pipeline[0]}'")
+    if "teardown" in recipe.pipeline and recipe.pipeline[-1] != "teardown":
+        raise RecipeError("pipeline", "'teardown' must be the last stage")
+    if recipe.model.dtype not in DTYPES:
+        raise RecipeError("model.dtype", f"must be one of {list(DTYPES)}, got '{recipe.model.dtype}'")
+    if recipe.export.dtype not in DTYPES + ("auto",):
+        raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{recipe.export.dtype}'")
+    if recipe.quantize.originals not in ("keep", "cpu", "drop"):
+        raise RecipeError("quantize.originals", f"must be keep, cpu or drop, got '{recipe.quantize.originals}'")
+    _check_choice("quantize.default", recipe.quantize.default)
+    if recipe.quantize.sensitive is not None:
+        _check_choice("quantize.sensitive", recipe.quantize.sensitive)
+    for i, rule in enumerate(recipe.quantize.rules):
+        check_pattern(f"quantize.rules[{i}].match", rule.match)
+        _check_choice(f"quantize.rules[{i}]", rule)
+    for i, pattern in enumerate(recipe.quantize.keep):
+        check_pattern(f"quantize.keep[{i}]", pattern)
+    if recipe.model.arch is not None:
+        from lowbit_pipe.arch import ARCHS
+
+        if recipe.model.arch not in ARCHS and recipe.model.arch != "generic":
+            raise RecipeError("model.arch", f"unknown arch '{recipe.model.arch}' (known: {', '.join(sorted(ARCHS))})")
+    for key in ("samples", "batch", "image_tokens", "text_tokens"):
+        if getattr(recipe.evaluate, key) < 1:
+            raise RecipeError(f"evaluate.{key}", "must be >= 1")
+    return recipe
