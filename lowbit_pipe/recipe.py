@@ -65,6 +65,29 @@ class QuantizeConfig:
 
 
 @dataclass
+class LoraFile:
+    path: str = "???"
+    strength: float = 1.0
+    name: Optional[str] = None  # adapter name for swap/remove; None = file stem
+
+
+@dataclass
+class LoraConfig:
+    files: list[LoraFile] = field(default_factory=list)
+    mode: str = "residual"  # "residual" (exact low-rank branches), "standard" or "stochastic" bake
+    strict: bool = True  # unmatched LoRA keys: error (True) or warning (False)
+    seed: int = 0  # stochastic bake rounding seed
+
+
+@dataclass
+class CompileConfig:
+    mode: str = "regional"  # "regional" (each repeated block) or "full"
+    backend: str = "inductor"
+    fullgraph: bool = False
+    dynamic: bool = False
+
+
+@dataclass
 class ExportConfig:
     path: Optional[str] = None  # None: <run_dir>/model.safetensors
     dtype: str = "auto"  # unquantized tensors: "auto" (compute dtype) or a dtype name
@@ -93,6 +116,8 @@ class Recipe:
     pipeline: list[str] = field(default_factory=lambda: ["load", "detect", "quantize", "evaluate", "export", "teardown"])
     model: ModelConfig = field(default_factory=ModelConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
     teardown: TeardownConfig = field(default_factory=TeardownConfig)
