@@ -36,7 +36,30 @@ def format_for_record(record: dict, where: str) -> Format:
     raise FormatError(f"{where}: unknown format '{name}' in .comfy_quant (known: {', '.join(sorted(f.comfy_name for f in FORMATS.values()))})")
 
 
-# Importing the modules registers them.
-from lowbit_pipe.formats import int8  # noqa: E402,F401
+def is_stock_loadable(record: dict) -> bool:
+    """Whether stock ComfyUI (its comfy-kitchen layouts) can load and run a record as written.
 
-__all__ = ["FORMATS", "Format", "FormatSpec", "QuantizedWeight", "decode_record", "encode_record", "format_for_record", "get_format", "register"]
+    False for records carrying our markers (`lowbit_format`, `lowbit_rotation`, ...): those
+    layers need lowbit_pipe's own loader; the export stage should warn about them.
+    """
+    from lowbit_pipe.formats.common import is_stock_loadable as _check
+
+    return _check(record)
+
+
+# Importing the modules registers them (order matters for format_for_record: w4a8 reads
+# both 4- and 6-bit asym_w4a8_int8 records, so it registers before w6a8).
+from lowbit_pipe.formats import convrot_w4a4, fp8, int8, nvfp4, w4a8, w6a8  # noqa: E402,F401
+
+__all__ = [
+    "FORMATS",
+    "Format",
+    "FormatSpec",
+    "QuantizedWeight",
+    "decode_record",
+    "encode_record",
+    "format_for_record",
+    "get_format",
+    "is_stock_loadable",
+    "register",
+]

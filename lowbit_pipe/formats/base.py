@@ -106,3 +106,7 @@ class Format(ABC):
     def supports_shape(self, out_features: int, in_features: int) -> bool:
         """Whether a layer of this shape can be stored in this format (else it stays float)."""
         return True
+
+    def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
+        """Bytes the stored tensors of one layer take (formats override with the exact count)."""
+        return int(round(self.bits_per_weight * out_features * in_features / 8))

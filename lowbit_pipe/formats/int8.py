@@ -1,4 +1,14 @@
-"""int8_tensorwise: int8 weight with a per-row (or per-tensor) fp32 scale, per-token dynamic int8 activations."""
+"""int8_tensorwise: int8 weight, fp32 per-row [N, 1] or per-tensor scalar scale;
+dynamic per-token int8 activations.
+
+Quantization is comfy-kitchen's: scale = max(amax / 127, 1e-30), codes =
+clamp(round_half_even(w / scale), -128, 127) (never below -127 in practice).
+ConvRot (stock): record {"format": "int8_tensorwise", "convrot": true,
+"convrot_groupsize": g}; the weight is stored rotated (W @ H^T per group) and
+ComfyUI rotates activations online. Layers whose in_features is not a multiple
+of the group are stored unrotated and the record omits "convrot". quarot and
+hadanorm are ours (record markers, not loadable by stock ComfyUI).
+"""
 
 from __future__ import annotations
 
@@ -7,9 +17,24 @@ from typing import Any
 import torch
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats import register
+from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.kernels import reference
+from lowbit_pipe.kernels import reference, rotation
+
+
+def quantize_int8(w: torch.Tensor, per_row: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 [N, K] -> (codes int8, scale fp32 [N, 1] or scalar), comfy-kitchen's arithmetic.
+
+    `generator` switches to stochastic rounding floor(x + U[0, 1)) (for LoRA bakes).
+    """
+    amax = w.abs().amax(dim=1, keepdim=True) if per_row else w.abs().amax()
+    scale = (amax.float() / 127.0).clamp(min=1e-30)
+    scaled = w / scale
+    if generator is None:
+        rounded = scaled.round()
+    else:
+        rounded = torch.floor(scaled + torch.rand(scaled.shape, generator=generator, device=scaled.device))
+    return rounded.clamp(-128.0, 127.0).to(torch.int8), scale
 
 
 @register
@@ -17,31 +42,59 @@ class Int8(Format):
     name = "int8"
     comfy_name = "int8_tensorwise"
     bits_per_weight = 8.0
+    rotations = ("none", "convrot", "quarot", "hadanorm")
 
-    def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
-        w = weight.float()
-        if spec.granularity == "tensor":
-            amax = w.abs().amax().clamp_min(1e-12)
-        else:
-            amax = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12)
-        scale = amax / 127.0
-        q = torch.clamp(torch.round(w / scale), -127, 127).to(torch.int8)
-        record: dict[str, Any] = {"format": self.comfy_name}
-        return QuantizedWeight(self.name, tuple(w.shape), {"weight": q, "weight_scale": scale.float()}, record)
+    def check_spec(self, spec: FormatSpec) -> None:
+        super().check_spec(spec)
+        if spec.granularity not in ("row", "tensor"):
+            raise ValueError(f"int8: granularity must be 'row' or 'tensor', got '{spec.granularity}'")
+        if spec.rotation != "none":
+            rotation.resolve_group(spec.rotation, spec.rotation_group)
+
+    def quantize(self, weight: torch.Tensor, spec: FormatSpec, generator: torch.Generator | None = None) -> QuantizedWeight:
+        w = common.check_finite_weight(weight)
+        n, k = w.shape
+        kind, group = common.spec_rotation(spec, k)
+        codes, scale = quantize_int8(rotation.rotate_weight(w, kind, group), spec.granularity != "tensor", generator)
+        record = common.rotation_record({"format": self.comfy_name}, self.name, kind, group, stock_convrot=True)
+        return QuantizedWeight(self.name, (n, k), {"weight": codes, "weight_scale": scale}, record)
 
     def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        return q.tensors["weight"].float() * q.tensors["weight_scale"]
+        w_rot = q.tensors["weight"].float() * q.tensors["weight_scale"].float()
+        kind, group = common.record_rotation(q.record, q.format)
+        return rotation.unrotate_weight(w_rot, kind, group)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        return reference.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias)
+        kind, group = common.record_rotation(q.record, q.format)
+        if kind == "none":
+            return reference.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias)
+        x_rot, mu = rotation.rotate_activation(x, kind, group)
+        y = reference.int8_linear_fp32(x_rot, q.tensors["weight"], q.tensors["weight_scale"])
+        if mu is not None:
+            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+        return common.out_dtype_result(y, bias, x.dtype)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
-        w, s = tensors.get("weight"), tensors.get("weight_scale")
-        if w is None or s is None:
-            raise FormatError(f"{where}: int8_tensorwise needs 'weight' and 'weight_scale', found {sorted(tensors)}")
-        if w.dtype != torch.int8 or w.dim() != 2:
-            raise FormatError(f"{where}.weight: expected a 2-D int8 tensor, got {w.dtype} {tuple(w.shape)}")
-        if s.numel() not in (1, w.shape[0]):
-            raise FormatError(f"{where}.weight_scale: {s.numel()} values for {w.shape[0]} rows (expected 1 or one per row)")
-        s = s.float().reshape(-1, 1) if s.numel() > 1 else s.float().reshape(())
-        return QuantizedWeight(self.name, tuple(w.shape), {"weight": w, "weight_scale": s}, dict(record))
+        fmt = self.comfy_name
+        common.check_no_unknown(tensors, ("weight", "weight_scale"), where, fmt)
+        w = common.require(tensors, "weight", where, fmt)
+        s = common.require(tensors, "weight_scale", where, fmt)
+        common.check_dtype(w, "weight", where, (torch.int8,))
+        if w.dim() != 2:
+            raise FormatError(f"{where}.weight: expected a 2-D int8 tensor, got shape {tuple(w.shape)}")
+        common.check_dtype(s, "weight_scale", where, (torch.float32, torch.bfloat16, torch.float16))
+        if s.numel() == 1:
+            s = s.float().reshape(())
+        elif tuple(s.shape) in ((w.shape[0], 1), (w.shape[0],)):
+            s = s.float().reshape(-1, 1)
+        else:
+            raise FormatError(f"{where}.weight_scale: shape {tuple(s.shape)}, expected a scalar or [{w.shape[0]}, 1]")
+        common.check_finite_scale(s, "weight_scale", where)
+        kind, group = common.record_rotation(record, where)
+        if kind != "none" and w.shape[1] % group:
+            raise FormatError(f"{where}.weight: in_features {w.shape[1]} not a multiple of the {kind} group {group} in the record")
+        return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), {"weight": w, "weight_scale": s}, dict(record))
+
+    def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
+        per_row = spec is None or spec.granularity == "row"
+        return out_features * in_features + 4 * (out_features if per_row else 1)

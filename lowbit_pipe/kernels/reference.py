@@ -27,3 +27,169 @@ def int8_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, b
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*shape[:-1], w_codes.shape[0])
+
+
+# ---------------------------------------------------------------------------
+# fp8 e4m3
+# ---------------------------------------------------------------------------
+
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_quantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """comfy-kitchen's fp8 rounding: x * (1/scale), clamp to +-448, cast (round-to-nearest-even)."""
+    return torch.clamp(x.float() * (1.0 / scale.float()), -FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def positive_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """amax / qmax, with 1 where amax is 0 (all-zero rows decode to zero with any scale)."""
+    scale = amax.float() / qmax
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def fp8_linear(x: torch.Tensor, w_q: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8 fp8: x [..., K] (already rotated) -> fp32 [..., N].
+
+    Activations: static per-tensor `input_scale`, else dynamic per-token amax/448.
+    Products of two e4m3 values are exact in fp32; sums accumulate in fp32.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    if input_scale is not None:
+        xs = input_scale.float().reshape(())
+    else:
+        xs = positive_scale(x2.abs().amax(dim=-1, keepdim=True), FP8_E4M3_MAX)
+    xq = fp8_quantize(x2, xs)
+    acc = xq.float() @ w_q.float().t()
+    ws = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(())
+    return (acc * xs * ws).reshape(*shape[:-1], w_q.shape[0])
+
+
+# ---------------------------------------------------------------------------
+# NVFP4: e2m1 codes, e4m3 block scales (16 along K), fp32 global scale
+# ---------------------------------------------------------------------------
+
+E2M1_MAX = 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# Decision points between consecutive magnitudes; ties round to the even code
+# (the magnitude below when its code is even), exactly like an RNE float cast.
+_E2M1_EDGES = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (already clamped to +-6) -> 4-bit e2m1 codes (sign in bit 3) as int32.
+
+    Round-to-nearest-even; the sign bit follows the float's sign bit, so -0.0 and
+    small negatives that round to zero become code 8 (as comfy-kitchen does).
+    """
+    a = x.abs()
+    mag = torch.zeros_like(a, dtype=torch.int32)
+    for edge, inclusive in _E2M1_EDGES:
+        mag += (a >= edge if inclusive else a > edge).to(torch.int32)
+    return mag | (torch.signbit(x).to(torch.int32) << 3)
+
+
+def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
+    """4-bit e2m1 codes (0..15) -> fp32 values."""
+    lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return lut[codes.long()]
+
+
+def swizzle_block_scales(scales: torch.Tensor) -> torch.Tensor:
+    """[rows, cols] block scales -> cuBLAS 1x16 block-scale layout, shape
+    (roundup(rows, 128), roundup(cols, 4)), zero padded.
+
+    The matrix is cut into 128x4 tiles stored row-tile-major; inside a tile,
+    element (r, c) with r = 32*i + j lands at byte 16*j + 4*i + c.
+    """
+    rows, cols = scales.shape
+    prow, pcol = -(-rows // 128) * 128, -(-cols // 4) * 4
+    padded = scales.new_zeros((prow, pcol))
+    padded[:rows, :cols] = scales
+    tiles = padded.reshape(prow // 128, 128, pcol // 4, 4).permute(0, 2, 1, 3)  # [rt, ct, 128, 4]
+    tiles = tiles.reshape(prow // 128, pcol // 4, 4, 32, 4).transpose(2, 3)  # [rt, ct, j, i, c]
+    return tiles.reshape(prow, pcol)
+
+
+def unswizzle_block_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of `swizzle_block_scales`, cropped to [rows, cols]."""
+    prow, pcol = swizzled.shape
+    tiles = swizzled.reshape(prow // 128, pcol // 4, 32, 4, 4).transpose(2, 3)  # [rt, ct, i, j, c]
+    plain = tiles.reshape(prow // 128, pcol // 4, 128, 4).permute(0, 2, 1, 3).reshape(prow, pcol)
+    return plain[:rows, :cols]
+
+
+def nvfp4_quantize_blocks(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x fp32 [rows, K] (K % 16 == 0) -> (codes int32 [rows, K], block scales e4m3 [rows, K/16]).
+
+    Same arithmetic as comfy-kitchen's `quantize_nvfp4`: block = amax/6/global,
+    clamped to 448 and cast to e4m3; codes = e2m1(x / (global * block)).
+    """
+    rows, k = x.shape
+    blocks = x.float().reshape(rows, k // 16, 16)
+    block_scale = blocks.abs().amax(dim=-1) / E2M1_MAX
+    scaled = torch.clamp(block_scale / global_scale, max=FP8_E4M3_MAX)
+    scaled_fp8 = scaled.to(torch.float8_e4m3fn)
+    total = global_scale * scaled_fp8.float()
+    zero = total == 0
+    safe = torch.where(zero, torch.ones_like(total), total)
+    data = blocks / safe.unsqueeze(-1)
+    data = torch.where(zero.unsqueeze(-1), torch.zeros_like(data), data)
+    data = torch.clamp(data, -E2M1_MAX, E2M1_MAX).reshape(rows, k)
+    return e2m1_encode(data), scaled_fp8
+
+
+def nvfp4_dequantize_blocks(codes: torch.Tensor, block_scales: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """codes int [rows, K], plain (unswizzled) e4m3 block scales [rows, K/16] -> fp32 [rows, K]."""
+    rows, k = codes.shape
+    total = global_scale.float() * block_scales.float()
+    return (e2m1_decode(codes).reshape(rows, k // 16, 16) * total.unsqueeze(-1)).reshape(rows, k)
+
+
+def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Activation emulation: quantize rows of x [..., K] to NVFP4 and back (fp32).
+
+    Global scale: `global_scale` (static input_scale) or amax(x)/(6*448) of the whole tensor,
+    as ComfyUI does for dynamic activations.
+    """
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).float()
+    g = positive_scale(x2.abs().amax(), E2M1_MAX * FP8_E4M3_MAX) if global_scale is None else global_scale.float().reshape(())
+    codes, scales = nvfp4_quantize_blocks(x2, g)
+    return nvfp4_dequantize_blocks(codes, scales, g).reshape(shape)
+
+
+# ---------------------------------------------------------------------------
+# int4 symmetric (ConvRot W4A4)
+# ---------------------------------------------------------------------------
+
+INT4_MAX = 7
+
+
+def quantize_rows_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int4 in [-7, 7] (comfy-kitchen's): scale = max(amax, 1e-10) / 7.
+
+    Returns (codes int8 [rows, K], scale fp32 [rows, 1]).
+    """
+    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10)
+    scale = amax / INT4_MAX
+    codes = torch.round(x.float() / scale).clamp(-INT4_MAX, INT4_MAX).to(torch.int8)
+    return codes, scale
+
+
+def int4_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """W4A4: x [..., K] (already rotated) with dynamic per-token int4, times int4 codes [N, K]
+    (unpacked, int8 storage) with per-row scale; exact integer accumulate; fp32 [..., N]."""
+    shape = x.shape
+    xq, xs = quantize_rows_int4(x.reshape(-1, shape[-1]))
+    acc = (xq.to(torch.int64) @ w_codes.to(torch.int64).t()).to(torch.float32)
+    return (acc * xs * w_scale.float().reshape(1, -1)).reshape(*shape[:-1], w_codes.shape[0])
+
+
+def int8_linear_fp32(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """`int8_linear` without bias or output cast: x [..., K] (already rotated) -> fp32 [..., N]."""
+    shape = x.shape
+    xq, xs = quantize_rows_int8(x.reshape(-1, shape[-1]))
+    acc = (xq.to(torch.int64) @ w_codes.to(torch.int64).t()).to(torch.float32)
+    ws = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(())
+    return (acc * xs * ws).reshape(*shape[:-1], w_codes.shape[0])

@@ -1,0 +1,148 @@
+"""Helpers shared by the format modules: validation, rotation records, packing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.kernels import rotation
+
+# Record keys we add. Any of MARKER_KEYS means stock ComfyUI cannot run the layer
+# (the "format" field is then also set to an unknown name so ComfyUI refuses it
+# loudly instead of computing with a rotated weight). INFO_KEYS are harmless hints.
+MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group")
+INFO_KEYS = ("lowbit_shape", "lowbit_bits")
+
+
+def check_finite_weight(weight: torch.Tensor, what: str = "weight") -> torch.Tensor:
+    """fp32 2-D copy of `weight`; FormatError on NaN/Inf or a wrong rank."""
+    if weight.dim() != 2:
+        raise FormatError(f"{what}: expected a 2-D weight [out, in], got shape {tuple(weight.shape)}")
+    if not weight.is_floating_point():
+        raise FormatError(f"{what}: expected a floating-point weight, got {weight.dtype}")
+    w = weight.detach().float()
+    if not torch.isfinite(w).all():
+        bad = int((~torch.isfinite(w)).sum())
+        raise FormatError(f"{what}: {bad} NaN/Inf values; refusing to quantize")
+    return w
+
+
+def spec_rotation(spec: Any, in_features: int) -> tuple[str, int]:
+    """(kind, group) actually applied to a layer: falls back to ("none", 0) when the
+    layer's in_features is not a multiple of the group."""
+    kind = spec.rotation
+    if kind == "none":
+        return "none", 0
+    group = rotation.resolve_group(kind, spec.rotation_group)
+    if in_features % group != 0:
+        return "none", 0
+    return kind, group
+
+
+def rotation_record(base: dict[str, Any], fmt_name: str, kind: str, group: int, stock_convrot: bool) -> dict[str, Any]:
+    """Add rotation fields to a record.
+
+    `stock_convrot`: the comfy format itself carries ConvRot via
+    {"convrot": true, "convrot_groupsize": g} (int8_tensorwise). Anything else
+    rotated gets our markers and an unknown "format" so stock ComfyUI refuses it.
+    """
+    record = dict(base)
+    if kind == "none":
+        return record
+    if kind == "convrot" and stock_convrot:
+        record["convrot"] = True
+        record["convrot_groupsize"] = int(group)
+        return record
+    record["format"] = f"lowbit_{fmt_name}"
+    record["lowbit_format"] = fmt_name
+    record["lowbit_rotation"] = kind
+    record["lowbit_rotation_group"] = int(group)
+    return record
+
+
+def record_rotation(record: dict[str, Any], where: str) -> tuple[str, int]:
+    """(kind, group) a record says its weight was rotated with."""
+    kind = record.get("lowbit_rotation")
+    if kind is not None:
+        if kind not in rotation.ROTATION_KINDS:
+            raise FormatError(f"{where}: .comfy_quant 'lowbit_rotation' is '{kind}', not one of {list(rotation.ROTATION_KINDS)}")
+        try:
+            group = rotation.resolve_group(kind, record.get("lowbit_rotation_group"))
+        except (TypeError, ValueError) as err:
+            raise FormatError(f"{where}: .comfy_quant 'lowbit_rotation_group': {err}") from err
+        return kind, group
+    if record.get("convrot"):
+        try:
+            return "convrot", rotation.resolve_group("convrot", record.get("convrot_groupsize", 256))
+        except (TypeError, ValueError) as err:
+            raise FormatError(f"{where}: .comfy_quant 'convrot_groupsize': {err}") from err
+    return "none", 0
+
+
+def is_stock_loadable(record: dict[str, Any]) -> bool:
+    """True when stock ComfyUI (comfy-kitchen layouts) can load and run this record as written."""
+    return not any(key in record for key in MARKER_KEYS) and not str(record.get("format", "")).startswith("lowbit_")
+
+
+def require(tensors: dict[str, torch.Tensor], key: str, where: str, fmt: str) -> torch.Tensor:
+    t = tensors.get(key)
+    if t is None:
+        raise FormatError(f"{where}: {fmt} needs tensor '{key}', found {sorted(tensors)}")
+    if not isinstance(t, torch.Tensor):
+        raise FormatError(f"{where}.{key}: expected a tensor, got {type(t).__name__}")
+    return t
+
+
+def check_dtype(t: torch.Tensor, key: str, where: str, allowed: tuple[torch.dtype, ...]) -> None:
+    if t.dtype not in allowed:
+        raise FormatError(f"{where}.{key}: dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")
+
+
+def check_shape(t: torch.Tensor, key: str, where: str, expected: tuple[int, ...], why: str = "") -> None:
+    if tuple(t.shape) != tuple(expected):
+        extra = f" ({why})" if why else ""
+        raise FormatError(f"{where}.{key}: shape {tuple(t.shape)}, expected {tuple(expected)}{extra}")
+
+
+def check_finite_scale(t: torch.Tensor, key: str, where: str) -> None:
+    if not torch.isfinite(t.float()).all():
+        raise FormatError(f"{where}.{key}: scale contains NaN/Inf")
+
+
+def check_no_unknown(tensors: dict[str, torch.Tensor], allowed: tuple[str, ...], where: str, fmt: str) -> None:
+    extra = sorted(set(tensors) - set(allowed))
+    if extra:
+        raise FormatError(f"{where}: unexpected tensor(s) {extra} for {fmt} (allowed: {list(allowed)})")
+
+
+def pack_nibbles(codes: torch.Tensor, even_high: bool) -> torch.Tensor:
+    """Pack 4-bit codes [..., K] (values 0..15, any int dtype) into uint8 [..., K/2].
+
+    even_high=True: column 2i in the high nibble (comfy-kitchen NVFP4, hi_first=True);
+    even_high=False: column 2i in the low nibble (int4 W4A4 / W4A8 planes).
+    """
+    c = codes.to(torch.int32) & 0xF
+    even, odd = c[..., 0::2], c[..., 1::2]
+    packed = (even << 4) | odd if even_high else even | (odd << 4)
+    return packed.to(torch.uint8)
+
+
+def unpack_nibbles(packed: torch.Tensor, even_high: bool) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: uint8/int8 [..., K/2] -> int32 codes 0..15 [..., K]."""
+    p = packed.view(torch.uint8).to(torch.int32) if packed.dtype == torch.int8 else packed.to(torch.int32)
+    hi, lo = (p >> 4) & 0xF, p & 0xF
+    first, second = (hi, lo) if even_high else (lo, hi)
+    return torch.stack([first, second], dim=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+
+
+def to_signed4(codes: torch.Tensor) -> torch.Tensor:
+    """Two's-complement nibble (0..15) -> signed value (-8..7)."""
+    return torch.where(codes >= 8, codes - 16, codes)
+
+
+def out_dtype_result(y: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(dtype)

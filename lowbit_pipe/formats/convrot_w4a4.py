@@ -1,0 +1,99 @@
+"""convrot_w4a4: ConvRot-rotated int4 weight, int4 per-token activations.
+
+Tensors (comfy-kitchen `TensorCoreConvRotW4A4Layout`):
+- weight int8 [N, K/2]: signed int4 codes in [-7, 7], two's-complement nibbles,
+  column 2i in the LOW nibble, column 2i+1 in the HIGH nibble.
+- weight_scale fp32 [N]: per-row scale max(amax, 1e-10) / 7 of the rotated row.
+Record: {"format": "convrot_w4a4", "convrot_groupsize": 256}. The rotation is part
+of the format (ConvRot group 256, K % 256 == 0 required, which also satisfies
+ComfyUI's fixed quant_group_size 64). Activations: x @ H per group, then dynamic
+per-token int4 with the same rule. Bit-exact with comfy-kitchen for fp32 input.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.kernels import reference, rotation
+
+GROUP = 256
+
+
+@register
+class ConvRotW4A4(Format):
+    name = "convrot_w4a4"
+    comfy_name = "convrot_w4a4"
+    bits_per_weight = 4.0
+    rotations = ("convrot", "none")  # "none" in a spec means "the format's own ConvRot"
+
+    def check_spec(self, spec: FormatSpec) -> None:
+        super().check_spec(spec)
+        if spec.rotation_group not in (None, GROUP):
+            raise ValueError(f"convrot_w4a4: rotation_group must be {GROUP} (ComfyUI's loader), got {spec.rotation_group}")
+
+    def supports_shape(self, out_features: int, in_features: int) -> bool:
+        return in_features % GROUP == 0
+
+    def quantize(self, weight: torch.Tensor, spec: FormatSpec, generator: torch.Generator | None = None) -> QuantizedWeight:
+        w = common.check_finite_weight(weight)
+        n, k = w.shape
+        if k % GROUP:
+            raise FormatError(f"convrot_w4a4: in_features {k} is not a multiple of {GROUP}; keep this layer float")
+        w_rot = rotation.rotate_weight(w, "convrot", GROUP)
+        if generator is None:
+            codes, scale = reference.quantize_rows_int4(w_rot)
+        else:  # stochastic rounding floor(x + U[0, 1)) for LoRA bakes
+            scale = w_rot.abs().amax(dim=-1, keepdim=True).clamp(min=1e-10) / reference.INT4_MAX
+            noise = torch.rand(w_rot.shape, generator=generator, device=w_rot.device)
+            codes = torch.floor(w_rot / scale + noise).clamp(-7, 7).to(torch.int8)
+        packed = common.pack_nibbles(codes, even_high=False).view(torch.int8)
+        record = {"format": self.comfy_name, "convrot_groupsize": GROUP}
+        return QuantizedWeight(self.name, (n, k), {"weight": packed, "weight_scale": scale.reshape(n).float()}, record)
+
+    @staticmethod
+    def codes(q: QuantizedWeight) -> torch.Tensor:
+        """Signed int4 codes [N, K] as int8."""
+        return common.to_signed4(common.unpack_nibbles(q.tensors["weight"], even_high=False)).to(torch.int8)
+
+    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+        w_rot = self.codes(q).float() * q.tensors["weight_scale"].float().reshape(-1, 1)
+        return rotation.unrotate_weight(w_rot, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
+
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        x_rot, _ = rotation.rotate_activation(x, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
+        y = reference.int4_linear(x_rot, self.codes(q), q.tensors["weight_scale"])
+        return common.out_dtype_result(y, bias, x.dtype)
+
+    def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
+        return (int(weight_shape[0]), int(weight_shape[1]) * 2)
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
+        fmt = self.comfy_name
+        common.check_no_unknown(tensors, ("weight", "weight_scale"), where, fmt)
+        w = common.require(tensors, "weight", where, fmt)
+        s = common.require(tensors, "weight_scale", where, fmt)
+        common.check_dtype(w, "weight", where, (torch.int8, torch.uint8))
+        if w.dim() != 2:
+            raise FormatError(f"{where}.weight: expected 2-D packed int4, got shape {tuple(w.shape)}")
+        n, k = self.logical_shape(tuple(w.shape), record)
+        group = record.get("convrot_groupsize", GROUP)
+        try:
+            group = rotation.resolve_group("convrot", group)
+        except (TypeError, ValueError) as err:
+            raise FormatError(f"{where}: .comfy_quant 'convrot_groupsize': {err}") from err
+        if k % group or k % 64:
+            raise FormatError(f"{where}.weight: in_features {k} not a multiple of convrot_groupsize {group} and 64")
+        common.check_dtype(s, "weight_scale", where, (torch.float32, torch.bfloat16, torch.float16))
+        if s.numel() != n or s.dim() not in (1, 2) or (s.dim() == 2 and s.shape[1] != 1):
+            raise FormatError(f"{where}.weight_scale: shape {tuple(s.shape)}, expected [{n}] (one per row)")
+        common.check_finite_scale(s, "weight_scale", where)
+        tensors_out = {"weight": w.view(torch.int8), "weight_scale": s.float().reshape(n)}
+        return QuantizedWeight(self.name, (n, k), tensors_out, dict(record))
+
+    def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
+        return out_features * in_features // 2 + 4 * out_features

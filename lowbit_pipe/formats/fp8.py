@@ -1,0 +1,103 @@
+"""float8_e4m3fn: fp8 e4m3 weight with an fp32 scale; fp8 activations.
+
+Tensors: weight fp8 e4m3 [N, K]; weight_scale fp32 scalar (granularity "tensor",
+what ComfyUI's fast path takes: cuBLAS TensorWise scaling) or [N, 1]
+(granularity "row": ComfyUI loads it and runs it through its dequantize
+fallback, correct but slower); input_scale fp32 scalar, optional (static
+activations, set by `attach_input_scale`).
+
+Quantization is comfy-kitchen's `quantize_per_tensor_fp8`: q = fp8(clamp(w *
+(1/scale), ±448)) with scale = amax / 448 (bit-exact for fp32 input). Weight
+rotation (quarot / hadanorm / convrot) is ours only: the record gets
+`lowbit_*` markers.
+
+Activations (reference `linear`): static per-tensor x * (1/input_scale) when
+input_scale is stored, else dynamic per-token scale amax_row / 448.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.kernels import reference, rotation
+
+@register
+class FP8(Format):
+    name = "fp8"
+    comfy_name = "float8_e4m3fn"
+    bits_per_weight = 8.0
+    rotations = ("none", "convrot", "quarot", "hadanorm")
+
+    def check_spec(self, spec: FormatSpec) -> None:
+        super().check_spec(spec)
+        if spec.granularity not in ("row", "tensor"):
+            raise ValueError(f"fp8: granularity must be 'row' or 'tensor', got '{spec.granularity}'")
+
+    def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
+        w = common.check_finite_weight(weight)
+        n, k = w.shape
+        kind, group = common.spec_rotation(spec, k)
+        w_rot = rotation.rotate_weight(w, kind, group)
+        if spec.granularity == "tensor":
+            scale = reference.positive_scale(w_rot.abs().amax(), reference.FP8_E4M3_MAX)
+        else:
+            scale = reference.positive_scale(w_rot.abs().amax(dim=1, keepdim=True), reference.FP8_E4M3_MAX)
+        q = reference.fp8_quantize(w_rot, scale)
+        record = common.rotation_record({"format": self.comfy_name}, self.name, kind, group, stock_convrot=False)
+        return QuantizedWeight(self.name, (n, k), {"weight": q, "weight_scale": scale}, record)
+
+    def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
+        """Static activations: store input_scale = amax / 448 (amax of the ROTATED input if rotated)."""
+        amax = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
+        tensors = dict(q.tensors, input_scale=reference.positive_scale(amax, reference.FP8_E4M3_MAX))
+        return QuantizedWeight(q.format, q.shape, tensors, dict(q.record))
+
+    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+        w_rot = q.tensors["weight"].float() * q.tensors["weight_scale"].float()
+        kind, group = common.record_rotation(q.record, q.format)
+        return rotation.unrotate_weight(w_rot, kind, group)
+
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        kind, group = common.record_rotation(q.record, q.format)
+        x_rot, mu = rotation.rotate_activation(x, kind, group)
+        y = reference.fp8_linear(x_rot, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"))
+        if mu is not None:
+            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+        return common.out_dtype_result(y, bias, x.dtype)
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
+        common.check_no_unknown(tensors, ("weight", "weight_scale", "input_scale"), where, self.comfy_name)
+        w = common.require(tensors, "weight", where, self.comfy_name)
+        s = common.require(tensors, "weight_scale", where, self.comfy_name)
+        common.check_dtype(w, "weight", where, (torch.float8_e4m3fn,))
+        if w.dim() != 2:
+            raise FormatError(f"{where}.weight: expected 2-D, got shape {tuple(w.shape)}")
+        common.check_dtype(s, "weight_scale", where, (torch.float32,))
+        if s.numel() == 1:
+            s = s.reshape(())
+        elif tuple(s.shape) in ((w.shape[0], 1), (w.shape[0],)):
+            s = s.reshape(-1, 1)
+        else:
+            raise FormatError(f"{where}.weight_scale: shape {tuple(s.shape)}, expected a scalar or [{w.shape[0]}, 1]")
+        common.check_finite_scale(s, "weight_scale", where)
+        out = {"weight": w, "weight_scale": s}
+        if "input_scale" in tensors:
+            i = tensors["input_scale"]
+            common.check_dtype(i, "input_scale", where, (torch.float32,))
+            if i.numel() != 1:
+                raise FormatError(f"{where}.input_scale: expected a scalar, got shape {tuple(i.shape)}")
+            common.check_finite_scale(i, "input_scale", where)
+            out["input_scale"] = i.reshape(())
+        kind, group = common.record_rotation(record, where)
+        if kind != "none" and w.shape[1] % group:
+            raise FormatError(f"{where}.weight: in_features {w.shape[1]} not a multiple of the {kind} group {group} in the record")
+        return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
+
+    def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
+        per_row = spec is None or spec.granularity == "row"
+        return out_features * in_features + 4 * (out_features if per_row else 1)

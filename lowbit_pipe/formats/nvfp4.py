@@ -1,0 +1,158 @@
+"""nvfp4: e2m1 codes, e4m3 block scales per 16 along K, fp32 global scale.
+
+Tensors (ComfyUI / comfy-kitchen `TensorCoreNVFP4Layout`):
+- weight uint8 [Np, Kp/2]: Np, Kp = N, K rounded up to multiples of 16 (zero
+  padding, as comfy-kitchen's pad_16x). NIBBLE ORDER: column 2i in the HIGH
+  nibble, column 2i+1 in the LOW nibble (comfy-kitchen `hi_first=True`, which
+  its quantize and dequantize use by default). ModelOpt / compressed-tensors
+  put the even column in the LOW nibble; converting is a nibble swap.
+- weight_scale e4m3 [roundup(Np,128), roundup(Kp/16,4)]: block scales in the
+  cuBLAS swizzled layout (see reference.swizzle_block_scales).
+- weight_scale_2 fp32 scalar: amax / (6 * 448).
+- input_scale fp32 scalar, optional: static activation global scale
+  (amax_x / (6 * 448)), set by `attach_input_scale`.
+Value = e2m1(code) * fp32(block) * weight_scale_2.
+
+Record: {"format": "nvfp4"}; when padded we add "lowbit_shape": [N, K] (an
+informational key ComfyUI ignores; it takes the shape from the module).
+Rotations are ours only (nvfp4 in ComfyUI has no rotation): markers.
+
+The global scale is computed from the fp32 weight (comfy-kitchen computes it
+in the input dtype; identical for fp32 input, may differ in the last bit for
+bf16 input). Everything else is bit-exact with comfy-kitchen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.kernels import reference, rotation
+
+GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
+
+
+def _roundup(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+@register
+class NVFP4(Format):
+    name = "nvfp4"
+    comfy_name = "nvfp4"
+    bits_per_weight = 4.5
+    rotations = ("none", "convrot", "quarot", "hadanorm")
+    weight_only_on_cpu = True
+
+    def supports_shape(self, out_features: int, in_features: int) -> bool:
+        # Padding works in our reference and in comfy-kitchen's fast path, but ComfyUI's
+        # dequantize fallback returns the padded shape, so only unpadded layers are safe.
+        return out_features % 16 == 0 and in_features % 16 == 0
+
+    def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
+        w = common.check_finite_weight(weight)
+        n, k = w.shape
+        kind, group = common.spec_rotation(spec, k)
+        w_rot = rotation.rotate_weight(w, kind, group)
+        global_scale = reference.positive_scale(w_rot.abs().amax(), GLOBAL_DIV).reshape(())
+        np_, kp = _roundup(n, 16), _roundup(k, 16)
+        if (np_, kp) != (n, k):
+            w_rot = torch.nn.functional.pad(w_rot, (0, kp - k, 0, np_ - n))
+        codes, block = reference.nvfp4_quantize_blocks(w_rot, global_scale)
+        packed = common.pack_nibbles(codes, even_high=True)
+        swizzled = reference.swizzle_block_scales(block)
+        record: dict[str, Any] = {"format": self.comfy_name}
+        if (np_, kp) != (n, k):
+            record["lowbit_shape"] = [n, k]
+        record = common.rotation_record(record, self.name, kind, group, stock_convrot=False)
+        tensors = {"weight": packed, "weight_scale": swizzled, "weight_scale_2": global_scale}
+        return QuantizedWeight(self.name, (n, k), tensors, record)
+
+    def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
+        """Static activations: input_scale = amax / (6*448) (amax of the ROTATED input if rotated)."""
+        amax = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
+        tensors = dict(q.tensors, input_scale=reference.positive_scale(amax, GLOBAL_DIV))
+        return QuantizedWeight(q.format, q.shape, tensors, dict(q.record))
+
+    def _dequantize_rotated(self, q: QuantizedWeight) -> torch.Tensor:
+        """fp32 [N, K] in the stored (rotated) basis, padding cropped."""
+        packed = q.tensors["weight"]
+        np_, kp = packed.shape[0], packed.shape[1] * 2
+        codes = common.unpack_nibbles(packed, even_high=True)
+        block = reference.unswizzle_block_scales(q.tensors["weight_scale"], np_, kp // 16)
+        w = reference.nvfp4_dequantize_blocks(codes, block, q.tensors["weight_scale_2"])
+        n, k = q.shape
+        return w[:n, :k]
+
+    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+        kind, group = common.record_rotation(q.record, q.format)
+        return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
+
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        """Weight-only on CPU (dequantize, matmul in fp32); elsewhere NVFP4 activations are
+        emulated too (dynamic per-tensor global scale, or the stored input_scale)."""
+        if x.device.type == "cpu":
+            y = x.float() @ self.dequantize(q).t()
+            return common.out_dtype_result(y, bias, x.dtype)
+        kind, group = common.record_rotation(q.record, q.format)
+        x_rot, mu = rotation.rotate_activation(x, kind, group)
+        n, k = q.shape
+        kp = q.tensors["weight"].shape[1] * 2
+        if kp != k:
+            x_rot = torch.nn.functional.pad(x_rot, (0, kp - k))
+        xq = reference.nvfp4_fake_quant(x_rot, q.tensors.get("input_scale"))[..., :k]
+        y = xq @ self._dequantize_rotated(q).t()
+        if mu is not None:
+            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+        return common.out_dtype_result(y, bias, x.dtype)
+
+    def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
+        shape = record.get("lowbit_shape")
+        if shape is not None:
+            return (int(shape[0]), int(shape[1]))
+        return (int(weight_shape[0]), int(weight_shape[1]) * 2)
+
+    def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
+        fmt = self.comfy_name
+        common.check_no_unknown(tensors, ("weight", "weight_scale", "weight_scale_2", "input_scale"), where, fmt)
+        w = common.require(tensors, "weight", where, fmt)
+        s = common.require(tensors, "weight_scale", where, fmt)
+        g = common.require(tensors, "weight_scale_2", where, fmt)
+        common.check_dtype(w, "weight", where, (torch.uint8,))
+        if w.dim() != 2:
+            raise FormatError(f"{where}.weight: expected 2-D, got shape {tuple(w.shape)}")
+        np_, kp = int(w.shape[0]), int(w.shape[1]) * 2
+        if np_ % 16 or kp % 16:
+            raise FormatError(f"{where}.weight: stored shape {tuple(w.shape)} is not padded to 16 x 16 (logical {np_} x {kp})")
+        n, k = self.logical_shape(tuple(w.shape), record)
+        if not (np_ - 16 < n <= np_ and kp - 16 < k <= kp):
+            raise FormatError(f"{where}.weight: stored shape {tuple(w.shape)} contradicts record lowbit_shape {[n, k]}")
+        common.check_dtype(s, "weight_scale", where, (torch.float8_e4m3fn, torch.uint8))
+        s = s.view(torch.float8_e4m3fn) if s.dtype == torch.uint8 else s
+        common.check_shape(s, "weight_scale", where, (_roundup(np_, 128), _roundup(kp // 16, 4)), "swizzled 128x4 block-scale tiles")
+        common.check_finite_scale(s, "weight_scale", where)
+        common.check_dtype(g, "weight_scale_2", where, (torch.float32,))
+        if g.numel() != 1:
+            raise FormatError(f"{where}.weight_scale_2: expected a scalar, got shape {tuple(g.shape)}")
+        common.check_finite_scale(g, "weight_scale_2", where)
+        out = {"weight": w, "weight_scale": s, "weight_scale_2": g.reshape(())}
+        if "input_scale" in tensors:
+            i = tensors["input_scale"]
+            common.check_dtype(i, "input_scale", where, (torch.float32,))
+            if i.numel() != 1:
+                raise FormatError(f"{where}.input_scale: expected a scalar, got shape {tuple(i.shape)}")
+            common.check_finite_scale(i, "input_scale", where)
+            out["input_scale"] = i.reshape(())
+        kind, group = common.record_rotation(record, where)
+        if kind != "none" and k % group:
+            raise FormatError(f"{where}.weight: in_features {k} not a multiple of the {kind} group {group} in the record")
+        return QuantizedWeight(self.name, (n, k), out, dict(record))
+
+    def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
+        np_, kp = _roundup(out_features, 16), _roundup(in_features, 16)
+        scales = _roundup(np_, 128) * _roundup(kp // 16, 4)
+        return np_ * kp // 2 + scales + 4

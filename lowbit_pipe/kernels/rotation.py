@@ -1,0 +1,171 @@
+"""Block-diagonal Hadamard rotations shared by the formats and the GPU kernels.
+
+Kinds (`ROTATION_KINDS`):
+
+- ``none``: identity.
+- ``convrot``: the "regular" Hadamard of ConvRot / ComfyUI: Kronecker powers of
+  R4 = [[1,1,1,-1],[1,1,-1,1],[1,-1,1,1],[-1,1,1,1]] divided by sqrt(n); group
+  sizes are powers of 4 (default 256). Built exactly as comfy-kitchen builds it
+  (fp32 kron chain, then ``/ n**0.5``) so rotated weights are bit-identical.
+- ``quarot``: the Sylvester Hadamard H_{2n} = [[H, H], [H, -H]] / sqrt(2n),
+  group a power of 2 (default 128). Deterministic (no random sign flips).
+- ``hadanorm``: per-group mean-centring, then the quarot matrix. Precisely,
+  for an activation row x split into groups x_g (size n):
+      mu_g      = mean(x_g)
+      x~_g      = (x_g - mu_g * 1) @ H            (rotated, centred)
+      y         = sum_g x~_g @ W~_g^T + sum_g mu_g * rowsum_g(W)
+  where W~ = W @ H^T per group is the stored (rotated) weight and rowsum_g(W)
+  is taken from the de-rotated dequantized weight, so the identity is exact
+  for the weight that is actually stored. Because H's first row is all
+  ones / sqrt(n), centring is the same as zeroing coordinate 0 of every
+  rotated group (the DC term that a plain Hadamard turns into an outlier) and
+  carrying it in full precision. The "scaling" step of HadaNorm (dividing by
+  a per-token norm) is subsumed by the formats' per-token dynamic activation
+  scale, so it is the identity here. The weight side is a plain orthogonal
+  rotation: exact and invertible.
+
+Orientation (same as comfy-kitchen): weights are rotated offline as W @ H^T per
+group along in_features, activations online as x @ H per group. All three
+matrices are symmetric and orthogonal (H @ H = I), so x H (W H^T)^T = x W^T and
+de-rotation is W~ @ H.
+
+Cache: Hadamard matrices live in one ``functools.lru_cache`` on a pure
+function (CPU fp32); ``clear_cache()`` empties it. No other module state.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+ROTATION_KINDS = ("none", "convrot", "quarot", "hadanorm")
+DEFAULT_GROUP = {"none": 0, "convrot": 256, "quarot": 128, "hadanorm": 128}
+
+_R4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
+
+
+def _is_power(n: int, base: int) -> bool:
+    if n < base:
+        return False
+    while n % base == 0:
+        n //= base
+    return n == 1
+
+
+def check_group(kind: str, group: int) -> None:
+    """Raise ValueError if `group` is not a valid size for rotation `kind`."""
+    if kind not in ROTATION_KINDS:
+        raise ValueError(f"unknown rotation '{kind}' (known: {list(ROTATION_KINDS)})")
+    if kind == "none":
+        return
+    if kind == "convrot" and not _is_power(group, 4):
+        raise ValueError(f"convrot group must be a power of 4 (>= 4), got {group}")
+    if kind in ("quarot", "hadanorm") and not _is_power(group, 2):
+        raise ValueError(f"{kind} group must be a power of 2 (>= 2), got {group}")
+
+
+def resolve_group(kind: str, group: int | None) -> int:
+    """The group size to use: `group`, or the kind's default when None."""
+    g = DEFAULT_GROUP[kind] if group is None else int(group)
+    check_group(kind, g)
+    return g
+
+
+def applies(kind: str, in_features: int, group: int | None = None) -> bool:
+    """Whether rotation `kind` can be applied to a layer with this many input features."""
+    if kind == "none":
+        return True
+    return in_features % resolve_group(kind, group) == 0
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(kind: str, n: int) -> torch.Tensor:
+    """Normalized n x n Hadamard matrix of `kind` (CPU fp32). Treat as read-only."""
+    check_group(kind, n)
+    if kind == "convrot":
+        r4 = torch.tensor(_R4, dtype=torch.float32)
+        h, size = r4, 4
+        while size < n:
+            h = torch.kron(h, r4)
+            size *= 4
+    else:  # quarot, hadanorm: Sylvester
+        h = torch.ones(1, 1, dtype=torch.float32)
+        while h.shape[0] < n:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / (n**0.5)
+
+
+def hadamard(kind: str, n: int, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The normalized Hadamard matrix used by rotation `kind` for groups of `n`."""
+    if kind == "none":
+        raise ValueError("rotation 'none' has no matrix")
+    h = _hadamard_cpu(kind, int(n))
+    return h.to(device=device or "cpu", dtype=dtype)
+
+
+def clear_cache() -> None:
+    """Free the cached Hadamard matrices."""
+    _hadamard_cpu.cache_clear()
+
+
+def _check_divisible(features: int, group: int, what: str) -> None:
+    if features % group != 0:
+        raise ValueError(f"{what} has {features} features, not a multiple of the rotation group {group}")
+
+
+def rotate_weight(weight: torch.Tensor, kind: str, group: int | None = None) -> torch.Tensor:
+    """Offline weight rotation W @ H^T per group along in_features; fp32 [out, in]."""
+    w = weight.float()
+    if kind == "none":
+        return w
+    g = resolve_group(kind, group)
+    n, k = w.shape
+    _check_divisible(k, g, "weight")
+    h = hadamard(kind, g, w.device)
+    # Same expression as comfy-kitchen (grouped matmul with h.T) so results are bit-identical.
+    return torch.matmul(w.reshape(n, k // g, g), h.T).reshape(n, k)
+
+
+def unrotate_weight(weight_rot: torch.Tensor, kind: str, group: int | None = None) -> torch.Tensor:
+    """Inverse of `rotate_weight`: W~ @ H per group (H orthogonal and symmetric); fp32."""
+    w = weight_rot.float()
+    if kind == "none":
+        return w
+    g = resolve_group(kind, group)
+    n, k = w.shape
+    _check_divisible(k, g, "weight")
+    h = hadamard(kind, g, w.device)
+    return torch.matmul(w.reshape(n, k // g, g), h.T).reshape(n, k)
+
+
+def rotate_activation(x: torch.Tensor, kind: str, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Online activation rotation x @ H per group, in fp32.
+
+    Returns (x_rot, mu): mu is None except for hadanorm, where it is the per-group
+    mean [..., groups] that was removed before rotating (see `mean_correction`).
+    """
+    xf = x.float()
+    if kind == "none":
+        return xf, None
+    g = resolve_group(kind, group)
+    k = xf.shape[-1]
+    _check_divisible(k, g, "activation")
+    grouped = xf.reshape(*xf.shape[:-1], k // g, g)
+    mu = None
+    if kind == "hadanorm":
+        mu = grouped.mean(dim=-1)
+        grouped = grouped - mu.unsqueeze(-1)
+    h = hadamard(kind, g, xf.device)
+    return torch.matmul(grouped, h).reshape(xf.shape), mu
+
+
+def mean_correction(mu: torch.Tensor, weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """hadanorm's full-precision term sum_g mu_g * rowsum_g(W): [..., out] in fp32.
+
+    `weight` is the dequantized weight in the ORIGINAL (unrotated) basis.
+    """
+    g = resolve_group("hadanorm", group)
+    n, k = weight.shape
+    rowsums = weight.float().reshape(n, k // g, g).sum(dim=-1)  # [out, groups]
+    return mu.float() @ rowsums.t()
