@@ -1,7 +1,6 @@
-"""Architectures: id -> Arch registry and detection."""
+"""Architectures: id -> Arch registry and detection (live modules, or state dicts in any layout)."""
 
 from __future__ import annotations
-
 
 from torch import nn
 
@@ -31,12 +30,23 @@ def detect_model(model: nn.Module) -> Arch | None:
 
 
 def detect_keys(shapes: dict[str, tuple[int, ...]]) -> Arch | None:
+    """The arch of a diffusers-layout key->shape map (prefix stripped, logical shapes), or None."""
     for arch in ARCHS.values():
         if arch.detect_keys(shapes):
             return arch
     return None
 
 
-from lowbit_pipe.arch import flux1, krea2, qwen_image  # noqa: E402,F401
+from lowbit_pipe.arch import chroma, flux1, flux2, krea2, qwen_image, sd3, wan, z_image  # noqa: E402,F401
+from lowbit_pipe.arch.detect import (  # noqa: E402
+    UnknownArchError,
+    detect_or_none,
+    detect_state_dict,
+    logical_shapes,
+    strip_prefix,
+)
+from lowbit_pipe.arch.generic import Generic, arch_for_model, generic_policy  # noqa: E402
 
-__all__ = ["ARCHS", "Arch", "ArchConfig", "LayerPolicy", "detect_keys", "detect_model", "get_arch", "register"]
+__all__ = ["ARCHS", "Arch", "ArchConfig", "Generic", "LayerPolicy", "UnknownArchError", "arch_for_model",
+           "detect_keys", "detect_model", "detect_or_none", "detect_state_dict", "generic_policy", "get_arch",
+           "logical_shapes", "register", "strip_prefix"]

@@ -4,10 +4,16 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+import inspect
+import re
+from collections.abc import Mapping
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from lowbit_pipe.arch.keymap import KeyMap
 
 
 @dataclass(frozen=True)
@@ -35,11 +41,13 @@ class LayerPolicy:
 
 
 class Arch(ABC):
-    """One architecture. Stateless; registered in arch/__init__.py."""
+    """One architecture. Stateless (bar caches); registered in arch/__init__.py."""
 
     id: ClassVar[str]
     diffusers_class: ClassVar[str]  # class name in diffusers.models
     policy: ClassVar[LayerPolicy]
+    keymap: ClassVar[KeyMap | None] = None  # diffusers <-> native rules; None: native == diffusers names
+    native_markers: ClassVar[tuple[str, ...]] = ()  # native-only keys (no prefix) that identify the arch
 
     def model_class(self) -> type[nn.Module]:
         import diffusers
@@ -54,9 +62,79 @@ class Arch(ABC):
     def detect_keys(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         """Whether a diffusers-layout state dict (prefix stripped, logical shapes) is this architecture."""
 
-    @abstractmethod
     def config_from_model(self, model: nn.Module) -> ArchConfig:
         """Structural config of a live diffusers model."""
+        return self.config_from_dict(dict(model.config))
+
+    @abstractmethod
+    def config_from_dict(self, c: Mapping[str, Any]) -> ArchConfig:
+        """Structural config from diffusers class kwargs (model.config, or the class defaults)."""
+
+    @abstractmethod
+    def config_from_keys(self, shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
+        """Structural config from a diffusers-layout key->logical-shape map (prefix stripped)."""
+
+    def default_config(self) -> ArchConfig:
+        """Config of the class defaults (the released real-size model)."""
+        return self.config_from_dict(self.default_kwargs())
+
+    def default_kwargs(self) -> dict[str, Any]:
+        sig = inspect.signature(self.model_class().__init__)
+        return {k: p.default for k, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+
+    # ---- native (ComfyUI / BFL) layout ----------------------------------------------------------
+    def detect_native_keys(self, shapes: dict[str, Any]) -> bool:
+        """Whether a native-layout map (prefix stripped) is this architecture."""
+        return any(k in shapes for k in self.native_markers)
+
+    def from_native(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Native -> diffusers layout for a state dict or a key->shape map (prefix stripped, logical shapes)."""
+        return self.keymap.from_native(state) if self.keymap else dict(state)
+
+    def state_dict_to_native(self, state: dict[str, Any]) -> dict[str, Any]:
+        """Diffusers -> native layout (no prefix; ComfyUI adds `model.diffusion_model.` itself or not)."""
+        return self.keymap.to_native(state) if self.keymap else dict(state)
+
+    def to_native(self, name: str, config: ArchConfig | None = None) -> tuple[str, slice | None]:
+        """Native module name of a diffusers module, and its output rows when the native module is fused."""
+        if self.keymap is None:
+            return name, None
+        return self.keymap.module_to_native(name, (config or self.default_config()).hidden_size)
+
+    def from_native_name(self, name: str, config: ArchConfig | None = None) -> list[tuple[str, slice | None]]:
+        """Diffusers modules of a native module name, with output rows for fused ones."""
+        if self.keymap is None:
+            return [(name, None)]
+        return self.keymap.module_from_native(name, (config or self.default_config()).hidden_size)
+
+    # ---- LoRA -----------------------------------------------------------------------------------
+    @cached_property
+    def linear_names(self) -> tuple[str, ...]:
+        """Linear module names of the diffusers class (default size), from a meta-device build (no memory)."""
+        with torch.device("meta"):
+            model = self.model_class()(**self.lora_template_kwargs())
+        return tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
+
+    @cached_property
+    def linear_names_set(self) -> frozenset[str]:
+        """`linear_names` with block indices as `{i}`."""
+        return frozenset(re.sub(r"(?<=\.)\d+(?=\.|$)", "{i}", n) for n in self.linear_names)
+
+    def lora_template_kwargs(self) -> dict[str, Any]:
+        """Class kwargs for the template build: small, but with every optional module present."""
+        return {}
+
+    def lora_targets(self, name: str, config: ArchConfig | None = None) -> list[tuple[str, slice | None]]:
+        """(diffusers module, output rows or None) for a LoRA module name in any common form; [] if unknown."""
+        from lowbit_pipe.arch.lora import resolve_lora_name
+
+        return resolve_lora_name(self, name, config)
+
+    def lora_target(self, name: str, config: ArchConfig | None = None) -> str | None:
+        """The diffusers module of a LoRA module name when the mapping is 1:1; None if unknown or fused
+        (a fused native qkv / linear1 maps to several modules: use `lora_targets`)."""
+        targets = self.lora_targets(name, config)
+        return targets[0][0] if len(targets) == 1 and targets[0][1] is None else None
 
     @abstractmethod
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,
@@ -70,3 +148,19 @@ class Arch(ABC):
         if isinstance(output, (tuple, list)):
             return output[0]
         return output.sample
+
+
+def count_blocks(shapes: Mapping[str, Any], prefix: str) -> int:
+    """Number of `<prefix>.<n>.` blocks in a key map (max index + 1; 0 when none)."""
+    rx = re.compile(re.escape(prefix) + r"\.(\d+)\.")
+    idx = [int(m.group(1)) for k in shapes if (m := rx.match(k))]
+    return max(idx) + 1 if idx else 0
+
+
+def rows(shapes: Mapping[str, Any], key: str, dim: int = 0, default: int | None = None) -> int:
+    """One dimension of a key's shape; `default` (or a KeyError naming the key) when absent."""
+    if key not in shapes:
+        if default is not None:
+            return default
+        raise KeyError(f"expected key '{key}' is missing from the state dict")
+    return int(tuple(shapes[key])[dim])

@@ -1,20 +1,45 @@
-"""Krea 2: single-stream DiT (diffusers `Krea2Transformer2DModel`)."""
+"""Krea 2: single-stream DiT (diffusers `Krea2Transformer2DModel`).
+
+Native (ComfyUI / Krea) names mirror diffusers' `convert_krea2_transformer_checkpoint_to_diffusers`.
+Heads come from the qk-norm width (head_dim) and the q / k row counts (GQA).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
 from lowbit_pipe.arch import register
-from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy
+from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
+from lowbit_pipe.arch.keymap import KeyMap, Rename, block_renames
+
+_BLOCK = [("attn.to_q", "attn.wq", False), ("attn.to_k", "attn.wk", False), ("attn.to_v", "attn.wv", False),
+          ("attn.to_out.0", "attn.wo", False), ("attn.to_gate", "attn.gate", False),
+          ("attn.norm_q", "attn.qknorm.qnorm", True), ("attn.norm_k", "attn.qknorm.knorm", True),
+          ("ff.gate", "mlp.gate", False), ("ff.up", "mlp.up", False), ("ff.down", "mlp.down", False),
+          ("norm1", "prenorm", True), ("norm2", "postnorm", True)]
+
+KEYMAP = KeyMap([
+    Rename("img_in", "first"), Rename("time_embed.linear_1", "tmlp.0"), Rename("time_embed.linear_2", "tmlp.2"),
+    Rename("time_mod_proj", "tproj.1"), Rename("txt_in.norm", "txtmlp.0", norm=True),
+    Rename("txt_in.linear_1", "txtmlp.1"), Rename("txt_in.linear_2", "txtmlp.3"),
+    Rename("text_fusion.projector", "txtfusion.projector"),
+    Rename("final_layer.linear", "last.linear"), Rename("final_layer.norm", "last.norm", norm=True),
+    Rename("final_layer.scale_shift_table", "last.modulation.lin", param=True),
+    Rename("transformer_blocks.{i}.scale_shift_table", "blocks.{i}.mod.lin", param=True, flat=True),
+    *block_renames(("transformer_blocks.{i}", "text_fusion.layerwise_blocks.{i}", "text_fusion.refiner_blocks.{i}"),
+                   _BLOCK, ("blocks.{i}", "txtfusion.layerwise_blocks.{i}", "txtfusion.refiner_blocks.{i}")),
+], flat_rows={"transformer_blocks.{i}.scale_shift_table": 6})
 
 
 @register
 class Krea2(Arch):
     id = "krea2"
     diffusers_class = "Krea2Transformer2DModel"
+    keymap = KEYMAP
+    native_markers = ("txtfusion.projector.weight",)
     # ComfyUI names first/last/tmlp/tproj/txtfusion/txtmlp are diffusers'
     # img_in/final_layer/time_embed/time_mod_proj/text_fusion/txt_in.
     policy = LayerPolicy(
@@ -26,17 +51,33 @@ class Krea2(Arch):
     def detect_keys(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         return "text_fusion.projector.weight" in shapes and "time_mod_proj.weight" in shapes
 
-    def config_from_model(self, model: nn.Module) -> ArchConfig:
-        c = model.config
+    def config_from_dict(self, c: Mapping[str, Any]) -> ArchConfig:
         return ArchConfig(
             arch=self.id,
-            num_layers=c.num_layers,
-            hidden_size=c.attention_head_dim * c.num_attention_heads,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_key_value_heads,
-            head_dim=c.attention_head_dim,
-            mlp_hidden=c.intermediate_size,
-            text_layers=c.num_text_layers,
+            num_layers=c["num_layers"],
+            hidden_size=c["attention_head_dim"] * c["num_attention_heads"],
+            num_heads=c["num_attention_heads"],
+            num_kv_heads=c["num_key_value_heads"],
+            head_dim=c["attention_head_dim"],
+            mlp_hidden=c["intermediate_size"],
+            text_layers=c["num_text_layers"],
+            extra={"text_hidden": c["text_hidden_dim"]},
+        )
+
+    def config_from_keys(self, shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
+        b = "transformer_blocks.0."
+        head_dim = rows(shapes, b + "attn.norm_q.weight")
+        return ArchConfig(
+            arch=self.id,
+            num_layers=count_blocks(shapes, "transformer_blocks"),
+            hidden_size=rows(shapes, "img_in.weight"),
+            num_heads=rows(shapes, b + "attn.to_q.weight") // head_dim,
+            num_kv_heads=rows(shapes, b + "attn.to_k.weight") // head_dim,
+            head_dim=head_dim,
+            mlp_hidden=rows(shapes, b + "ff.gate.weight"),
+            # Logical in_features: a packed projector reads 6 (or padded 8) for 12 layers.
+            text_layers=rows(shapes, "text_fusion.projector.weight", 1),
+            extra={"text_hidden": rows(shapes, "txt_in.linear_1.weight", 1)},
         )
 
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,

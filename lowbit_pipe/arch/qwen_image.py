@@ -1,14 +1,18 @@
-"""Qwen-Image: dual-stream MMDiT (diffusers `QwenImageTransformer2DModel`)."""
+"""Qwen-Image: dual-stream MMDiT (diffusers `QwenImageTransformer2DModel`).
+
+ComfyUI's native names are the diffusers names (diffusers' single-file mapping is the identity), so
+`keymap` is None. Heads: head_dim from the qk-norm width, no GQA.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-from torch import nn
+from collections.abc import Mapping
 
 from lowbit_pipe.arch import register
-from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy
+from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
 
 
 @register
@@ -24,17 +28,20 @@ class QwenImage(Arch):
     def detect_keys(self, shapes: dict[str, tuple[int, ...]]) -> bool:
         return "txt_norm.weight" in shapes and "transformer_blocks.0.img_mod.1.weight" in shapes
 
-    def config_from_model(self, model: nn.Module) -> ArchConfig:
-        c = model.config
-        hidden = c.attention_head_dim * c.num_attention_heads
+    def config_from_dict(self, c: Mapping[str, Any]) -> ArchConfig:
+        hidden = c["attention_head_dim"] * c["num_attention_heads"]
         return ArchConfig(
-            arch=self.id,
-            num_layers=c.num_layers,
-            hidden_size=hidden,
-            num_heads=c.num_attention_heads,
-            num_kv_heads=c.num_attention_heads,
-            head_dim=c.attention_head_dim,
-            mlp_hidden=hidden * 4,
+            arch=self.id, num_layers=c["num_layers"], hidden_size=hidden, num_heads=c["num_attention_heads"],
+            num_kv_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"], mlp_hidden=hidden * 4,
+        )
+
+    def config_from_keys(self, shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
+        hidden = rows(shapes, "img_in.weight")
+        head_dim = rows(shapes, "transformer_blocks.0.attn.norm_q.weight")
+        return ArchConfig(
+            arch=self.id, num_layers=count_blocks(shapes, "transformer_blocks"), hidden_size=hidden,
+            num_heads=hidden // head_dim, num_kv_heads=hidden // head_dim, head_dim=head_dim,
+            mlp_hidden=rows(shapes, "transformer_blocks.0.img_mlp.net.0.proj.weight"),
         )
 
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,
