@@ -62,6 +62,14 @@ class QuantizeConfig:
     arch_keep_float: bool = True  # apply the architecture's keep-float list
     sensitive: Optional[FormatChoice] = None  # format for the arch's sensitive layers; None = default
     originals: str = "keep"  # float layers swapped out: "keep" (exact evaluate and undo), "cpu", "drop"
+    # Mixed precision by budget (whole transformer bytes); set one of the two.
+    budget_bytes: Optional[int] = None
+    budget_ratio: Optional[float] = None  # fraction of the float transformer's bytes
+    budget_candidates: list[FormatChoice] = field(
+        default_factory=lambda: [FormatChoice(format="nvfp4"), FormatChoice(format="int8")])
+    budget_allow_float: bool = True  # the most sensitive layers may stay float
+    calibration_samples: int = 2  # seeded example-input sets for sensitivity
+    calibration_seed: int = 0
 
 
 @dataclass
@@ -181,6 +189,15 @@ def validate(recipe: Recipe) -> Recipe:
     for i, rule in enumerate(recipe.quantize.rules):
         check_pattern(f"quantize.rules[{i}].match", rule.match)
         _check_choice(f"quantize.rules[{i}]", rule)
+    q = recipe.quantize
+    if q.budget_bytes is not None and q.budget_ratio is not None:
+        raise RecipeError("quantize.budget_ratio", "set budget_bytes or budget_ratio, not both")
+    if q.budget_bytes is not None and q.budget_bytes <= 0:
+        raise RecipeError("quantize.budget_bytes", "must be > 0")
+    if q.budget_ratio is not None and not 0 < q.budget_ratio <= 1:
+        raise RecipeError("quantize.budget_ratio", f"must be in (0, 1], got {q.budget_ratio}")
+    for i, choice in enumerate(q.budget_candidates):
+        _check_choice(f"quantize.budget_candidates[{i}]", choice)
     for i, pattern in enumerate(recipe.quantize.keep):
         check_pattern(f"quantize.keep[{i}]", pattern)
     if recipe.model.arch is not None:

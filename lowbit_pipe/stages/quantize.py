@@ -5,12 +5,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import nn
 
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.nn import QuantLinear
-from lowbit_pipe.policy import LayerPlan, plan_layers
+from lowbit_pipe.policy import LayerPlan, _spec, plan_layers
 from lowbit_pipe.progress import progress
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
@@ -35,14 +36,47 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
     return {"layers": dict(counts), "bytes_before": bytes_before, "bytes_after": bytes_after}
 
 
+def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan], dict[str, Any]]:
+    from lowbit_pipe.budget import plan_budget
+    from lowbit_pipe.ledger import tensor_bytes
+
+    cfg, ev = ctx.recipe.quantize, ctx.recipe.evaluate
+    if ctx.arch is None:
+        raise ValueError("quantize.budget_* needs a known architecture (its example inputs calibrate sensitivity)")
+    model = ctx.transformer
+    budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget_ratio * tensor_bytes(model))
+
+    def calibrate() -> None:
+        for i in range(cfg.calibration_samples):
+            gen = torch.Generator().manual_seed(cfg.calibration_seed + i)
+            inputs = ctx.arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=ev.image_tokens,
+                                             text_tokens=ev.text_tokens, generator=gen, dtype=ctx.dtype, device=ctx.device)
+            model(**inputs)
+
+    candidates = [_spec(c) for c in cfg.budget_candidates]
+    result = plan_budget(model, plans, candidates, budget, calibrate, seed=cfg.calibration_seed,
+                         allow_float=cfg.budget_allow_float)
+    return result.plans, result.as_dict()
+
+
 @register
 class Quantize(Stage):
     name = "quantize"
 
     def run(self, ctx: Context) -> dict[str, Any]:
-        plans = plan_layers(linear_shapes(ctx.transformer), ctx.recipe.quantize, ctx.policy)
-        result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=ctx.recipe.quantize.originals,
-                                 show_progress=True)
+        cfg = ctx.recipe.quantize
+        plans = plan_layers(linear_shapes(ctx.transformer), cfg, ctx.policy)
+        budget = None
+        if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
+            plans, budget = _budget_plans(ctx, plans)
+        result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, show_progress=True)
+        if budget is not None:
+            from lowbit_pipe.ledger import tensor_bytes
+
+            budget["model_bytes"] = tensor_bytes(ctx.transformer)
+            result["budget"] = budget
+            ctx.report["plan"] = [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
+                                   "reason": p.reason} for p in plans]
         ctx.report["quantize"] = result
         return {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
                 "bytes_after": result["bytes_after"]}
