@@ -112,3 +112,14 @@ def metadata_json(metadata: dict[str, str], key: str, path: str) -> Any:
         return json.loads(metadata[key])
     except json.JSONDecodeError as err:
         raise CheckpointError(path, f"metadata '{key}' is not valid JSON ({err})") from err
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

@@ -90,15 +90,18 @@ class LoraConfig:
 @dataclass
 class CompileConfig:
     mode: str = "regional"  # "regional" (each repeated block) or "full"
-    backend: str = "inductor"
+    backend: str = "inductor"  # any torch.compile backend name: inductor, aot_eager, eager, cudagraphs
     fullgraph: bool = False
     dynamic: bool = False
+    inductor_mode: Optional[str] = None  # torch.compile(mode=...): default, reduce-overhead, max-autotune
 
 
 @dataclass
 class ExportConfig:
     path: Optional[str] = None  # None: <run_dir>/model.safetensors
     dtype: str = "auto"  # unquantized tensors: "auto" (compute dtype) or a dtype name
+    layout: str = "comfy"  # "comfy": native ComfyUI/BFL key names (stock loader); "diffusers": module names
+    shard_bytes: Optional[int] = None  # above this size, write shards + an index (ComfyUI wants one file: None)
 
 
 @dataclass
@@ -108,11 +111,38 @@ class EvaluateConfig:
     batch: int = 1
     image_tokens: int = 64
     text_tokens: int = 8
+    layers: bool = True  # per-layer SQNR (forward hooks during the float pass)
+    trajectory_seeds: int = 2  # Euler sampling trajectories (float vs quantized); 0 = off
+    steps: int = 4  # Euler steps per trajectory
+    diverge_cosine: float = 0.9  # final-latent cosine under this counts as a diverged trajectory
+    images: bool = False  # decode the trajectories' final latents: PSNR, SSIM, images.png grid
+    latency: bool = True  # forward latency with CUDA events (CUDA only; null on CPU)
+    latency_iters: int = 10
+    objective: str = "psnr_db"  # the figure a sweeper maximises (evaluate.objective in report.json)
+    budget_bytes: Optional[int] = None  # over this many weight bytes the objective is a penalty
+
+    def check(self) -> None:
+        """Raises RecipeError naming the evaluate key at fault."""
+        for key in ("samples", "batch", "image_tokens", "text_tokens", "steps", "latency_iters"):
+            if getattr(self, key) < 1:
+                raise RecipeError(f"evaluate.{key}", "must be >= 1")
+        if self.trajectory_seeds < 0:
+            raise RecipeError("evaluate.trajectory_seeds", "must be >= 0")
+        if self.images and self.trajectory_seeds < 1:
+            raise RecipeError("evaluate.images", "needs evaluate.trajectory_seeds >= 1 (images decode the trajectories)")
+        if not -1.0 <= self.diverge_cosine <= 1.0:
+            raise RecipeError("evaluate.diverge_cosine", f"must be in [-1, 1], got {self.diverge_cosine}")
+        objectives = ("psnr_db", "cosine", "sqnr_min_db", "rel_error", "trajectory_min_cosine")
+        if self.objective not in objectives:
+            raise RecipeError("evaluate.objective", f"must be one of {list(objectives)}, got '{self.objective}'")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise RecipeError("evaluate.budget_bytes", "must be > 0")
 
 
 @dataclass
 class TeardownConfig:
     empty_cuda_cache: bool = True
+    clear_kernel_caches: bool = True  # process caches of lowbit_pipe.kernels (Hadamard matrices): pure, rebuilt on use
 
 
 @dataclass
@@ -181,6 +211,10 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("model.dtype", f"must be one of {list(DTYPES)}, got '{recipe.model.dtype}'")
     if recipe.export.dtype not in DTYPES + ("auto",):
         raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{recipe.export.dtype}'")
+    if recipe.export.layout not in ("comfy", "diffusers"):
+        raise RecipeError("export.layout", f"must be 'comfy' or 'diffusers', got '{recipe.export.layout}'")
+    if recipe.export.shard_bytes is not None and recipe.export.shard_bytes < 1 << 20:
+        raise RecipeError("export.shard_bytes", "must be at least 1 MiB (or null for one file)")
     if recipe.quantize.originals not in ("keep", "cpu", "drop"):
         raise RecipeError("quantize.originals", f"must be keep, cpu or drop, got '{recipe.quantize.originals}'")
     _check_choice("quantize.default", recipe.quantize.default)
@@ -205,7 +239,5 @@ def validate(recipe: Recipe) -> Recipe:
 
         if recipe.model.arch not in ARCHS and recipe.model.arch != "generic":
             raise RecipeError("model.arch", f"unknown arch '{recipe.model.arch}' (known: {', '.join(sorted(ARCHS))})")
-    for key in ("samples", "batch", "image_tokens", "text_tokens"):
-        if getattr(recipe.evaluate, key) < 1:
-            raise RecipeError(f"evaluate.{key}", "must be >= 1")
+    recipe.evaluate.check()
     return recipe

@@ -45,13 +45,29 @@ def test_export_header_and_layout(tmp_path):
     with safe_open(path, "pt") as f:
         meta = json.loads(f.metadata()["lowbit_pipe"])
         keys = set(f.keys())
-        record = bytes(f.get_tensor("transformer_blocks.0.attn.to_q.comfy_quant").tolist()).decode()
-        assert f.get_tensor("transformer_blocks.0.attn.to_q.weight").dtype == torch.int8
-        assert f.get_tensor("img_in.weight").dtype == torch.float32  # kept float, compute dtype
+        # ComfyUI's native Krea 2 names: blocks.N.attn.wq is diffusers' transformer_blocks.N.attn.to_q
+        record = bytes(f.get_tensor("blocks.0.attn.wq.comfy_quant").tolist()).decode()
+        assert f.get_tensor("blocks.0.attn.wq.weight").dtype == torch.int8
+        assert f.get_tensor("first.weight").dtype == torch.float32  # kept float (img_in), compute dtype
     assert json.loads(record) == {"format": "int8_tensorwise"}
-    assert meta["arch"] == "krea2" and meta["transformer_config"]["num_layers"] == 2
+    assert meta["arch"] == "krea2" and meta["layout"] == "native" and meta["transformer_config"]["num_layers"] == 2
     assert meta["recipe"]["name"] == "default"
-    assert "transformer_blocks.0.attn.to_q.weight_scale" in keys
+    assert meta["layers"]["transformer_blocks.0.attn.to_q"] == {"format": "int8", "shape": [256, 256]}
+    assert "blocks.0.attn.wq.weight_scale" in keys and not any(k.startswith("transformer_blocks") for k in keys)
+
+
+@pytest.mark.parametrize("extra", [["export.layout=diffusers"], ["export.shard_bytes=1048576"]])
+def test_other_layouts_reload_exactly(tmp_path, extra):
+    first = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,export]", *extra], run_dir=tmp_path / "a")
+    path = first.export_path
+    if "export.shard_bytes=1048576" in extra:
+        assert path.endswith(".index.json") and first.report["export"]["files"] > 1
+    else:
+        with safe_open(path, "pt") as f:
+            assert "transformer_blocks.0.attn.to_q.comfy_quant" in set(f.keys())
+    second = lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load,detect]"], run_dir=tmp_path / "b")
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_reload_gives_identical_outputs(tmp_path):

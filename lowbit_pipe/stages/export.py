@@ -1,31 +1,33 @@
-"""export: one safetensors file in the layout ComfyUI reads, with the recipe and config in its header."""
+"""export: safetensors in the layout ComfyUI reads, with the recipe and config in its header."""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from omegaconf import OmegaConf
 
-from lowbit_pipe import __version__
-from lowbit_pipe.checkpoint import atomic_save
+from lowbit_pipe import __version__, layout
+from lowbit_pipe.checkpoint import atomic_save, atomic_write_text
 from lowbit_pipe.context import Context
+from lowbit_pipe.formats import is_stock_loadable
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.load import METADATA_KEY
 
 
-def export_state_dict(model: torch.nn.Module, float_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, int]]:
-    """Quantized layers' tensors as they are; float tensors in `float_dtype`. Returns (tensors, format counts)."""
+def export_state_dict(model: torch.nn.Module, float_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """Quantized layers' tensors as they are; float tensors in `float_dtype`. Returns (tensors, per-layer summary)."""
     quant_keys = set()
-    counts: Counter[str] = Counter()
+    layers: dict[str, dict] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
-            counts[module.format.name] += 1
+            layers[name] = {"format": module.format.name, "shape": [module.out_features, module.in_features],
+                            "record": module.record}
             quant_keys.update(f"{name}.{k}" for k in module._quant_names + ("comfy_quant",))
     state = {}
     for key, tensor in model.state_dict().items():
@@ -33,7 +35,24 @@ def export_state_dict(model: torch.nn.Module, float_dtype: torch.dtype) -> tuple
         if key not in quant_keys and tensor.is_floating_point():
             tensor = tensor.to(float_dtype)
         state[key] = tensor.cpu()
-    return state, dict(counts)
+    return state, layers
+
+
+def shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Split in key order; a quantized layer's tensors stay in one shard."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    owners: dict[str, list[str]] = {}
+    for key in state:
+        owners.setdefault(key.rsplit(".", 1)[0], []).append(key)
+    for keys in owners.values():
+        nbytes = sum(state[k].numel() * state[k].element_size() for k in keys)
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1].update({k: state[k] for k in keys})
+        size += nbytes
+    return shards
 
 
 @register
@@ -44,16 +63,42 @@ class Export(Stage):
         cfg = ctx.recipe.export
         path = Path(cfg.path) if cfg.path else ctx.run_dir / "model.safetensors"
         dtype = ctx.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-        state, counts = export_state_dict(ctx.transformer, dtype)
+        state, layers = export_state_dict(ctx.transformer, dtype)
+        key_layout = cfg.layout if ctx.arch is not None and ctx.arch.keymap is not None else "diffusers"
+        if key_layout == "comfy":
+            rows = {name: info["shape"][0] for name, info in layers.items()}
+            state = layout.to_native(state, ctx.arch, ctx.arch_config, rows)
+        foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
+        if foreign:
+            warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI cannot run (e.g. {foreign[0]}: "
+                          f"{layers[foreign[0]]['record']}); they load with lowbit_pipe only", stacklevel=2)
         header = {
             "version": __version__,
             "arch": ctx.arch.id if ctx.arch else None,
+            "layout": "native" if key_layout == "comfy" else "diffusers",
             "transformer_config": ctx.model_config,
             "recipe": OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True),
-            "layers": counts,
+            "layers": {n: {"format": i["format"], "shape": i["shape"]} for n, i in layers.items()},
         }
         metadata = {METADATA_KEY: json.dumps(header, default=str)}
-        nbytes = atomic_save(state, path, metadata, inputs=(ctx.recipe.model.path,))
-        result = {"path": str(path), "bytes": nbytes, "tensors": len(state), "quantized_layers": sum(counts.values())}
+        inputs = (ctx.recipe.model.path,)
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        if cfg.shard_bytes is None or total <= cfg.shard_bytes:
+            nbytes, files = atomic_save(state, path, metadata, inputs=inputs), [str(path)]
+            written = str(path)
+        else:
+            parts = shard(state, cfg.shard_bytes)
+            stem = path.name.removesuffix(".safetensors")
+            files, weight_map, nbytes = [], {}, 0
+            for i, part in enumerate(parts, 1):
+                shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
+                nbytes += atomic_save(part, shard_path, metadata, inputs=inputs)
+                files.append(str(shard_path))
+                weight_map.update({k: shard_path.name for k in part})
+            index = path.with_name(f"{stem}.safetensors.index.json")
+            atomic_write_text(index, json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}))
+            written = str(index)
+        result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": header["layout"],
+                  "quantized_layers": len(layers), "not_stock_comfy": foreign}
         ctx.report["export"] = result
-        return result
+        return {k: v for k, v in result.items() if k != "not_stock_comfy"}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from lowbit_pipe.arch import ARCHS, detect_keys, get_arch
+from lowbit_pipe.arch import ARCHS, get_arch
 from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
@@ -42,30 +42,31 @@ def _build_empty(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
         return cls(**config)
 
 
-def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype) -> list[str]:
+def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
+                       file_key: Callable[[str], str] = lambda name: name) -> list[str]:
     """Load `state` into a (meta) model, rebuilding QuantLinear layers from `.comfy_quant` records.
 
     Returns the names of the quantized layers. Raises CheckpointError naming the file and key.
     """
     quantized = sorted(k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant"))
     for name in quantized:
-        layer_where = f"{where} [{name}]"
         try:
-            record = decode_record(state.pop(f"{name}.comfy_quant"), layer_where)
-            fmt = format_for_record(record, layer_where)
+            record = decode_record(state.pop(f"{name}.comfy_quant"), name)
+            fmt = format_for_record(record, name)
             tensors = {k[len(name) + 1:]: _owned(state.pop(k)) for k in [k for k in state if k.startswith(name + ".")]}
             bias = tensors.pop("bias", None)
-            qweight = fmt.from_tensors(tensors, record, layer_where)
+            qweight = fmt.from_tensors(tensors, record, name)
         except FormatError as err:
-            raise CheckpointError(where, str(err).replace(f"{layer_where}: ", ""), name) from err
+            raise CheckpointError(where, str(err)) from err
         try:
             target = model.get_submodule(name)
         except AttributeError:
-            raise CheckpointError(where, "quantized layer has no matching module in the model", name) from None
+            raise CheckpointError(where, "quantized layer has no matching module in the model", file_key(name)) from None
         if not isinstance(target, nn.Linear) or (target.out_features, target.in_features) != qweight.shape:
             shape = getattr(target, "weight", None)
             raise CheckpointError(where, f"record says {qweight.shape[0]}x{qweight.shape[1]} but the model's module is "
-                                         f"{type(target).__name__} {tuple(shape.shape) if shape is not None else ''}", name)
+                                         f"{type(target).__name__} {tuple(shape.shape) if shape is not None else ''}",
+                                  file_key(name))
         parent, attr = (model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (model, name)
         setattr(parent, attr, QuantLinear(qweight, bias.to(dtype) if bias is not None else None))
     expected = model.state_dict()
@@ -75,6 +76,9 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
         raise CheckpointError(where, f"keys do not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                                      f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
     for key, tensor in state.items():
+        if key in expected and expected[key].shape != tensor.shape:
+            raise CheckpointError(where, f"shape {tuple(tensor.shape)} does not match the model's "
+                                         f"{tuple(expected[key].shape)} (wrong model.config?)", key)
         if tensor.is_floating_point():
             if not torch.isfinite(tensor).all():
                 raise CheckpointError(where, "NaN or Inf in weights", key)
@@ -97,28 +101,89 @@ def _owned(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tens
 
 def _is_quant_key(model: nn.Module, key: str) -> bool:
     owner = model.get_submodule(key.rsplit(".", 1)[0]) if "." in key else model
-    return isinstance(owner, QuantLinear) and key.rsplit(".", 1)[-1] != "bias"
+    return isinstance(owner, QuantLinear)  # built whole from the file's tensors, bias included
+
+
+def _read_records(path: str, keys: list[str]) -> dict[str, dict]:
+    """`.comfy_quant` records of a file, by layer name (small tensors: cheap to read before the weights)."""
+    tensors = load_tensors(path, keys)
+    return {k[: -len(".comfy_quant")]: decode_record(t, f"{path} [{k}]") for k, t in tensors.items()}
+
+
+def shard_files(path: str) -> list[str]:
+    """The files of a (possibly sharded) export: a .safetensors file, or an index .json naming shards."""
+    if not path.endswith(".json"):
+        return [path]
+    try:
+        index = json.loads(Path(path).read_text())
+        files = sorted(set(index["weight_map"].values()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(path, f"not a valid safetensors index ({err})") from err
+    return [str(Path(path).parent / f) for f in files]
+
+
+def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
+    """Validate every layer under the keys the FILE uses (before any renaming), so errors name them."""
+    quantized = {k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant")}
+    for name in sorted(quantized):
+        try:
+            record = decode_record(state[f"{name}.comfy_quant"], name)
+            tensors = {k[len(name) + 1:]: t for k, t in state.items() if k.startswith(name + ".") and not k.endswith(".comfy_quant")}
+            tensors.pop("bias", None)
+            format_for_record(record, name).from_tensors(tensors, record, name)
+        except FormatError as err:
+            raise CheckpointError(path, str(err)) from err
+    for key, tensor in state.items():
+        if key.rsplit(".", 1)[0] not in quantized and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise CheckpointError(path, "NaN or Inf in weights", key)
 
 
 def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    header = read_header(path)
-    meta = metadata_json(header.metadata, METADATA_KEY, path) or {}
-    arch_id = arch_id or meta.get("arch")
-    config = dict(meta.get("transformer_config") or {})
-    if arch_id is None:
-        shapes = {k: v.shape for k, v in header.tensors.items()}
-        arch = detect_keys(shapes)
-        if arch is None:
-            raise CheckpointError(path, "cannot tell the architecture from its keys; set model.arch "
-                                        f"(known: {', '.join(sorted(ARCHS))})")
-        arch_id = arch.id
+    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized."""
+    from lowbit_pipe import layout
+    from lowbit_pipe.arch.detect import UnknownArchError, detect_state_dict, strip_prefix
+
+    files = shard_files(path)
+    headers = [read_header(f) for f in files]
+    shapes = {k: v.shape for h in headers for k, v in h.tensors.items()}
+    meta = metadata_json(headers[0].metadata, METADATA_KEY, files[0]) or {}
+    records = {}
+    for f, h in zip(files, headers):
+        records.update(_read_records(f, [k for k in h.tensors if k.endswith(".comfy_quant")]))
+    try:
+        detected, arch_config, file_layout = detect_state_dict(shapes, records)
+    except UnknownArchError as err:
+        if arch_id is None and meta.get("arch") is None:
+            raise CheckpointError(path, f"{err}; set model.arch (known: {', '.join(sorted(ARCHS))})") from None
+        detected, arch_config, file_layout = None, None, meta.get("layout", "diffusers")
+    arch = get_arch(arch_id or meta.get("arch") or detected.id)
+    if arch_config is None or (detected is not None and detected.id != arch.id):
+        arch_config = arch.default_config()
+    # A file we wrote carries its exact constructor config; never infer it from (packed) shapes then.
+    config = dict(meta["transformer_config"]) if meta.get("transformer_config") else arch.default_kwargs()
     config.update(config_override)
-    arch = get_arch(arch_id)
-    state = load_tensors(path)
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_tensors(f))
+    check_file_tensors(state, path)
+    state, prefix = strip_prefix(state)
+    if file_layout == "native":
+        rows = {}
+        for name in layout.quantized_layers(state):
+            record = records.get(prefix + name) or records.get(name)
+            rows[name] = format_for_record(record, f"{path} [{name}]").logical_shape(tuple(state[f"{name}.weight"].shape), record)[0]
+        try:
+            state = layout.from_native(state, arch, arch_config, rows)
+        except FormatError as err:
+            raise CheckpointError(path, str(err)) from err
     model = _build_empty(arch.model_class(), config)
-    quantized = install_state_dict(model, state, path, dtype)
-    return model.eval(), {"path": path, "layout": "diffusers", "quantized_layers": len(quantized), "arch": arch_id,
-                          "recipe": meta.get("recipe")}
+
+    def file_key(name: str) -> str:  # errors name the layer as the file spells it
+        return prefix + (arch.to_native(name, arch_config)[0] if file_layout == "native" else name)
+
+    quantized = install_state_dict(model, state, path, dtype, file_key)
+    return model.eval(), {"path": path, "layout": file_layout, "prefix": prefix, "quantized_layers": len(quantized),
+                          "arch": arch.id, "recipe": meta.get("recipe"), "files": len(files)}
 
 
 def load_diffusers_dir(path: str, dtype: torch.dtype) -> tuple[nn.Module, dict]:

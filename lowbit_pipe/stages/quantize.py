@@ -18,17 +18,44 @@ from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.detect import linear_shapes
 
 
+def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]], spec) -> dict[str, QuantLinear]:
+    """Quantize layers that one native module fuses as that fused weight, then split it by rows.
+
+    This is what a quantizer working on the native file does (one per-tensor / global scale for the
+    whole fused weight), so the native export of the parts is exact."""
+    from lowbit_pipe.formats import QuantizedWeight, get_format
+    from lowbit_pipe.layout import split_rows
+
+    linears = [root.get_submodule(name) for name, _, _ in group]
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    fmt = get_format(spec.format)
+    with torch.no_grad():
+        q = fmt.quantize(weight, spec)
+    bounds, start = [], 0
+    for (name, _, _), lin in zip(group, linears):
+        bounds.append((name, start, start + lin.out_features))
+        start += lin.out_features
+    parts = split_rows("+".join(n for n, _, _ in group), q.tensors, weight.shape[0], bounds)
+    return {name: QuantLinear(QuantizedWeight(q.format, (stop - begin, weight.shape[1]), parts[name], dict(q.record)),
+                              lin.bias)
+            for (name, begin, stop), lin in zip(bounds, linears)}
+
+
 def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",
-                    show_progress: bool = False) -> dict[str, Any]:
-    """Swap every planned Linear of `root`; returns counts and bytes."""
+                    show_progress: bool = False, fused: list[list[tuple[str, int, int | None]]] = ()) -> dict[str, Any]:
+    """Swap every planned Linear of `root`; returns counts and bytes. `fused`: groups quantized as one weight."""
     todo = [p for p in plans if p.spec is not None]
+    by_name = {p.name: p for p in todo}
+    joint: dict[str, QuantLinear] = {}
+    for group in fused:
+        joint.update(_quantize_jointly(root, group, by_name[group[0][0]].spec))
     counts: Counter[str] = Counter()
     bytes_before = bytes_after = 0
     for plan in progress(todo, "quantize", enabled=show_progress):
         linear = root.get_submodule(plan.name)
         if isinstance(linear, QuantLinear):
             raise ValueError(f"layer '{plan.name}' is already quantized ({linear.format.name})")
-        qlinear = QuantLinear.from_linear(linear, plan.spec)
+        qlinear = joint.pop(plan.name) if plan.name in joint else QuantLinear.from_linear(linear, plan.spec)
         bytes_before += tensor_bytes(linear)
         bytes_after += tensor_bytes(qlinear)
         ledger.swap_module(root, plan.name, qlinear, keep_original=originals)
@@ -59,6 +86,21 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
     return result.plans, result.as_dict()
 
 
+def _native_groups(ctx: Context, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:
+    """Fused native modules whose parts are all planned alike: quantized jointly for an exact ComfyUI export."""
+    from lowbit_pipe.layout import fused_groups
+
+    if ctx.arch is None or ctx.recipe.export.layout != "comfy":
+        return []
+    specs = {p.name: p.spec for p in plans if p.spec is not None}
+    out = []
+    for native, group in fused_groups(ctx.arch, ctx.arch_config, list(specs)).items():
+        expected = {n for n, _ in ctx.arch.from_native_name(native, ctx.arch_config)}
+        if {n for n, _, _ in group} == expected and len({specs[n] for n, _, _ in group}) == 1:
+            out.append(group)
+    return out
+
+
 @register
 class Quantize(Stage):
     name = "quantize"
@@ -69,7 +111,8 @@ class Quantize(Stage):
         budget = None
         if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
             plans, budget = _budget_plans(ctx, plans)
-        result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, show_progress=True)
+        result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, show_progress=True,
+                                 fused=_native_groups(ctx, plans))
         if budget is not None:
             from lowbit_pipe.ledger import tensor_bytes
 

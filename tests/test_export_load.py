@@ -1,0 +1,106 @@
+"""Export layouts and reload: native fused layers, bad files named precisely, nothing written on failure."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+import lowbit_pipe
+from lowbit_pipe.errors import StageError
+
+
+def _export(tmp_path, recipe, *overrides):
+    return lowbit_pipe.run(recipe, ["pipeline=[load,detect,quantize,export]", *overrides], run_dir=tmp_path / "export")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "w4a8"])
+def test_flux_fused_native_layers_export_and_reload_exactly(tmp_path, fmt):
+    """FLUX's native qkv / linear1 fuse several diffusers layers: quantized jointly, split back exactly."""
+    first = _export(tmp_path, "flux1_fp8", f"quantize.default.format={fmt}")
+    with safe_open(first.export_path, "pt") as f:
+        keys = set(f.keys())
+        meta = json.loads(f.metadata()["lowbit_pipe"])
+    assert {"double_blocks.0.img_attn.qkv.comfy_quant", "single_blocks.0.linear1.comfy_quant"} <= keys
+    assert meta["layout"] == "native" and not any(k.startswith("transformer_blocks.") for k in keys)
+    second = lowbit_pipe.run("flux1_fp8", [f"model.path={first.export_path}", "pipeline=[load,detect]"],
+                             run_dir=tmp_path / "reload")
+    assert second.report["stages"]["load"]["source"] == "native"
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_partly_float_fused_group_is_refused_by_name(tmp_path):
+    with pytest.raises(StageError) as info:
+        _export(tmp_path, "flux1_fp8", "quantize.default.format=nvfp4",
+                "quantize.rules=[{match: single_transformer_blocks.0.proj_mlp, keep: true}]")
+    assert info.value.stage == "export" and "single_blocks.0.linear1" in str(info.value)
+    assert "proj_mlp" in str(info.value)
+    assert not (tmp_path / "export" / "model.safetensors").exists()
+
+
+def test_native_file_without_metadata_or_prefix_loads(tmp_path):
+    """A plain ComfyUI-style file: `model.diffusion_model.` prefix, no lowbit metadata."""
+    first = _export(tmp_path, "default")
+    state = load_file(first.export_path)
+    bare = tmp_path / "comfy_style.safetensors"
+    save_file({f"model.diffusion_model.{k}": v for k, v in state.items()}, str(bare))
+    cfg = first.context.model_config
+    overrides = [f"+model.config.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in cfg.items()
+                 if k in ("in_channels", "num_layers", "attention_head_dim", "num_attention_heads",
+                          "num_key_value_heads", "intermediate_size", "timestep_embed_dim", "text_hidden_dim",
+                          "num_text_layers", "text_num_attention_heads", "text_num_key_value_heads",
+                          "text_intermediate_size", "num_layerwise_text_blocks", "num_refiner_text_blocks")]
+    overrides.append(f"+model.config.axes_dims_rope={cfg['axes_dims_rope']}".replace(" ", ""))
+    second = lowbit_pipe.run("default", [f"model.path={bare}", "pipeline=[load,detect]", *overrides],
+                             run_dir=tmp_path / "reload")
+    assert second.report["detect"]["arch"] == "krea2"
+    a, b = first.model.state_dict(), second.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _corrupt(tmp_path, edit) -> Path:
+    first = _export(tmp_path, "default")
+    state = load_file(first.export_path)
+    with safe_open(first.export_path, "pt") as f:
+        meta = f.metadata()
+    edit(state)
+    bad = tmp_path / "bad.safetensors"
+    save_file(state, str(bad), metadata=meta)
+    return bad
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda s: s.__setitem__("blocks.0.attn.wq.comfy_quant",
+                             torch.tensor(list(b'{"format":"int3_magic"}'), dtype=torch.uint8)), ["int3_magic"]),
+    (lambda s: s.__setitem__("blocks.0.attn.wq.comfy_quant", torch.tensor(list(b'{"format":'), dtype=torch.uint8)),
+     ["not valid JSON"]),
+    (lambda s: s.__setitem__("blocks.0.attn.wq.weight", s["blocks.0.attn.wq.weight"][:, :128].contiguous()),
+     ["blocks.0.attn.wq"]),
+    (lambda s: s["first.weight"].view(-1).__setitem__(3, float("nan")), ["NaN", "first.weight"]),
+    (lambda s: s["blocks.0.attn.wq.weight_scale"].view(-1).__setitem__(0, float("inf")), ["blocks.0.attn.wq"]),
+])
+def test_bad_files_name_file_and_key(tmp_path, edit, words):
+    bad = _corrupt(tmp_path, edit)
+    out = tmp_path / "out.safetensors"
+    with pytest.raises(StageError) as info:
+        lowbit_pipe.run("default", [f"model.path={bad}", f"export.path={out}"], run_dir=tmp_path / "run")
+    message = str(info.value)
+    assert info.value.stage == "load" and str(bad) in message
+    for word in words:
+        assert word in message, message
+    assert not out.exists()
+
+
+def test_truncated_file_is_named(tmp_path):
+    first = _export(tmp_path, "default")
+    data = Path(first.export_path).read_bytes()
+    bad = tmp_path / "truncated.safetensors"
+    bad.write_bytes(data[: len(data) // 2])
+    with pytest.raises(StageError) as info:
+        lowbit_pipe.run("default", [f"model.path={bad}"], run_dir=tmp_path / "run")
+    assert str(bad) in str(info.value) and "truncated" in str(info.value)
