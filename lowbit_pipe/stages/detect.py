@@ -1,19 +1,17 @@
-"""detect: which architecture this is, its structural config, and the layer plan."""
+"""detect: which architecture this is, its structural config, and the layer plan (printed and reported)."""
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
 from torch import nn
 
-from lowbit_pipe.arch import detect_model, get_arch
-from lowbit_pipe.arch.base import LayerPolicy
+from lowbit_pipe.arch import Generic, detect_model, generic_policy, get_arch
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import get_format
-from lowbit_pipe.policy import plan_layers
+from lowbit_pipe.policy import LayerPlan, plan_layers
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
 
@@ -22,10 +20,16 @@ def linear_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
     return {n: (m.out_features, m.in_features) for n, m in module.named_modules() if isinstance(m, nn.Linear)}
 
 
-def generic_policy(module: nn.Module) -> LayerPolicy:
-    """Unknown model: quantize every Linear but the first and the last."""
-    names = list(linear_shapes(module))
-    return LayerPolicy(keep_float=tuple(names[:1] + names[-1:]))
+def plan_bytes(plans: list[LayerPlan], float_itemsize: int) -> tuple[int, int]:
+    """Weight bytes of the planned Linears before (float) and after (each layer's format, exact)."""
+    before = sum(o * i for o, i in (p.shape for p in plans)) * float_itemsize
+    after = sum(get_format(p.spec.format).storage_bytes(*p.shape, p.spec) if p.spec else p.shape[0] * p.shape[1] * float_itemsize
+                for p in plans)
+    return before, after
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 @register
@@ -33,26 +37,32 @@ class Detect(Stage):
     name = "detect"
 
     def run(self, ctx: Context) -> dict[str, Any]:
-        forced = ctx.recipe.model.arch if ctx.source.get("layout") not in ("tiny",) else None
-        arch = get_arch(forced) if forced not in (None, "generic") else detect_model(ctx.transformer)
+        # model.arch forces the architecture of a weights FILE; tiny models and live objects are detected
+        # by class (the default recipe's model.arch belongs to its tiny model, not to a model passed in).
+        forced = ctx.recipe.model.arch if ctx.recipe.model.path is not None else None
+        if forced == "generic":
+            arch = None
+        else:
+            arch = get_arch(forced) if forced is not None else detect_model(ctx.transformer)
         if arch is None:
-            warnings.warn(f"unknown model class {type(ctx.transformer).__name__}: using the generic policy "
-                          "(every Linear but the first and last is quantized)", stacklevel=2)
-            ctx.arch, ctx.arch_config, ctx.policy = None, None, generic_policy(ctx.transformer)
+            ctx.arch = None  # no example inputs: evaluate is skipped, budget refused
+            ctx.arch_config = None
+            ctx.policy = Generic.for_model(ctx.transformer).policy if forced != "generic" else generic_policy(ctx.transformer)
         else:
             ctx.arch, ctx.policy = arch, arch.policy
             ctx.arch_config = arch.config_from_model(ctx.transformer)
         plans = plan_layers(linear_shapes(ctx.transformer), ctx.recipe.quantize, ctx.policy)
         counts = Counter(p.spec.format if p.spec else "float" for p in plans)
-        bytes_before = sum(o * i for o, i in (p.shape for p in plans)) * ctx.dtype.itemsize
-        bytes_after = sum(o * i * (get_format(p.spec.format).bits_per_weight / 8 if p.spec else ctx.dtype.itemsize)
-                          for p in plans for o, i in [p.shape])
-        result = {
-            "arch": arch.id if arch else "generic",
-            "config": asdict(ctx.arch_config) if ctx.arch_config else {},
-            "plan": {"layers": dict(counts), "linear_bytes_before": int(bytes_before), "linear_bytes_after": int(bytes_after)},
-        }
+        before, after = plan_bytes(plans, ctx.dtype.itemsize)
+        arch_id = arch.id if arch else "generic"
+        config = asdict(ctx.arch_config) if ctx.arch_config else {}
+        result = {"arch": arch_id, "config": config,
+                  "plan": {"layers": dict(counts), "linear_bytes_before": before, "linear_bytes_after": after}}
         ctx.report["detect"] = result
         ctx.report["plan"] = [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
                                "reason": p.reason} for p in plans]
-        return {"arch": result["arch"], **{f"layers_{k}": v for k, v in counts.items()}}
+        shape = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("arch", "extra") and v is not None)
+        print(f"detect: {arch_id} ({shape})\n"
+              f"plan:   {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} layers; "
+              f"linear weights {_mb(before)} -> {_mb(after)}")
+        return {"arch": arch_id, **{f"layers_{k}": v for k, v in counts.items()}}
