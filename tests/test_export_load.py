@@ -104,3 +104,28 @@ def test_truncated_file_is_named(tmp_path):
     with pytest.raises(StageError) as info:
         lowbit_pipe.run("default", [f"model.path={bad}"], run_dir=tmp_path / "run")
     assert str(bad) in str(info.value) and "truncated" in str(info.value)
+
+
+FORMATS = ["fp8", "int8", "nvfp4", "convrot_w4a4", "w4a8", "w6a8"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_format_exports_and_reloads_with_identical_outputs(tmp_path, fmt):
+    first = _export(tmp_path, "default", f"quantize.default.format={fmt}")
+    assert first.report["quantize"]["layers"] == {fmt: 16}
+    second = lowbit_pipe.run("default", [f"model.path={first.export_path}", "pipeline=[load,detect]"],
+                             run_dir=tmp_path / "reload")
+    arch = first.context.arch
+    inputs = arch.example_inputs(first.context.model_config, batch=1, image_tokens=16, text_tokens=4,
+                                 generator=torch.Generator().manual_seed(3), dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        assert torch.equal(first.model(**inputs).sample, second.model(**inputs).sample)
+
+
+def test_kinds_stock_comfy_cannot_run_are_marked_and_warned(tmp_path):
+    with pytest.warns(UserWarning, match="stock ComfyUI cannot run"):
+        first = _export(tmp_path, "default", "quantize.default.rotation=quarot")
+    assert first.report["export"]["not_stock_comfy"]
+    with safe_open(first.export_path, "pt") as f:
+        record = json.loads(bytes(f.get_tensor("blocks.0.attn.wq.comfy_quant").tolist()))
+    assert record.get("lowbit_rotation") == "quarot" and record["format"] != "int8_tensorwise"
