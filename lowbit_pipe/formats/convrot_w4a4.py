@@ -19,7 +19,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.kernels import reference, rotation
+from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP = 256
 
@@ -65,6 +65,9 @@ class ConvRotW4A4(Format):
         return rotation.unrotate_weight(w_rot, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if dispatch.int8_supported(x, "convrot"):  # GPU: Triton int4 quant (+ConvRot), GEMM unpacks int4
+            return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, "convrot",
+                                        int(q.record.get("convrot_groupsize", GROUP)), int4=True)
         x_rot, _ = rotation.rotate_activation(x, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
         y = reference.int4_linear(x_rot, self.codes(q), q.tensors["weight_scale"])
         return common.out_dtype_result(y, bias, x.dtype)

@@ -24,7 +24,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.kernels import reference, rotation
+from lowbit_pipe.kernels import dispatch, reference, rotation
 
 @register
 class FP8(Format):
@@ -64,6 +64,9 @@ class FP8(Format):
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         kind, group = common.record_rotation(q.record, q.format)
+        if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + cuBLAS fp8
+            return dispatch.fp8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"),
+                                       bias, kind, group)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = reference.fp8_linear(x_rot, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"))
         if mu is not None:

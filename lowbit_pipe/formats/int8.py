@@ -19,7 +19,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.kernels import reference, rotation
+from lowbit_pipe.kernels import dispatch, reference, rotation
 
 
 def quantize_int8(w: torch.Tensor, per_row: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +66,8 @@ class Int8(Format):
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         kind, group = common.record_rotation(q.record, q.format)
+        if dispatch.int8_supported(x, kind):  # GPU: Triton quant (+rotation) and INT8 GEMM
+            return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, kind, group)
         if kind == "none":
             return reference.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias)
         x_rot, mu = rotation.rotate_activation(x, kind, group)

@@ -31,7 +31,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.kernels import reference, rotation
+from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
 
@@ -99,6 +99,10 @@ class NVFP4(Format):
             y = x.float() @ self.dequantize(q).t()
             return common.out_dtype_result(y, bias, x.dtype)
         kind, group = common.record_rotation(q.record, q.format)
+        if dispatch.nvfp4_supported(x, kind):  # GPU: Triton act emulation + register-decoded NVFP4 GEMM
+            t = q.tensors
+            return dispatch.nvfp4_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"], t.get("input_scale"),
+                                         q.shape[0], bias, kind, group)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         n, k = q.shape
         kp = q.tensors["weight"].shape[1] * 2

@@ -41,7 +41,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.kernels import reference, rotation
+from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP_SIZE = 16
 CONVROT_GROUP = 256
@@ -234,8 +234,10 @@ class W4A8(Format):
         if "weight_correction" in q.tensors:  # asymmetric: comfy-kitchen runs it as a float linear
             y = x.float() @ self.dequantize(q).t()
             return common.out_dtype_result(y, bias, x.dtype)
-        x_rot, _ = rotation.rotate_activation(x, "convrot", cgroup)
         w8 = decode_int8_grid(q.tensors, k, bits, group_size)
+        if dispatch.int8_supported(x, "convrot"):  # GPU: int8 path on the per-call decoded int8 grid
+            return dispatch.int8_linear(x, w8, q.tensors["weight_s_channel"], bias, "convrot", cgroup)
+        x_rot, _ = rotation.rotate_activation(x, "convrot", cgroup)
         y = reference.int8_linear_fp32(x_rot, w8, q.tensors["weight_s_channel"])
         return common.out_dtype_result(y, bias, x.dtype)
 

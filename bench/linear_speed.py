@@ -1,0 +1,253 @@
+"""Quantized linear speed vs bf16 at Krea 2 shapes, each output checked against the reference.
+
+GPU (the committed table):  python bench/linear_speed.py --out bench/results/linear_speed_h200.json
+CPU smoke run (seconds):     python bench/linear_speed.py --device cpu --small
+
+Per shape (M tokens, K in, N out) and format: QuantLinear.forward time INCLUDING the
+activation quantization (and rotation), the bf16 F.linear baseline measured in the same
+run, their ratio (bf16 ms / format ms: > 1 is faster than bf16), and two relative errors
+||y - r|| / ||r||: against the format's reference math (the torch oracle, evaluated in fp32 on
+the same device: checks the kernels) and against the unquantized fp32 product (the format's
+quantization error). The path column says which dispatch path ran (lowbit_pipe.kernels.dispatch).
+Timing: triton.testing.do_bench (L2 flushed between calls, mean ms) on CUDA; wall clock on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lowbit_pipe.formats import FormatSpec, common, get_format  # noqa: E402
+from lowbit_pipe.formats.w4a8 import decode_int8_grid  # noqa: E402
+from lowbit_pipe.kernels import dispatch, reference, rotation  # noqa: E402
+from lowbit_pipe.nn import QuantLinear  # noqa: E402
+
+KREA2_KN = ((6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536))
+FULL_SHAPES = [(4608, k, n) for k, n in KREA2_KN] + [(256, k, n) for k, n in KREA2_KN]
+SMALL_SHAPES = [(64, 256, 256), (64, 256, 512), (64, 512, 256), (64, 256, 128)]
+# (label, format, spec)
+ROWS = (
+    ("int8", "int8", FormatSpec("int8")),
+    ("int8+convrot", "int8", FormatSpec("int8", rotation="convrot")),
+    ("fp8", "fp8", FormatSpec("fp8")),
+    ("nvfp4", "nvfp4", FormatSpec("nvfp4")),
+    ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot")),
+    ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot")),
+)
+
+
+def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
+    """The format's reference math in fp32 on any device (int products summed in fp32: exact
+    below 2^24, ~1e-7 relative above; CUDA has no int64 matmul for the CPU reference's path)."""
+    fmt = get_format(name)
+    t = q.tensors
+    kind, group = common.record_rotation(q.record, q.format)
+    if name == "convrot_w4a4":
+        kind, group = "convrot", int(q.record.get("convrot_groupsize", 256))
+    if name in ("w4a8", "w6a8"):
+        kind, group = "convrot", int(q.record.get("convrot_groupsize", 256))
+    xr, mu = rotation.rotate_activation(x, kind, group)
+    assert mu is None, "hadanorm is not benchmarked"
+    if name == "fp8":
+        y = reference.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"))
+    elif name == "nvfp4" and x.device.type == "cpu":  # the format's CPU path is weight-only
+        y = x.float() @ fmt.dequantize(q).t()
+    elif name == "nvfp4":
+        y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
+    else:
+        if name == "convrot_w4a4":
+            xq, xs = reference.quantize_rows_int4(xr)
+            w, ws = fmt.codes(q), t["weight_scale"]
+        elif name in ("w4a8", "w6a8"):
+            k = q.shape[1]
+            xq, xs = reference.quantize_rows_int8(xr)
+            w, ws = decode_int8_grid(t, k, fmt.bits, 16), t["weight_s_channel"]
+        else:
+            xq, xs = reference.quantize_rows_int8(xr)
+            w, ws = t["weight"], t["weight_scale"]
+        acc = xq.float() @ w.float().t()
+        y = acc * xs * (ws.float().reshape(1, -1) if ws.numel() > 1 else ws.float().reshape(()))
+    if bias is not None:
+        y = y + bias.float()
+    return y
+
+
+def path_of(name: str, x: torch.Tensor, q) -> str:
+    kind, _ = common.record_rotation(q.record, q.format)
+    if name == "fp8":
+        return "triton-quant+cublas-fp8" if dispatch.fp8_supported(x, q.tensors["weight"], kind) else "reference"
+    if name == "nvfp4":
+        return "triton-nvfp4-act+triton-nvfp4-gemm" if dispatch.nvfp4_supported(x, kind) else "reference"
+    if name == "convrot_w4a4":
+        return "triton-int4-quant+triton-gemm(int4 unpack)" if dispatch.int8_supported(x, "convrot") else "reference"
+    if name in ("w4a8", "w6a8"):
+        return "torch-decode+triton-int8" if dispatch.int8_supported(x, "convrot") else "reference"
+    return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"
+
+
+def graph_timer(iters: int):
+    """Time one CUDA-graph replay of fn: the GPU time alone, without Python/launch overhead
+    (what a compiled / graph-captured DiT forward sees). fn must have run once (autotuning)."""
+    import triton.testing
+
+    def run(fn):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        return float(triton.testing.do_bench(graph.replay, warmup=25, rep=iters))
+    return run
+
+
+def components(name: str, x: torch.Tensor, q, graph) -> dict:
+    """GPU time of the activation-quantization kernel and of the GEMM alone (int8 family)."""
+    from lowbit_pipe.kernels.int8_gemm import int8_gemm
+    from lowbit_pipe.kernels.quantize_act import quantize_act
+
+    kind, group = common.record_rotation(q.record, q.format)
+    if name == "convrot_w4a4":
+        kind, group = "convrot", 256
+    mode = "int4" if name == "convrot_w4a4" else "int8"
+    t = q.tensors
+    xq, xs = quantize_act(x, mode, kind, group)
+    w_mode = 1 if name == "convrot_w4a4" else 0
+    quant_ms = graph(lambda: quantize_act(x, mode, kind, group))
+    gemm_ms = graph(lambda: int8_gemm(xq, t["weight"], xs, t["weight_scale"], None, x.dtype, w_mode))
+    return {"quant_ms_graph": quant_ms, "gemm_ms_graph": gemm_ms}
+
+
+def timer(device: str, iters: int):
+    if device == "cuda":
+        import triton.testing
+
+        return lambda fn: float(triton.testing.do_bench(fn, warmup=25, rep=iters))
+    def cpu_time(fn):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            fn()
+        return (time.perf_counter() - t0) / 3 * 1e3
+    return cpu_time
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = args.device
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    shapes = SMALL_SHAPES if args.small else FULL_SHAPES
+    rows = [r for r in ROWS if not args.formats or r[0] in args.formats]
+    bench = timer(device, args.rep_ms)
+    graph = graph_timer(args.rep_ms) if device == "cuda" else None
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    results = []
+    for m, k, n in shapes:
+        x = torch.randn(m, k, generator=gen)
+        x[:, torch.randperm(k, generator=gen)[: k // 100]] *= 20.0  # 1% outlier channels, as DiT activations have
+        w = torch.randn(n, k, generator=gen) * 0.02
+        b = torch.randn(n, generator=gen) * 0.1
+        x, w, b = x.to(device, dtype), w.to(device), b.to(device, dtype)
+        w_lp = w.to(dtype)
+        y_float = x.float() @ w.t() + b.float()
+        base_ms = bench(lambda: F.linear(x, w_lp, b))
+        base_graph = graph(lambda: F.linear(x, w_lp, b)) if graph else None
+        y_base = F.linear(x, w_lp, b)
+        results.append({"M": m, "K": k, "N": n, "format": "bf16" if dtype == torch.bfloat16 else "fp32", "path": "F.linear",
+                        "ms": base_ms, "speedup_vs_bf16": 1.0, "ms_graph": base_graph, "speedup_graph": 1.0 if graph else None,
+                        "rel_err_vs_reference": 0.0, "rel_err_vs_float": rel(y_base, y_float)})
+        print(f"M={m} K={k} N={n}: {results[-1]['format']} {base_ms:.4f} ms, graph {base_graph}", flush=True)
+        for label, name, spec in rows:
+            fmt = get_format(name)
+            if not fmt.supports_shape(n, k):
+                continue
+            layer = QuantLinear(fmt.quantize(w, spec), b).to(device)
+            try:
+                with torch.no_grad():
+                    y = layer(x)
+                    ref = emulate(name, x, layer.qweight, b)
+                    ms = bench(lambda: layer(x))
+                    ms_graph = graph(lambda: layer(x)) if graph else None
+                    parts = components(name, x, layer.qweight, graph) if graph and name in ("int8", "convrot_w4a4") else {}
+            except Exception as err:  # a broken path is reported in the table and the run goes on
+                results.append({"M": m, "K": k, "N": n, "format": label, "path": path_of(name, x, layer.qweight),
+                                "error": f"{type(err).__name__}: {err}"[:500]})
+                print(f"  {label:14s} ERROR {results[-1]['error']}", flush=True)
+                continue
+            row = {"M": m, "K": k, "N": n, "format": label, "path": path_of(name, x, layer.qweight), "ms": ms,
+                   "speedup_vs_bf16": base_ms / ms, "ms_graph": ms_graph,
+                   "speedup_graph": base_graph / ms_graph if graph else None,
+                   # the output is x.dtype: compare with the reference rounded the same way
+                   "rel_err_vs_reference": rel(y, ref.to(y.dtype)), "rel_err_vs_float": rel(y, y_float), **parts}
+            results.append(row)
+            print(f"  {label:14s} {ms:.4f} ms  x{row['speedup_vs_bf16']:.2f}  graph {ms_graph} {parts} ref {row['rel_err_vs_reference']:.2e}  "
+                  f"float {row['rel_err_vs_float']:.2e}  [{row['path']}]", flush=True)
+            del layer
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+           "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return {"command": "python " + " ".join(sys.argv), "env": env, "dtype": str(dtype), "results": results}
+
+
+def markdown(report: dict) -> str:
+    env = report["env"]
+    lines = [f"`{report['command']}`", "",
+             f"device: {env['device_name']} | torch {env['torch']} | triton {env['triton']} | activations {report['dtype']}",
+             "", "ms = forward incl. activation quantization; x = bf16 ms / format ms (>1 faster); "
+             "err ref = vs the format's reference math; err float = vs the unquantized fp32 product", "",
+             "ms graph / x graph: the same forward replayed from a CUDA graph (GPU time, no Python or launch "
+             "overhead); quant/gemm: graph time of the activation-quant kernel and of the GEMM alone", "",
+             "| M | K | N | format | ms eager | x bf16 | ms graph | x graph | quant / gemm ms | err ref | err float | path |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in report["results"]:
+        if "error" in r:
+            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | error | | | | | | | {r['path']}: {r['error'][:120]} |")
+            continue
+        g = f"{r['ms_graph']:.4f} | {r['speedup_graph']:.2f}" if r.get("ms_graph") is not None else "- | -"
+        parts = f"{r['quant_ms_graph']:.4f} / {r['gemm_ms_graph']:.4f}" if "quant_ms_graph" in r else ""
+        lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | {r['ms']:.4f} | {r['speedup_vs_bf16']:.2f} | {g} | "
+                     f"{parts} | {r['rel_err_vs_reference']:.1e} | {r['rel_err_vs_float']:.1e} | {r['path']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
+    parser.add_argument("--formats", nargs="*", default=None, help=f"subset of {[r[0] for r in ROWS]}")
+    parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement (CUDA)")
+    parser.add_argument("--out", type=Path, default=None, help="write the JSON report here (and .md beside it)")
+    args = parser.parse_args()
+    report = run(args)
+    md = markdown(report)
+    print(md)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+        args.out.with_suffix(".md").write_text(md)
+
+
+if __name__ == "__main__":
+    main()

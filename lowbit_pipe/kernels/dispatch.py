@@ -1,0 +1,134 @@
+"""GPU paths of the quantized linear, one pair of functions per format family.
+
+`<family>_supported(...)` is the decision (device, dtype, rotation kind, shapes): a pure
+check, never a try/except around a kernel. `<family>_linear(...)` runs the GPU path. A
+Format.linear calls `<family>_linear` when `<family>_supported` says yes and otherwise runs
+its torch reference (the CPU path and the oracle the GPU paths are tested against).
+
+| format (rotation)                     | GPU path                                                        |
+|---------------------------------------|-----------------------------------------------------------------|
+| int8 (none / convrot / quarot)        | Triton per-token int8 quant (rotation fused) + Triton INT8 GEMM |
+| fp8  (none / convrot / quarot)        | Triton per-token fp8 quant (rotation fused) + torch._scaled_mm   |
+|                                       | (row-wise scales), when K, N % 16 == 0 and M >= 16              |
+| convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
+| w4a8 / w6a8 (no weight_correction)    | int8-grid decode in torch per call + the int8 path above         |
+| nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation + Triton GEMM that |
+|                                       | decodes e2m1/e4m3 in registers, bf16 tensor cores                |
+| hadanorm rotation (any format)        | torch reference (its mean correction needs the whole weight)    |
+
+No module state, no environment switches: each call decides from its arguments.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit_pipe.kernels import rotation
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FUSED_ROTATIONS = ("none", "convrot", "quarot")
+# cuBLASLt fp8 (torch._scaled_mm): K and N must be multiples of 16. Very short M (the
+# time-embedding linears, M = batch) crashed cuBLAS in DESIGN.md 7's runs: those go to the
+# reference, which costs nothing at that size.
+FP8_MIN_M = 16
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1] if x.shape[-1] else 0
+
+
+def _gpu_input(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] > 0
+
+
+# ---------------------------------------------------------------------------
+# int8 family: int8_tensorwise, w4a8 / w6a8 (after decode), convrot_w4a4 (int4 codes)
+# ---------------------------------------------------------------------------
+
+def int8_supported(x: torch.Tensor, rot: str) -> bool:
+    return _gpu_input(x) and rot in FUSED_ROTATIONS
+
+
+def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                rot: str = "none", group: int | None = None, int4: bool = False) -> torch.Tensor:
+    """y = quant(rotate(x)) @ w^T with per-token activation scales; returns x.dtype [..., N].
+
+    int4=False: int8 activations, w int8 [N, K]; int4=True: int4 activations (+-7), w packed
+    int4 [N, K/2] (low nibble first), both through the same int8 tensor-core GEMM.
+    """
+    from lowbit_pipe.kernels.int8_gemm import int8_gemm_op
+    from lowbit_pipe.kernels.quantize_act import quantize_act_op
+
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    g = rotation.resolve_group(rot, group) if rot != "none" else 0
+    q, s = quantize_act_op(x2, "int4" if int4 else "int8", rot, g, None)
+    y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# ---------------------------------------------------------------------------
+# fp8: per-token (or static) e4m3 activations, cuBLAS fp8 GEMM
+# ---------------------------------------------------------------------------
+
+def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str) -> bool:
+    n, k = w.shape
+    return (_gpu_input(x) and rot in FUSED_ROTATIONS and w.is_contiguous()
+            and k % 16 == 0 and n % 16 == 0 and _rows(x) >= FP8_MIN_M)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
+               bias: torch.Tensor | None, rot: str = "none", group: int | None = None) -> torch.Tensor:
+    """torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
+    tensor-wise when both scales are scalars (any out dtype). The weight goes in as w.t():
+    the column-major [K, N] operand cuBLAS wants, without a copy."""
+    from lowbit_pipe.kernels.quantize_act import quantize_act_op
+
+    k = x.shape[-1]
+    n = w.shape[0]
+    x2 = x.reshape(-1, k)
+    g = rotation.resolve_group(rot, group) if rot != "none" else 0
+    q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
+    if input_scale is not None and w_scale.numel() == 1:
+        out_dtype = x.dtype
+        y = torch._scaled_mm(q, w.t(), scale_a=input_scale.float().reshape(()), scale_b=w_scale.float().reshape(()),
+                             out_dtype=out_dtype)
+    else:
+        ws = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
+        y = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=ws, out_dtype=torch.bfloat16)  # row-wise: bf16 only
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+# ---------------------------------------------------------------------------
+# nvfp4: activation emulation + register-decoded weight GEMM
+# ---------------------------------------------------------------------------
+
+def nvfp4_supported(x: torch.Tensor, rot: str) -> bool:
+    return _gpu_input(x) and rot in FUSED_ROTATIONS
+
+
+def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor,
+                 input_scale: torch.Tensor | None, n: int, bias: torch.Tensor | None, rot: str = "none",
+                 group: int | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The format's GPU math (rotate, NVFP4 activations with a per-tensor global scale, NVFP4
+    weight) on bf16 tensor cores: both operands are exact in bf16 once the global scales are
+    taken out, so only the fp32 accumulation order differs from the reference.
+    `compute_dtype` fp32 exists for the CPU interpreter tests (its bf16 dot is broken)."""
+    from lowbit_pipe.kernels import reference
+    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant_op, nvfp4_gemm_op
+
+    k = x.shape[-1]
+    kp = w_packed.shape[1] * 2
+    x2 = x.reshape(-1, k)
+    if rot != "none":  # the global scale needs the amax of the whole rotated tensor first
+        x2, _ = rotation.rotate_activation(x2, rot, group)
+    if input_scale is not None:
+        gx = input_scale.float().reshape(())
+    else:
+        amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
+        gx = reference.positive_scale(amax, reference.E2M1_MAX * reference.FP8_E4M3_MAX)
+    a = nvfp4_act_quant_op(x2, gx, kp, compute_dtype)
+    y = nvfp4_gemm_op(a, w_packed, w_block, gx * w_global.float().reshape(()), n, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n)

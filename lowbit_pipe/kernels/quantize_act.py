@@ -1,0 +1,242 @@
+"""Triton per-token activation quantization, optionally fused with a block-diagonal Hadamard.
+
+    (rotate x @ H per group) -> row amax -> scale -> codes          (one kernel)
+
+Modes:
+- "int8": scale = max(amax, 1e-12) / 127, codes = clamp(rne(x / scale), +-127)   (reference.quantize_rows_int8)
+- "int4": scale = max(amax, 1e-10) / 7,   codes = clamp(rne(x / scale), +-7)     (reference.quantize_rows_int4)
+- "fp8":  scale = amax / 448 (1 where amax == 0), codes = e4m3(clamp(x * (1/scale), +-448))
+          (reference.fp8_quantize / positive_scale); or a static per-tensor `static_scale`.
+
+Rotation (`rot` = "convrot" / "quarot", group G): each program owns BLOCK_M rows and
+walks the row G columns at a time. Both kinds are Kronecker powers, so a group of
+G >= 256 rotates as H_16 kron H_{G/16} (two small dots on the [16, G/16] view of each
+row: 16x16 factors, ~18 KB of shared memory); smaller groups (quarot 128) use one dot
+with the whole +-1 matrix in 64-column slices. The +-1 factors are exact in bf16/fp16
+and the 1/sqrt(G) goes on in fp32. The row amax needs the whole rotated row before any
+code can be written, so the kernel rotates twice (pass 1: amax, pass 2: codes) instead
+of spilling the fp32 rotated row to memory.
+hadanorm (per-group mean removal, plus a correction term) is not fused: rotate with
+`rotation.rotate_activation` first and quantize with rot="none".
+
+Division is `div_rn` (Triton's `/` on fp32 is an approximate division on the GPU) and
+rounding is round-half-even through the 1.5*2^23 trick (torch.round's rule), so codes
+match the torch reference except where the fp32 rotation sums differ in the last bit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit_pipe.kernels import rotation
+
+MODES = {"int8": (0, 127.0, 1e-12), "int4": (0, 7.0, 1e-10), "fp8": (1, 448.0, 0.0)}
+_RNE_MAGIC = 12582912.0  # 1.5 * 2**23: (v + M) - M rounds half-to-even for |v| < 2**22
+
+
+@triton.jit
+def _rot_chunk(x, h_ptr, j, H_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr):
+    """Columns [j*HC, (j+1)*HC) of x @ H for the tile x [BLOCK_M, BLOCK_K], fp32.
+
+    H is read in [BLOCK_K, HC] slices (L2-resident) so shared memory holds 32 KB of it
+    instead of the whole 128 KB 256x256 matrix."""
+    hr = tl.arange(0, BLOCK_K)
+    hc = j * HC + tl.arange(0, HC)
+    h = tl.load(h_ptr + hr[:, None] * BLOCK_K + hc[None, :])
+    if IEEE:  # fp32 input: true fp32 products (the GPU default would be tf32)
+        acc = tl.dot(x, h, input_precision="ieee")
+    else:
+        acc = tl.dot(x, h)
+    return acc * H_SCALE
+
+
+@triton.jit
+def _rot_kron(x, ha_ptr, hb_ptr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+              A: tl.constexpr, B: tl.constexpr):
+    """x [BLOCK_M, A*B] @ (H_A kron H_B) without the G x G matrix: per row, X [A, B] -> H_A X H_B.
+
+    Step 1 (X @ H_B) multiplies the input dtype by +-1 (exact) into fp32; step 2 (H_A on the
+    other index) multiplies fp32 values, so it runs as an fp32 dot (ieee). Both factors are
+    tiny (16 x 16 for G=256), so shared memory stays small and many programs fit per SM."""
+    ib = tl.arange(0, B)
+    ia = tl.arange(0, A)
+    hb = tl.load(hb_ptr + ib[:, None] * B + ib[None, :])
+    ha = tl.load(ha_ptr + ia[:, None] * A + ia[None, :]).to(tl.float32)
+    if IEEE:
+        z = tl.dot(tl.reshape(x, (BLOCK_M * A, B)), hb, input_precision="ieee")
+    else:
+        z = tl.dot(tl.reshape(x, (BLOCK_M * A, B)), hb)
+    z = tl.reshape(tl.permute(tl.reshape(z, (BLOCK_M, A, B)), (0, 2, 1)), (BLOCK_M * B, A))
+    y = tl.dot(z, ha, input_precision="ieee")
+    y = tl.reshape(tl.permute(tl.reshape(y, (BLOCK_M, B, A)), (0, 2, 1)), (BLOCK_M, A * B))
+    return y * H_SCALE
+
+
+@triton.jit
+def _quant_rows_kernel(
+    x_ptr, h_ptr, hb_ptr, q_ptr, s_ptr, static_ptr,
+    M, K, stride_xm, stride_qm,
+    QMAX: tl.constexpr, EPS: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr,
+    ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr,
+):
+    # BLOCK_K: the rotation group (ROT) or the column chunk; HC: output columns per step
+    # (HC == BLOCK_K without rotation or with the Kronecker form). KRON_A > 0: rotate as
+    # H_A kron H_B (h_ptr = H_A, hb_ptr = H_B, A * B = BLOCK_K); 0: one dot with H (h_ptr).
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    r_ok = rows < M
+    x_row = x_ptr + rows[:, None] * stride_xm
+    if STATIC:
+        scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(static_ptr)
+    else:
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
+            for j in tl.static_range(BLOCK_K // HC):
+                if ROT and KRON_A > 0:
+                    v = _rot_kron(x, h_ptr, hb_ptr, H_SCALE, IEEE, BLOCK_M, KRON_A, BLOCK_K // KRON_A)
+                elif ROT:
+                    v = _rot_chunk(x, h_ptr, j, H_SCALE, IEEE, BLOCK_K, HC)
+                else:
+                    v = x.to(tl.float32)
+                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        if FP8:
+            scale = tl.math.div_rn(amax, QMAX)
+            scale = tl.where(scale > 0, scale, 1.0)
+        else:
+            scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
+        tl.store(s_ptr + rows, scale, mask=r_ok)
+    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
+        for j in tl.static_range(BLOCK_K // HC):
+            if ROT and KRON_A > 0:
+                v = _rot_kron(x, h_ptr, hb_ptr, H_SCALE, IEEE, BLOCK_M, KRON_A, BLOCK_K // KRON_A)
+            elif ROT:
+                v = _rot_chunk(x, h_ptr, j, H_SCALE, IEEE, BLOCK_K, HC)
+            else:
+                v = x.to(tl.float32)
+            if FP8:
+                q = tl.clamp(v * inv[:, None], -QMAX, QMAX).to(q_ptr.dtype.element_ty)
+            else:
+                t = tl.math.div_rn(v, scale[:, None])
+                t = (t + 12582912.0) - 12582912.0  # round half to even, like torch.round
+                q = tl.clamp(t, -QMAX, QMAX).to(tl.int8)
+            oc = k0 + j * HC + tl.arange(0, HC)
+            tl.store(q_ptr + rows[:, None] * stride_qm + oc[None, :], q, mask=r_ok[:, None] & (oc[None, :] < K))
+
+
+KRON_OUTER = 16  # groups >= 256 rotate as H_16 kron H_{G/16} (both kinds are Kronecker powers)
+
+
+@functools.lru_cache(maxsize=32)
+def _unnormalized_hadamard(kind: str, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """+-1 Hadamard (rotation.hadamard(...) * sqrt(group)), exact in every float dtype, on `device`.
+
+    Cached per device so a forward does no host-to-device copy (CUDA-graph capturable once
+    warm); a few KB each. `clear_cache()` empties it."""
+    return torch.sign(rotation.hadamard(kind, group)).to(device=device, dtype=dtype).contiguous()
+
+
+def clear_cache() -> None:
+    """Drop the cached device Hadamard factors."""
+    _unnormalized_hadamard.cache_clear()
+
+
+def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: int | None = None,
+                 static_scale: torch.Tensor | None = None, block_m: int | None = None,
+                 num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32/bf16/fp16) -> (codes [M, K] int8 or float8_e4m3fn, scale fp32 [M, 1]).
+
+    `rot` rotates first (x @ H per group of `group`); `static_scale` (fp8 only) uses one
+    per-tensor scale instead of the per-token amax (the returned scale is then [M, 1] of it).
+    `block_m` / `num_warps` override the launch shape (tests under the interpreter).
+    """
+    if mode not in MODES:
+        raise ValueError(f"quantize_act: mode must be one of {list(MODES)}, got '{mode}'")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_act: expected 2-D x, got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"quantize_act: x must be fp32/bf16/fp16, got {x.dtype}")
+    if static_scale is not None and mode != "fp8":
+        raise ValueError("quantize_act: static_scale is for fp8 only")
+    if rot not in ("none", "convrot", "quarot"):
+        raise ValueError(f"quantize_act: rot must be none/convrot/quarot (hadanorm: rotate first), got '{rot}'")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, k = x.shape
+    is_fp8, qmax, eps = MODES[mode]
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn if is_fp8 else torch.int8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if static_scale is not None:
+        static = static_scale.float().reshape(1).contiguous()
+        scale.copy_(static.expand(m, 1))
+    else:
+        static = scale  # dummy pointer when STATIC=False
+    if m == 0:
+        return q, scale
+    if rot != "none":
+        g = rotation.resolve_group(rot, group)
+        if k % g:
+            raise ValueError(f"quantize_act: K={k} is not a multiple of the {rot} group {g}")
+        block_k, h_scale = g, float(1.0 / g**0.5)
+        if g >= KRON_OUTER * KRON_OUTER:
+            kron_a, hc = KRON_OUTER, g
+            h = _unnormalized_hadamard(rot, KRON_OUTER, x.dtype, x.device)
+            hb = _unnormalized_hadamard(rot, g // KRON_OUTER, x.dtype, x.device)
+        else:  # small group (quarot 128: 32 KB in bf16): one dot, in 64-column slices
+            kron_a, hc = 0, min(g, 64)
+            h = hb = _unnormalized_hadamard(rot, g, x.dtype, x.device)
+        bm, warps, stages = block_m or 16, num_warps or 4, 2
+    else:
+        h = hb = scale  # dummy pointers when ROT=False
+        block_k, h_scale, kron_a = min(triton.next_power_of_2(k), 2048), 1.0, 0
+        hc = block_k
+        bm, warps, stages = block_m or 4, num_warps or 4, 2
+    grid = (triton.cdiv(m, bm),)
+    _quant_rows_kernel[grid](
+        x, h, hb, q, scale, static, m, k, x.stride(0), q.stride(0),
+        QMAX=qmax, EPS=eps, FP8=bool(is_fp8), STATIC=static_scale is not None,
+        ROT=rot != "none", H_SCALE=h_scale, IEEE=x.dtype == torch.float32,
+        BLOCK_M=bm, BLOCK_K=block_k, HC=hc, KRON_A=kron_a, num_warps=warps, num_stages=stages,
+    )
+    return q, scale
+
+
+# ---------------------------------------------------------------------------
+# custom op (fake impl: shapes only) so torch.compile keeps the kernel as one node
+# ---------------------------------------------------------------------------
+
+@torch.library.custom_op("lowbit_pipe::quantize_act", mutates_args=())
+def quantize_act_op(x: torch.Tensor, mode: str, rot: str, group: int,
+                    static_scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize_act(x, mode, rot, group or None, static_scale)
+
+
+@quantize_act_op.register_fake
+def _(x, mode, rot, group, static_scale):
+    dtype = torch.float8_e4m3fn if mode == "fp8" else torch.int8
+    return x.new_empty(x.shape, dtype=dtype), x.new_empty((x.shape[0], 1), dtype=torch.float32)
+
+
+def reference_quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: int | None = None,
+                           static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch oracle of `quantize_act` (the formats' own reference functions)."""
+    from lowbit_pipe.kernels import reference
+
+    v, _ = rotation.rotate_activation(x, rot, group)
+    if mode == "int8":
+        return reference.quantize_rows_int8(v)
+    if mode == "int4":
+        return reference.quantize_rows_int4(v)
+    if static_scale is not None:
+        s = static_scale.float().reshape(())
+        return reference.fp8_quantize(v, s), s.expand(v.shape[0], 1).clone()
+    s = reference.positive_scale(v.abs().amax(dim=-1, keepdim=True), reference.FP8_E4M3_MAX)
+    return reference.fp8_quantize(v, s), s
