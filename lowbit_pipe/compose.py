@@ -64,66 +64,72 @@ def to_recipe(cfg: DictConfig) -> Recipe:
     return validate(recipe)
 
 
-def _file_overrides(data: dict[str, Any], source: str) -> tuple[list[str], dict[str, Any]]:
-    """A recipe file's `defaults: [override /model: x]` -> group overrides; the rest is merged."""
+FILE_RECIPE = "_lowbit_file"  # group option a recipe file or dict is served under
+
+
+def register_recipe(data: dict[str, Any], source: str) -> str:
+    """Serve a recipe file's (or dict's) content as the `recipe=` option FILE_RECIPE; returns that override.
+
+    Hydra groups take names, not paths, so the content goes into Hydra's ConfigStore (seen by compose,
+    hydra.main and in-process launchers). A complete recipe (a run dir's recipe.yaml: its `model:` has
+    `tiny_config`) also replaces the model group, so nothing of the packaged default model is merged
+    into it and a rerun is exact. Command-line overrides still apply on top.
+    """
     data = dict(data)
-    overrides = []
-    for item in data.pop("defaults", []) or []:
-        if isinstance(item, dict) and len(item) == 1:
-            (key, value), = item.items()
-            if key.startswith("override /"):
-                overrides.append(f"{key[len('override /'):]}={value}")
-                continue
-        if item != "_self_":
+    defaults = list(data.pop("defaults", None) or [])
+    for item in defaults:
+        ok = item == "_self_" or (isinstance(item, dict) and len(item) == 1 and next(iter(item)).startswith("override /"))
+        if not ok:
             raise RecipeError(f"{source}: defaults", f"only 'override /<group>: <name>' entries are supported, got {item!r}")
-    return overrides, data
+    store = ConfigStore.instance()
+    model = data.get("model")
+    if isinstance(model, dict) and "tiny_config" in model:
+        store.store(group="model", name=FILE_RECIPE, node=data.pop("model"))
+        defaults = [d for d in defaults if not (isinstance(d, dict) and "override /model" in d)]
+        defaults.append({"override /model": FILE_RECIPE})
+    defaults = [d for d in defaults if d != "_self_"] + ["_self_"]
+    store.store(group="recipe", name=FILE_RECIPE, node={"defaults": defaults, **data}, package="_global_")
+    return f"recipe={FILE_RECIPE}"
 
 
-def _split_overrides(overrides: list[str]) -> tuple[list[str], list]:
-    """Group choices (model=..., recipe=...) vs plain key=value overrides (parsed)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def load_recipe_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError("recipe", f"no recipe file at {path}")
+    try:
+        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except Exception as err:  # YAML parse errors: name the file, in one line
+        raise RecipeError(str(path), f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
 
-    groups, values = [], []
-    for o in OverridesParser.create().parse_overrides(overrides):
-        (groups if o.get_key_element().split("@")[0] in ("model", "recipe") else values).append(o)
-    return [o.input_line for o in groups], values
+
+def recipe_file_args(args: list[str]) -> list[str]:
+    """CLI: `recipe=<path.yaml>` -> `recipe=_lowbit_file` with the file registered (see register_recipe)."""
+    out = []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        if key == "recipe" and (value.endswith((".yaml", ".yml")) or Path(value).is_file()):
+            out.append(register_recipe(load_recipe_file(value), value))
+        else:
+            out.append(arg)
+    return out
 
 
 def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Recipe by packaged name ("krea2_nvfp4"), YAML path, or dict, then CLI-style overrides."""
     register_schema()
     overrides = list(overrides)
-    extra: dict[str, Any] = {}
-    group_overrides: list[str] = []
     if isinstance(recipe, dict):
-        group_overrides, extra = _file_overrides(recipe, "<dict recipe>")
-        name = "default"
+        choice = register_recipe(recipe, "<dict recipe>")
     elif recipe is not None and (str(recipe).endswith((".yaml", ".yml")) or Path(str(recipe)).is_file()):
-        path = Path(recipe)
-        if not path.is_file():
-            raise RecipeError("recipe", f"no recipe file at {path}")
-        try:
-            data = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-        except Exception as err:  # YAML parse errors: name the file
-            raise RecipeError(str(path), f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
-        group_overrides, extra = _file_overrides(data or {}, str(path))
-        name = "default"
+        choice = register_recipe(load_recipe_file(recipe), str(recipe))
     else:
-        name = recipe or "default"
+        choice = f"recipe={recipe or 'default'}"
     if not any(o.split("=", 1)[0].lstrip("+~") == "recipe" for o in overrides):
-        overrides = [f"recipe={name}"] + overrides
+        overrides = [choice] + overrides
     GlobalHydra.instance().clear()
     try:
         with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
-            if not extra:
-                cfg = compose(config_name=CONFIG_NAME, overrides=group_overrides + overrides)
-            else:
-                # File/dict recipe: packaged base, then the file, then the command line on top.
-                groups, values = _split_overrides(overrides)
-                cfg = compose(config_name=CONFIG_NAME, overrides=group_overrides + groups)
-                cfg = OmegaConf.merge(cfg, OmegaConf.create(extra))
-                for override in values:
-                    OmegaConf.update(cfg, override.get_key_element(), override.value(), merge=True)
+            cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise _one_line(err) from None
     finally:

@@ -21,7 +21,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelConfig:
     """Where weights come from (the `load` stage's config)."""
 
-    arch: Optional[str] = None  # force an architecture id; None = detect
+    arch: Optional[str] = None  # tiny model's arch; with `path`, forces the file's arch ("generic" allowed)
     path: Optional[str] = None  # diffusers model dir or .safetensors file; None = embedded tiny model
     seed: int = 0  # seed of the embedded tiny model's random weights
     dtype: str = "float32"  # compute dtype
@@ -77,6 +77,7 @@ class LoraFile:
     path: str = "???"
     strength: float = 1.0
     name: Optional[str] = None  # adapter name for swap/remove; None = file stem
+    alpha: Optional[float] = None  # override the file's alpha (peft files without one: alpha = rank)
 
 
 @dataclass

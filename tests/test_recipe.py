@@ -86,3 +86,14 @@ def test_cli_sweep_values_are_each_checked(tmp_path):
     assert proc.returncode != 0
     assert "int9" in proc.stderr and "quantize.default.format" in proc.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_api_reruns_a_run_dir_recipe_of_another_model(tmp_path):
+    """A run dir's recipe.yaml holds the whole model: rerun it through the API, nothing of the default merged in."""
+    import lowbit_pipe
+
+    first = lowbit_pipe.run("flux1_fp8", ["pipeline=[load,detect,quantize,evaluate]", "evaluate.trajectory_seeds=1"],
+                            run_dir=tmp_path / "a")
+    again = lowbit_pipe.run(first.run_dir / "recipe.yaml", run_dir=tmp_path / "b")
+    assert again.report["detect"]["arch"] == "flux1"
+    assert again.report["evaluate"]["rel_error"] == first.report["evaluate"]["rel_error"]

@@ -14,7 +14,7 @@ import torch
 
 from lowbit_pipe.arch import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
-from lowbit_pipe.arch.keymap import Fused, KeyMap, Rename
+from lowbit_pipe.arch.keymap import KeyMap, Rename
 
 B = "blocks.{i}"
 _ATTN = [("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"), ("norm_q", "norm_q"), ("norm_k", "norm_k")]

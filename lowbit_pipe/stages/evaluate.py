@@ -1,15 +1,27 @@
-"""evaluate: model output of the quantized model against the float model on seeded inputs."""
+"""evaluate: the quantized model against its own float originals, on seeded inputs.
+
+Figures (report.json `evaluate`): model-output rel_error / cosine / max_abs_error / psnr_db; per-layer
+SQNR (each quantized layer on the float layer's own input); sampling-trajectory fidelity (Euler
+flow-matching from N seeds, both models); optional decoded images (PSNR, SSIM, PNG grid); weight
+bytes; peak device memory and forward latency on CUDA only (null on CPU, where timing means little).
+"""
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+import math
+from typing import Any, Callable, Iterator
 
 import torch
+from torch import nn
 
+from lowbit_pipe import metrics, sampler
 from lowbit_pipe.context import Context
+from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
+
+TRAJECTORY_SEED_OFFSET = 10_000  # trajectory seeds differ from the output-sample seeds
 
 
 @contextlib.contextmanager
@@ -36,13 +48,54 @@ def float_reference(ctx: Context) -> Iterator[None]:
 
 
 def compare(ref: torch.Tensor, out: torch.Tensor) -> dict[str, float]:
-    ref, out = ref.double().flatten(), out.double().flatten()
-    err = (out - ref).norm()
-    return {
-        "rel_error": float(err / ref.norm().clamp_min(1e-30)),
-        "cosine": float(torch.nn.functional.cosine_similarity(ref, out, dim=0)),
-        "max_abs_error": float((out - ref).abs().max()),
-    }
+    """rel_error, cosine, max_abs_error, psnr_db of `out` against `ref` (see lowbit_pipe.metrics)."""
+    return metrics.compare(ref, out)
+
+
+@contextlib.contextmanager
+def layer_probes(ctx: Context, sums: dict[str, list[float]]) -> Iterator[dict[str, list[float]]]:
+    """Forward hooks on the float originals: each runs its quantized twin on the very same input and
+    adds [sum ref^2, sum (q - ref)^2] into `sums[name]`. Enter it BEFORE float_reference (it reads the
+    quantized modules from the tree). The hooks live only inside the `with`: removed in `finally`."""
+    handles = []
+
+    def probe(name: str, quantized: nn.Module) -> Callable:
+        def hook(_module: nn.Module, args: tuple, out: Any) -> None:
+            signal, noise = metrics.noise_power(out, quantized(*args))
+            acc = sums.setdefault(name, [0.0, 0.0])
+            acc[0] += signal
+            acc[1] += noise
+        return hook
+
+    try:
+        root = ctx.transformer
+        for name in ctx.ledger.swapped():
+            original = ctx.ledger.original(name)
+            if original is not None:
+                handles.append(original.register_forward_hook(probe(name, root.get_submodule(name))))
+        yield sums
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _format_name(module: nn.Module) -> str:
+    fmt = getattr(module, "format", None)
+    return getattr(fmt, "name", None) or type(module).__name__
+
+
+def cuda_latency_ms(fn: Callable[[], Any], iters: int, warmup: int = 2) -> float:
+    """Mean milliseconds of `fn()` on the current CUDA stream (CUDA events, after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
 
 
 @register
@@ -50,7 +103,6 @@ class Evaluate(Stage):
     name = "evaluate"
 
     def run(self, ctx: Context) -> dict[str, Any]:
-        cfg = ctx.recipe.evaluate
         if ctx.arch is None:
             result = {"skipped": "no example inputs for an unknown architecture"}
         elif not ctx.ledger.swapped():
@@ -60,18 +112,110 @@ class Evaluate(Stage):
         ctx.report["evaluate"] = result
         return result
 
+    def _inputs(self, ctx: Context, seed: int, batch: int) -> dict[str, Any]:
+        cfg = ctx.recipe.evaluate
+        return ctx.arch.example_inputs(ctx.model_config, batch=batch, image_tokens=cfg.image_tokens,
+                                       text_tokens=cfg.text_tokens, generator=torch.Generator().manual_seed(seed),
+                                       dtype=ctx.dtype, device=ctx.device)
+
+    def _forward(self, ctx: Context) -> Callable[[dict[str, Any]], torch.Tensor]:
+        model, arch = ctx.transformer, ctx.arch
+        return lambda kwargs: arch.output_tensor(model(**kwargs))
+
     def _measure(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.evaluate
-        model, arch = ctx.transformer, ctx.arch
+        forward = self._forward(ctx)
+        cuda = ctx.device.type == "cuda"
+        result: dict[str, Any] = {}
         refs, outs = [], []
+        sums: dict[str, list[float]] = {}
         with torch.inference_mode():
             for i in range(cfg.samples):
-                gen = torch.Generator().manual_seed(cfg.seed + i)
-                inputs = arch.example_inputs(ctx.model_config, batch=cfg.batch, image_tokens=cfg.image_tokens,
-                                             text_tokens=cfg.text_tokens, generator=gen, dtype=ctx.dtype, device=ctx.device)
-                outs.append(arch.output_tensor(model(**inputs)).float().cpu())
-                with float_reference(ctx):
-                    refs.append(arch.output_tensor(model(**inputs)).float().cpu())
-        result = compare(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs]))
-        result["samples"] = cfg.samples
+                inputs = self._inputs(ctx, cfg.seed + i, cfg.batch)
+                if cuda and i == 0:  # peak of one quantized forward (the runner reset the stats at stage start)
+                    torch.cuda.reset_peak_memory_stats(ctx.device)
+                outs.append(forward(inputs).float().cpu())
+                if cuda and i == 0:
+                    result["peak_device_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
+                with layer_probes(ctx, sums) if cfg.layers else contextlib.nullcontext(), float_reference(ctx):
+                    refs.append(forward(inputs).float().cpu())
+            result.update(compare(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs])))
+            result["samples"] = cfg.samples
+            result["psnr_db"] = metrics.finite(result["psnr_db"])
+            if cfg.layers:
+                result.update(self._layers(ctx, sums))
+            finals = []
+            if cfg.trajectory_seeds:
+                result["trajectory"], finals = self._trajectory(ctx, forward)
+            if cfg.images:
+                from lowbit_pipe.images import compare_images
+
+                result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png")
+            result.update(self._bytes(ctx))
+            result["peak_device_bytes"] = result.get("peak_device_bytes")
+            result["latency_ms"] = self._latency(ctx, forward) if cfg.latency and cuda else None
+        result["objective"] = objective(result, cfg.objective, cfg.budget_bytes)
         return result
+
+    def _layers(self, ctx: Context, sums: dict[str, list[float]]) -> dict[str, Any]:
+        root = ctx.transformer
+        layers = {}
+        for name, (signal, noise) in sums.items():
+            layers[name] = {"format": _format_name(root.get_submodule(name)),
+                            "sqnr_db": metrics.finite(metrics.sqnr_db(signal, noise))}
+        finite = [(v["sqnr_db"], n) for n, v in layers.items() if v["sqnr_db"] is not None]
+        worst = min(finite) if finite else (None, None)
+        return {"layers": layers, "sqnr_min_db": worst[0], "sqnr_worst_layer": worst[1]}
+
+    def _trajectory(self, ctx: Context, forward: Callable) -> tuple[dict[str, Any], list]:
+        cfg = ctx.recipe.evaluate
+        scale = sampler.TIME_SCALE.get(ctx.arch.id, 1.0)
+        seeds = [cfg.seed + TRAJECTORY_SEED_OFFSET + k for k in range(cfg.trajectory_seeds)]
+        cosines, finals = [], []
+        for seed in seeds:
+            inputs = self._inputs(ctx, seed, 1)
+            quant = sampler.euler_sample(forward, inputs, cfg.steps, scale)
+            with float_reference(ctx):
+                ref = sampler.euler_sample(forward, inputs, cfg.steps, scale)
+            cosines.append(metrics.cosine(sampler.flatten_latent(ref), sampler.flatten_latent(quant)))
+            finals.append((ref, quant))
+        # A NaN cosine (non-finite latents) counts as diverged: `not c >= threshold` is True for NaN.
+        diverged = sum(1 for c in cosines if not c >= cfg.diverge_cosine)
+        clean = [c for c in cosines if math.isfinite(c)]
+        return {"seeds": seeds, "steps": cfg.steps, "threshold": cfg.diverge_cosine,
+                "cosines": [metrics.finite(c) for c in cosines],
+                "mean_cosine": sum(clean) / len(clean) if clean and len(clean) == len(cosines) else None,
+                "min_cosine": min(clean) if clean and len(clean) == len(cosines) else None,
+                "diverged": diverged}, finals
+
+    def _bytes(self, ctx: Context) -> dict[str, int]:
+        """Weight bytes of the transformer as it runs, and of its float version (originals swapped in)."""
+        root = ctx.transformer
+        now = tensor_bytes(root)
+        swapped = ctx.ledger.swapped()
+        quant = sum(tensor_bytes(root.get_submodule(n)) for n in swapped)
+        orig = sum(tensor_bytes(ctx.ledger.original(n)) for n in swapped if ctx.ledger.original(n) is not None)
+        return {"weight_bytes": now, "float_weight_bytes": now - quant + orig}
+
+    def _latency(self, ctx: Context, forward: Callable) -> dict[str, float]:
+        cfg = ctx.recipe.evaluate
+        inputs = self._inputs(ctx, cfg.seed, cfg.batch)
+        quant = cuda_latency_ms(lambda: forward(inputs), cfg.latency_iters)
+        with float_reference(ctx):
+            ref = cuda_latency_ms(lambda: forward(inputs), cfg.latency_iters)
+        return {"quantized": quant, "float": ref, "speedup": ref / quant}
+
+
+# Objectives for sweepers (Optuna): higher is better; rel_error is negated.
+OBJECTIVES = {"psnr_db": 1.0, "cosine": 1.0, "sqnr_min_db": 1.0, "rel_error": -1.0, "trajectory_min_cosine": 1.0}
+
+
+def objective(result: dict[str, Any], name: str, budget_bytes: int | None) -> float | None:
+    """One number to maximise. Over `budget_bytes` it is -1000 * bytes/budget: below any feasible
+    figure, yet graded, so a search still moves toward the budget."""
+    if budget_bytes is not None and result["weight_bytes"] > budget_bytes:
+        return -1000.0 * result["weight_bytes"] / budget_bytes
+    value = (result.get("trajectory") or {}).get("min_cosine") if name == "trajectory_min_cosine" else result.get(name)
+    if value is None:  # null figure: an exact match (infinite PSNR / SQNR) is the best, non-finite output the worst
+        return 1000.0 if result.get("rel_error") == 0 else -1000.0
+    return OBJECTIVES[name] * value
