@@ -47,11 +47,18 @@ class QuantLinear(nn.Module):
         return self.format.dequantize(self.qweight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.format.linear(x, self.qweight, self.bias)
+        y = self.format.linear(x, self.qweight, self.bias)
+        # LoRA residual branches (lowbit_pipe.lora.LoraStack, a child module named "lora"): exact,
+        # unquantized, on the unrotated input; skipped entirely when empty (bit-exact removal).
+        lora = self._modules.get("lora")
+        if lora is not None and lora.branches:
+            y = y + lora(x)
+        return y
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
         # Quantized tensors follow device moves but never dtype casts:
-        # model.to(torch.bfloat16) must not touch codes or fp32 scales.
+        # model.to(torch.bfloat16) must not touch codes or fp32 scales. Children (the
+        # LoRA stack) get the full `fn`: LoRA factors DO follow dtype casts.
         names = self._quant_names + ("comfy_quant",)
         kept = {n: self._buffers.pop(n) for n in names}
         try:

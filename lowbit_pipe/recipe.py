@@ -103,6 +103,7 @@ class ExportConfig:
     dtype: str = "auto"  # unquantized tensors: "auto" (compute dtype) or a dtype name
     layout: str = "comfy"  # "comfy": native ComfyUI/BFL key names (stock loader); "diffusers": module names
     shard_bytes: Optional[int] = None  # above this size, write shards + an index (ComfyUI wants one file: None)
+    residual_lora: str = "separate"  # LoRA residual branches: "separate" (<stem>.lora.safetensors) or "error"
 
 
 @dataclass
@@ -216,6 +217,13 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("export.layout", f"must be 'comfy' or 'diffusers', got '{recipe.export.layout}'")
     if recipe.export.shard_bytes is not None and recipe.export.shard_bytes < 1 << 20:
         raise RecipeError("export.shard_bytes", "must be at least 1 MiB (or null for one file)")
+    if recipe.export.residual_lora not in ("separate", "error"):
+        raise RecipeError("export.residual_lora", f"must be 'separate' or 'error', got '{recipe.export.residual_lora}'")
+    if recipe.lora.mode not in ("residual", "standard", "stochastic"):
+        raise RecipeError("lora.mode", f"must be residual, standard or stochastic, got '{recipe.lora.mode}'")
+    if "lora" in recipe.pipeline and "quantize" in recipe.pipeline and \
+            recipe.pipeline.index("lora") < recipe.pipeline.index("quantize"):
+        raise RecipeError("pipeline", "'lora' must come after 'quantize' (branches attach to quantized layers)")
     if recipe.quantize.originals not in ("keep", "cpu", "drop"):
         raise RecipeError("quantize.originals", f"must be keep, cpu or drop, got '{recipe.quantize.originals}'")
     _check_choice("quantize.default", recipe.quantize.default)

@@ -14,6 +14,7 @@ from lowbit_pipe import __version__, layout
 from lowbit_pipe.checkpoint import atomic_save, atomic_write_text
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import is_stock_loadable
+from lowbit_pipe.lora import has_residual_lora, save_residual_lora
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
@@ -100,5 +101,13 @@ class Export(Stage):
             written = str(index)
         result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": header["layout"],
                   "quantized_layers": len(layers), "not_stock_comfy": foreign}
+        if has_residual_lora(ctx.transformer):
+            # Residual branches are runtime state the model file cannot hold: never drop them silently.
+            if cfg.residual_lora == "error":
+                raise ValueError("the model carries LoRA residual branches that the model file cannot hold; "
+                                 "set export.residual_lora=separate to write them as a LoRA file, or bake them (lora.mode)")
+            lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
+            result["lora_path"] = str(lora_path)
+            result["lora_bytes"] = save_residual_lora(ctx.transformer, lora_path)
         ctx.report["export"] = result
         return {k: v for k, v in result.items() if k != "not_stock_comfy"}

@@ -1,0 +1,248 @@
+"""LoRA files -> typed per-layer factors on a given model.
+
+Reads diffusers / peft (`lora_A` / `lora_B`), kohya (`lora_down` / `lora_up` / `alpha`), ComfyUI /
+BFL native names and AI-toolkit prefixes; module names map through the arch's LoRA key map
+(`Arch.lora_targets`), which splits a fused native module (FLUX `qkv`, `linear1`) into its
+diffusers modules with their output rows: each part gets the rows of `up` and the same `down`,
+which is exact (rows of B A x are rows of B times A x).
+
+Adapter kinds: "lora" (low rank, can be a residual), "dense" (a full delta `diff`) and "dora"
+(LoRA + `dora_scale` magnitude: the delta depends on the weight itself). Only "lora" can be a
+residual branch; the others are baked (with a warning naming the layer).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from lowbit_pipe.errors import LowbitError
+
+DOWN = ("lora_A.weight", "lora_A.default.weight", "lora_down.weight")
+UP = ("lora_B.weight", "lora_B.default.weight", "lora_up.weight")
+KNOWN = DOWN + UP + ("alpha", "dora_scale", "diff")
+UNSUPPORTED = re.compile(r"(lora_mid|lokr_|hada_|diff_b|lora_[AB]\.bias|lora_(up|down)\.bias)")
+SUFFIX = re.compile(r"\.(lora_[AB](\.default)?\.(weight|bias)|lora_(down|up|mid)\.(weight|bias)|alpha|dora_scale|diff|diff_b|"
+                    r"lokr_w[12](_[ab])?|lokr_t2|hada_w[12]_[ab]|hada_t[12])$")
+GENERIC_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.")
+
+
+class LoraError(LowbitError):
+    """A LoRA file does not fit the model: names the file, the key and the layer."""
+
+
+@dataclass(frozen=True)
+class LayerFactors:
+    """One adapter's contribution to one Linear: delta W = alpha / rank * up @ down (kind "lora")."""
+
+    module: str  # diffusers module name in the model
+    kind: str  # "lora" | "dense" | "dora"
+    down: torch.Tensor | None = None  # [rank, in]
+    up: torch.Tensor | None = None  # [out, rank] (rows already cut for a fused native module)
+    alpha: float = 1.0
+    delta: torch.Tensor | None = None  # kind "dense": [out, in]
+    magnitude: torch.Tensor | None = None  # kind "dora": dora_scale ([out, 1] or [1, in])
+    keys: tuple[str, ...] = ()
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[0]) if self.down is not None else 0
+
+    def delta_weight(self, weight: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
+        """fp32 [out, in] delta at `strength` (DoRA needs the current `weight`)."""
+        if self.kind == "dense":
+            return self.delta.float() * strength
+        low = (self.up.float() @ self.down.float()) * (self.alpha / self.rank)
+        if self.kind == "lora":
+            return low * strength
+        # DoRA (peft / ComfyUI): W' = m * (W + dW) / ||W + dW|| along the magnitude's axis; a
+        # strength interpolates W -> W' (ComfyUI's weight_decompose).
+        w = weight.float()
+        merged = w + low
+        m = self.magnitude.float()
+        norm = merged.norm(dim=1, keepdim=True) if m.shape[0] == w.shape[0] and m.dim() == 2 and m.shape[1] == 1 \
+            else merged.norm(dim=0, keepdim=True)
+        return (merged * (m.reshape(norm.shape) / norm) - w) * strength
+
+
+@dataclass
+class LoraData:
+    """A parsed LoRA file mapped onto one model."""
+
+    where: str  # file path or "<state dict>"
+    layers: list[LayerFactors]
+    unmatched: list[str] = field(default_factory=list)  # keys of no model Linear
+    unsupported: list[str] = field(default_factory=list)  # keys of adapter types we cannot apply
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ranks(self) -> list[int]:
+        return sorted({f.rank for f in self.layers if f.kind != "dense"})
+
+    @property
+    def alphas(self) -> list[float]:
+        return sorted({f.alpha for f in self.layers if f.kind != "dense"})
+
+
+def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """(tensors, safetensors metadata, where) of a file path or an in-memory state dict."""
+    if isinstance(path_or_state, Mapping):
+        return dict(path_or_state), {}, "<state dict>"
+    from safetensors import safe_open
+
+    from lowbit_pipe.checkpoint import load_tensors, read_header
+
+    path = str(path_or_state)
+    if not Path(path).is_file():
+        raise LoraError(f"{path}: no such LoRA file")
+    read_header(path)  # checks the header, errors name the file
+    with safe_open(path, framework="pt") as f:
+        metadata = dict(f.metadata() or {})
+    return load_tensors(path), metadata, path
+
+
+def metadata_alpha(metadata: Mapping[str, str]) -> float | None:
+    """lora_alpha diffusers writes in the `lora_adapter_metadata` JSON (peft files carry no alpha keys)."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    for key, value in data.items():
+        if key == "lora_alpha" or key.endswith(".lora_alpha"):
+            return float(value)
+    return None
+
+
+def _group(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """{module name as written: {suffix: key}}, and keys that are no LoRA tensor at all."""
+    groups: dict[str, dict[str, str]] = {}
+    stray = []
+    for key in state:
+        m = SUFFIX.search(key)
+        if m is None:
+            stray.append(key)
+            continue
+        groups.setdefault(key[: m.start()], {})[m.group(0)[1:]] = key
+    return groups, stray
+
+
+def _generic_targets(name: str, linears: Mapping[str, nn.Module]) -> list[tuple[str, slice | None]]:
+    """No arch map: module names as written (prefixes stripped), or kohya underscores matched to them."""
+    for p in ("lora_unet_", "lora_transformer_"):
+        if name.startswith(p):
+            under = {n.replace(".", "_"): n for n in linears}
+            hit = under.get(name[len(p):])
+            return [(hit, None)] if hit else []
+    changed = True
+    while changed:
+        changed = False
+        for p in GENERIC_PREFIXES:
+            if name.startswith(p):
+                name, changed = name[len(p):], True
+    return [(name, None)] if name in linears else []
+
+
+def _matrix(t: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    """2-D view of a factor; a 1x1 conv factor [r, k, 1, 1] is a Linear factor."""
+    if t.dim() == 4 and t.shape[2:] == (1, 1):
+        return t.reshape(t.shape[0], t.shape[1])
+    if t.dim() != 2:
+        raise LoraError(f"{where} [{key}]: factor of shape {tuple(t.shape)} is not a Linear LoRA factor (LoCon conv "
+                        "kernels > 1x1 cannot apply to a Linear)")
+    return t
+
+
+def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn.Module, *, arch: Any = None,
+               config: Any = None, alpha: float | None = None) -> LoraData:
+    """Map a LoRA file onto `model`'s Linear / QuantLinear layers (diffusers module names).
+
+    `arch` (an Arch, or None: generic names) resolves native / kohya / prefixed names; `config` (ArchConfig)
+    sizes fused splits; `alpha` overrides the file's alpha (peft files without alpha: alpha = rank).
+    """
+    from lowbit_pipe.nn import QuantLinear
+
+    state, metadata, where = read_state(path_or_state)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    if arch is not None and config is None:
+        config = arch.config_from_model(model)
+    default_alpha = alpha if alpha is not None else metadata_alpha(metadata)
+    groups, stray = _group(state)
+    data = LoraData(where, [], unmatched=list(stray), metadata=metadata)
+    for written, parts in groups.items():
+        keys = tuple(parts.values())
+        if any(UNSUPPORTED.match(s) for s in parts):
+            data.unsupported.extend(keys)
+            continue
+        down_key = next((parts[s] for s in DOWN if s in parts), None)
+        up_key = next((parts[s] for s in UP if s in parts), None)
+        if "diff" in parts:
+            kind = "dense"
+        elif down_key and up_key:
+            kind = "dora" if "dora_scale" in parts else "lora"
+        else:
+            raise LoraError(f"{where} [{keys[0]}]: module '{written}' has {sorted(parts)}; a LoRA needs both "
+                            "lora_A/lora_down and lora_B/lora_up")
+        targets = arch.lora_targets(written, config) if arch is not None else _generic_targets(written, linears)
+        targets = [(t, rows) for t, rows in targets if t in linears]
+        if not targets:
+            data.unmatched.extend(keys)
+            continue
+        if kind == "dense":
+            data.layers.extend(_dense(state[parts["diff"]], targets, linears, keys, where))
+            continue
+        down = _matrix(state[down_key], down_key, where)
+        up = _matrix(state[up_key], up_key, where)
+        rank = down.shape[0]
+        if up.shape[1] != rank:
+            raise LoraError(f"{where} [{up_key}]: up {tuple(up.shape)} does not match down rank {rank} ({down_key})")
+        a = float(state[parts["alpha"]].float().reshape(-1)[0]) if "alpha" in parts and alpha is None else \
+            (default_alpha if default_alpha is not None else float(rank))
+        total = up.shape[0]
+        for module, rows in targets:
+            layer = linears[module]
+            part = up[rows] if rows is not None else up
+            if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
+                raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
+                                f"layer '{module}' ({layer.out_features}x{layer.in_features})")
+            mag = state[parts["dora_scale"]] if kind == "dora" else None
+            if mag is not None and rows is not None:
+                mag = mag[rows] if mag.shape[0] == total else mag
+            data.layers.append(LayerFactors(module, kind, down, part, a, None, mag, keys))
+    return data
+
+
+def _dense(delta: torch.Tensor, targets: list, linears: Mapping[str, nn.Module], keys: tuple[str, ...],
+           where: str) -> list[LayerFactors]:
+    out = []
+    for module, rows in targets:
+        layer = linears[module]
+        part = delta[rows] if rows is not None else delta
+        part = _matrix(part, keys[0], where)
+        if tuple(part.shape) != (layer.out_features, layer.in_features):
+            raise LoraError(f"{where} [{keys[0]}]: diff {tuple(part.shape)} does not fit layer '{module}' "
+                            f"({layer.out_features}x{layer.in_features})")
+        out.append(LayerFactors(module, "dense", delta=part, keys=keys))
+    return out
+
+
+def check_matched(data: LoraData, strict: bool) -> list[str]:
+    """Raise (strict) or return warning lines for unmatched / unsupported keys."""
+    problems = []
+    if data.unmatched:
+        problems.append(f"{data.where}: {len(data.unmatched)} LoRA keys match no Linear of the model: "
+                        f"{sorted(data.unmatched)[:12]}{' ...' if len(data.unmatched) > 12 else ''}")
+    if data.unsupported:
+        problems.append(f"{data.where}: {len(data.unsupported)} keys of unsupported adapter types (LoKr, LoHa, Tucker "
+                        f"mid, bias deltas): {sorted(data.unsupported)[:12]}{' ...' if len(data.unsupported) > 12 else ''}")
+    if problems and strict:
+        raise LoraError("; ".join(problems) + " (set lora.strict=false to skip them with a warning)")
+    return problems
