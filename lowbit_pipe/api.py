@@ -40,7 +40,8 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     from lowbit_pipe.compose import register_schema
     from lowbit_pipe.policy import plan_layers
     from lowbit_pipe.recipe import Recipe, validate
-    from lowbit_pipe.stages.detect import generic_policy, linear_shapes
+    from lowbit_pipe.arch import generic_policy
+    from lowbit_pipe.stages.detect import linear_shapes
     from lowbit_pipe.stages.quantize import quantize_module
 
     register_schema()
@@ -58,12 +59,27 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     return quantize_module(module, plans, ledger if ledger is not None else Ledger(), originals=config.originals)
 
 
-def teardown(ctx_or_result: Context | RunResult) -> dict[str, Any]:
-    """Purge a live run: unwind its ledger, drop what it owns, prove it. Idempotent."""
+def teardown(ctx_or_result: Context | RunResult | Ledger) -> dict[str, Any]:
+    """Purge a live run: unwind its ledger, drop what it owns, clear the caches it filled, prove it.
+
+    Takes the RunResult of `run`, its Context, or a bare Ledger (from `quantize(..., ledger=)`).
+    Returns the teardown report (`bytes_freed`, `retained_bytes`, `patches_restored`, `unfreed`,
+    `proven`, ...). A model the run loaded itself is dropped (drop your own references to
+    `result.model` first, or it is reported as still referenced); a model you passed in is restored
+    to float and kept. Idempotent: a second call undoes nothing and re-checks what was still alive.
+    """
     from lowbit_pipe.stages.teardown import teardown as _teardown
 
-    ctx = ctx_or_result.context if isinstance(ctx_or_result, RunResult) else ctx_or_result
-    result = _teardown(ctx)
+    if isinstance(ctx_or_result, Ledger):
+        return ctx_or_result.unwind().as_dict()
     if isinstance(ctx_or_result, RunResult):
-        ctx_or_result.model = None
-    return result
+        ctx = ctx_or_result.context
+        if ctx is None:
+            raise ValueError("this RunResult carries no Context (nothing to tear down)")
+        if ctx.owns_model or ctx.model is None:
+            ctx_or_result.model = None  # our reference must go before the proof, or it keeps the model alive
+    elif isinstance(ctx_or_result, Context):
+        ctx = ctx_or_result
+    else:
+        raise TypeError(f"teardown() takes a RunResult, Context or Ledger, not {type(ctx_or_result).__name__}")
+    return _teardown(ctx)

@@ -109,6 +109,7 @@ class Runner:
         ctx = Context(recipe=self.recipe, run_dir=self.run_dir)
         if self.model is not None:
             ctx.set_model(self.model, owned=False)
+        ctx.ledger.capture_baseline()  # device memory before load: teardown proves it returns here
         recipe_dict = OmegaConf.to_container(OmegaConf.structured(self.recipe), resolve=True)
         (self.run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(recipe_dict))
         _write_json(self.run_dir / "environment.json", environment(self.recipe.seed))
@@ -124,6 +125,7 @@ class Runner:
                 report["stages"].setdefault(name, {})["error"] = str(failure)
                 break
         if failure is not None and "teardown" not in report["stages"]:
+            _drop_frame_locals(failure)  # the traceback's frames would keep the failed stage's tensors alive
             try:
                 report["stages"]["teardown"] = self._run_stage("teardown", ctx)
             except Exception as err:  # teardown's own failure is reported beside the stage's
@@ -153,6 +155,22 @@ class Runner:
             entry["peak_device_bytes"] = torch.cuda.max_memory_allocated()
         entry.update(figures or {})
         return entry
+
+
+def _drop_frame_locals(err: BaseException) -> None:
+    """Clear the local variables of the finished frames in an exception's tracebacks (and its causes),
+    so teardown can free what the failed stage held. Line numbers and messages are kept."""
+    import traceback
+
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [err]
+    while stack:
+        e = stack.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
 
 
 def _fmt_bytes(n: float | None) -> str:

@@ -12,6 +12,6 @@ def register(cls: type[Stage]) -> type[Stage]:
     return cls
 
 
-from lowbit_pipe.stages import detect, evaluate, export, load, quantize, teardown  # noqa: E402,F401
+from lowbit_pipe.stages import compile, detect, evaluate, export, load, lora, quantize, teardown  # noqa: E402,F401
 
 __all__ = ["STAGES", "Stage", "register"]
