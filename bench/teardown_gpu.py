@@ -178,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         p.error("CUDA is not available (use --device cpu --small for the smoke test)")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # set_device needs an index on torch 2.11
     args.cycles = args.cycles if args.cycles is not None else (6 if args.small else 20)
     args.backend = args.backend or ("inductor" if device.type == "cuda" else "eager")
     dims = SMALL if args.small else FULL

@@ -217,8 +217,8 @@ def test_hadamard_cache_is_cleared_by_teardown(tmp_path):
     rec = _recipe("krea2", ["load", "detect", "quantize", "teardown"], ("quantize.default.rotation=convrot",))
     result = Runner(rec, tmp_path / "run").run()
     caches = {c["name"]: c for c in result.report["teardown"]["caches"]}
-    assert caches["kernels.rotation (Hadamard matrices)"]["verified"]
-    assert caches["kernels.rotation (Hadamard matrices)"]["entries"] >= 1
+    assert caches["kernels.rotation (Hadamard matrices, host)"]["verified"]
+    assert caches["kernels.rotation (Hadamard matrices, host)"]["entries"] >= 1
     assert rotation._hadamard_cpu.cache_info().currsize == 0
 
 

@@ -17,7 +17,7 @@ after a failed stage, with no model, and when the user already dropped theirs.
 from __future__ import annotations
 
 import gc
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -27,32 +27,42 @@ from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
 
 
-def clear_kernel_caches(report: TeardownReport) -> None:
-    """Clear the process-wide caches of lowbit_pipe.kernels (pure caches: clearing costs only a rebuild
-    for another live run), with their byte counts where the kernel module can tell them."""
-    from lowbit_pipe.kernels import rotation
+def _device_bytes() -> int:
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0
 
-    clear = getattr(rotation, "clear_cache", None)
-    if clear is None:
-        report.unproven.append("lowbit_pipe.kernels.rotation has no clear_cache(): Hadamard cache not cleared")
-        return
-    cached = getattr(rotation, "_hadamard_cpu", None)
-    info = getattr(cached, "cache_info", None)
-    entries = info().currsize if info is not None else None
-    if entries == 0:
-        return
-    size = getattr(rotation, "cache_bytes", None)
-    nbytes = int(size()) if size is not None else None
-    clear()
-    verified = info is not None and info().currsize == 0
-    report.caches.append({"name": "kernels.rotation (Hadamard matrices)", "bytes": nbytes, "entries": entries,
-                          "verified": verified})
-    if nbytes:
-        report.bytes_freed += nbytes
-    else:
-        report.notes.append("kernels.rotation cleared; its byte count is unknown (the module offers no cache_bytes())")
-    if not verified:
-        report.unproven.append("kernels.rotation cache: cannot check that it is empty")
+
+def _kernel_caches() -> list[tuple[str, Callable[[], int | None], Callable[[], None]]]:
+    """(name, entries, clear) of every process-wide cache lowbit_pipe's kernels fill."""
+    from lowbit_pipe.kernels import quantize_act, rotation
+
+    caches = [
+        ("kernels.rotation (Hadamard matrices, host)", lambda: rotation._hadamard_cpu.cache_info().currsize,
+         rotation.clear_cache),
+        ("kernels.quantize_act (Hadamard factors, device)", lambda: quantize_act._unnormalized_hadamard.cache_info().currsize,
+         quantize_act.clear_cache),
+    ]
+    clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_cublas is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # cuBLAS keeps a workspace per stream in the caching allocator once a GEMM ran (32 MiB on Hopper).
+        caches.append(("cuBLAS workspaces (device)", lambda: None, clear_cublas))
+    return caches
+
+
+def clear_kernel_caches(report: TeardownReport) -> None:
+    """Clear the process-wide kernel caches (pure caches: clearing costs another live run only a rebuild).
+    Device bytes are measured (allocated before minus after); host cache sizes are not known."""
+    for name, entries, clear in _kernel_caches():
+        count = entries()
+        if count == 0:
+            continue
+        before = _device_bytes()
+        clear()
+        freed = before - _device_bytes()
+        after = entries()
+        report.caches.append({"name": name, "entries": count, "device_bytes": freed, "verified": after in (0, None)})
+        report.bytes_freed += max(freed, 0)
+        if after not in (0, None):
+            report.unproven.append(f"{name}: still holds {after} entries after clearing")
 
 
 def teardown(ctx: Context) -> dict[str, Any]:
