@@ -29,6 +29,7 @@ class Context:
     model_config: dict[str, Any] = field(default_factory=dict)  # the transformer's constructor config
     source: dict[str, Any] = field(default_factory=dict)  # where the weights came from (path, layout, quantized)
     report: dict[str, Any] = field(default_factory=dict)  # stage results, merged into report.json
+    fused_groups: list[list[str]] = field(default_factory=list)  # layers quantized as one native fused weight
 
     def set_model(self, model: Any, *, owned: bool) -> None:
         self.model = model

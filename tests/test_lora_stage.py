@@ -82,3 +82,19 @@ def test_unmatched_keys_fail_the_stage_naming_them(tmp_path, tiny_model):
     ok = lowbit_pipe.run("krea2_nvfp4_lora", [NO_EVAL, f"lora.files=[{{path: '{path}'}}]", "lora.strict=false"],
                          run_dir=tmp_path / "g")
     assert ok.report["lora"]["files"][0]["skipped"]
+
+
+@pytest.mark.parametrize("mode", ["standard", "stochastic"])
+def test_flux_bake_keeps_fused_layers_exportable(tmp_path, mode):
+    """Baking into FLUX's fused qkv / linear1 parts requantizes each fused weight jointly, so the native
+    export stays exact and reloads bit for bit."""
+    import torch
+
+    result = lowbit_pipe.run("krea2_nvfp4_lora", ["model=tiny_flux1", f"lora.mode={mode}",
+                                                  "pipeline=[load,detect,quantize,lora,export]"], run_dir=tmp_path / "a")
+    lo = result.report["lora"]
+    assert lo["baked_layers"] >= lo["quantized_layers_baked"] > 0
+    again = lowbit_pipe.run("flux1_fp8", [f"model.path={result.export_path}", "pipeline=[load,detect]"],
+                            run_dir=tmp_path / "b")
+    a, b = result.model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.lora import branches as br
-from lowbit_pipe.lora.bake import bake_layer
+from lowbit_pipe.lora.bake import bake_group, bake_layer
 from lowbit_pipe.lora.files import LayerFactors, LoraData, check_matched, parse_lora
 from lowbit_pipe.nn import QuantLinear
 
@@ -194,7 +194,8 @@ def attached(model: nn.Module) -> dict[str, LoraHandle]:
 
 
 def bake_files(model: nn.Module, loras: list[tuple[Any, float]], *, mode: str = "standard", seed: int = 0,
-               arch: Any = None, config: Any = None, ledger=None, strict: bool = True) -> dict[str, Any]:  # noqa: ANN001
+               arch: Any = None, config: Any = None, ledger=None, strict: bool = True,
+               groups: list[list[str]] = ()) -> dict[str, Any]:  # noqa: ANN001
     """Bake several LoRAs ((path or state dict, strength) or (..., strength, alpha)) pooled: each layer
     requantized once.
 
@@ -221,15 +222,23 @@ def bake_files(model: nn.Module, loras: list[tuple[Any, float]], *, mode: str = 
                                      original.weight.device)
                     br.add_branch(stack, branch, where, ledger)
     kept = []
+    baked_layers = len(pooled)
+
+    def delta_of(contributions):  # noqa: ANN001, ANN202
+        return lambda w: sum(f.delta_weight(w, s) for f, s in contributions)
+
+    # Layers quantized as one fused native weight are requantized together (exact native export).
+    for group in groups:
+        if any(name in pooled for name in group):
+            members = [(name, model.get_submodule(name)) for name in group]
+            if all(isinstance(layer, QuantLinear) for _, layer in members):
+                deltas = {name: delta_of(pooled.pop(name)) for name in group if name in pooled}
+                kept.extend(bake_group(members, deltas, mode=mode, seed=seed, ledger=ledger))
     for module, contributions in pooled.items():
         layer = model.get_submodule(module)
-
-        def delta(w: torch.Tensor, contributions=contributions) -> torch.Tensor:
-            return sum(f.delta_weight(w, s) for f, s in contributions)
-
-        k = bake_layer(layer, delta, mode=mode, seed=seed, where=module, ledger=ledger)
+        k = bake_layer(layer, delta_of(contributions), mode=mode, seed=seed, where=module, ledger=ledger)
         if k is not None:
             kept.append(k)
-    return {"files": per_file, "baked_layers": len(pooled), "quantized_layers_baked": len(kept),
+    return {"files": per_file, "baked_layers": baked_layers, "quantized_layers_baked": len(kept),
             "delta_kept_mean": sum(kept) / len(kept) if kept else None,
             "delta_kept_min": min(kept) if kept else None}

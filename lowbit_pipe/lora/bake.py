@@ -160,6 +160,39 @@ def bake_layer(layer: nn.Module, delta: torch.Tensor | Callable[[torch.Tensor], 
     raise TypeError(f"cannot bake a LoRA into '{where}': {type(layer).__name__} is not a Linear or QuantLinear")
 
 
+def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable[[torch.Tensor], torch.Tensor]], *,
+               mode: str, seed: int, ledger=None) -> list[float]:  # noqa: ANN001 - Ledger
+    """Bake into layers that were quantized as ONE fused native weight (FLUX qkv / linear1): requantize the
+    fused weight jointly and split it, so the parts keep sharing their per-tensor scales and the native
+    export stays exact. `deltas`: per layer name (layers without one only get requantized)."""
+    from lowbit_pipe.layout import split_rows
+
+    if mode not in BAKE_MODES:
+        raise ValueError(f"unknown bake mode '{mode}' (known: {list(BAKE_MODES)})")
+    label = "+".join(name for name, _ in layers)
+    befores, news = [], []
+    for name, layer in layers:
+        before = layer.dequantize()
+        d = deltas[name](before) if name in deltas else torch.zeros_like(before)
+        befores.append((before, d))
+        news.append(before + d)
+    first = layers[0][1]
+    gen = layer_generator(seed, label, news[0].device) if mode == "stochastic" else None
+    fused = torch.cat(news)
+    q = requantize(first, fused, gen, label)
+    bounds, start = [], 0
+    for name, layer in layers:
+        bounds.append((name, start, start + layer.out_features))
+        start += layer.out_features
+    parts = split_rows(label, q.tensors, fused.shape[0], bounds)
+    kept = []
+    for (name, layer), (before, d) in zip(layers, befores):
+        _replace(layer, {k: t.to(getattr(layer, k).device) for k, t in parts[name].items()}, name, ledger)
+        if name in deltas:
+            kept.append(delta_kept(before, layer.dequantize(), d))
+    return kept
+
+
 def _replace(layer: nn.Module, tensors: dict[str, torch.Tensor], where: str, ledger=None) -> None:  # noqa: ANN001
     """Put new tensors in a layer's parameter / buffer slots; the ledger's undo puts the original objects back."""
     originals = {}

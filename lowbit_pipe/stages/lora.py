@@ -59,7 +59,7 @@ class Lora(Stage):
         else:
             sources = [(_source(ctx, f.path), f.strength, f.alpha) for f in cfg.files]
             figures = apply.bake_files(model, sources, mode=cfg.mode, seed=cfg.seed, arch=arch, config=ctx.arch_config,
-                                       ledger=ctx.ledger, strict=cfg.strict)
+                                       ledger=ctx.ledger, strict=cfg.strict, groups=ctx.fused_groups)
             for entry, spec, name in zip(figures["files"], cfg.files, names):
                 entry.update(name=name, source=spec.path)
             result = {"mode": cfg.mode, **figures}

@@ -111,8 +111,10 @@ class Quantize(Stage):
         budget = None
         if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
             plans, budget = _budget_plans(ctx, plans)
+        groups = _native_groups(ctx, plans)
+        ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, show_progress=True,
-                                 fused=_native_groups(ctx, plans))
+                                 fused=groups)
         if budget is not None:
             from lowbit_pipe.ledger import tensor_bytes
 
