@@ -15,6 +15,10 @@ from torch import nn
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_format
 
 
+# Formats whose `linear(x, q, bias, lora=(down, up))` fuses a LoRA residual into the GPU path.
+FUSED_LORA_FORMATS = ("int8", "fp8")
+
+
 class QuantLinear(nn.Module):
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -47,13 +51,16 @@ class QuantLinear(nn.Module):
         return self.format.dequantize(self.qweight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.format.linear(x, self.qweight, self.bias)
         # LoRA residual branches (lowbit_pipe.lora.LoraStack, a child module named "lora"): exact,
         # unquantized, on the unrotated input; skipped entirely when empty (bit-exact removal).
+        # On CUDA, int8 / fp8 take the stack's concatenated pair into their GPU path (GEMM
+        # epilogue / in-place addmm_); everything else (CPU reference included) adds it after.
         lora = self._modules.get("lora")
         if lora is not None and lora.branches:
-            y = y + lora(x)
-        return y
+            if x.is_cuda and self.format.name in FUSED_LORA_FORMATS:
+                return self.format.linear(x, self.qweight, self.bias, lora=(lora.down, lora.up))
+            return self.format.linear(x, self.qweight, self.bias) + lora(x)
+        return self.format.linear(x, self.qweight, self.bias)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
         # Quantized tensors follow device moves but never dtype casts:

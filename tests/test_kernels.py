@@ -23,7 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "quantize_act", "nvfp4", "formats", "compile")
+CASES = ("int8_gemm", "int8_lora", "quantize_act", "nvfp4", "formats", "compile")
 
 
 def _run_case(case: str) -> None:
@@ -57,6 +57,13 @@ def test_fake_impls_give_shapes():
         w = torch.empty(24, 128, dtype=torch.int8)
         y = int8_gemm_op(torch.empty(8, 256, dtype=torch.int8), w, s, torch.empty(24), None, torch.bfloat16, 1)
         assert y.shape == (8, 24) and y.dtype == torch.bfloat16
+        y = int8_gemm_op(torch.empty(8, 256, dtype=torch.int8), w, s, torch.empty(24), None, torch.bfloat16, 1,
+                         torch.empty(8, 32, dtype=torch.bfloat16), torch.empty(32, 24, dtype=torch.bfloat16))
+        assert y.shape == (8, 24) and y.dtype == torch.bfloat16
+        from lowbit_pipe.kernels.quantize_act import quantize_act_down_op
+
+        q, s, xa = quantize_act_down_op(x, "int8", "none", 0, None, torch.empty(32, 256))
+        assert q.shape == (8, 256) and s.shape == (8, 1) and xa.shape == (8, 32) and xa.dtype == x.dtype
         a = nvfp4_act_quant_op(x, torch.empty(()), 256, torch.bfloat16)
         assert a.shape == (8, 256)
         y = nvfp4_gemm_op(a, torch.empty(32, 128, dtype=torch.uint8), torch.empty(128, 16, dtype=torch.float8_e4m3fn),
@@ -133,6 +140,66 @@ def case_int8_gemm() -> None:
     _close(y, reference_int8_gemm(a4, packed, a_s, w_row, bias, torch.float32, 1), 1e-6, "packed int4")
     ref = (a4.long() @ codes.long().t()).float() * a_s * w_row.reshape(1, n) + bias
     _close(y, ref, 1e-6, "packed int4 vs unpacked")
+
+
+def case_int8_lora() -> None:
+    """Low-rank epilogue of the int8 GEMM (fp32 factors: the interpreter's bf16 dot is broken) vs the
+    unfused reference, and dispatch.int8_linear(lora_down, lora_up) vs the format's linear + the branch."""
+    from torch.nn import functional as F
+
+    from lowbit_pipe.formats import FormatSpec, common, get_format
+    from lowbit_pipe.kernels import dispatch
+    from lowbit_pipe.kernels.int8_gemm import int8_gemm, reference_int8_gemm
+
+    gen = torch.Generator().manual_seed(5)
+    m, k, n = 40, 96, 48  # M, N not multiples of the 32-tiles: row / column masks
+    a = torch.randint(-127, 128, (m, k), dtype=torch.int8, generator=gen)
+    w = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+    a_s = (torch.rand(m, 1, generator=gen) + 0.5) * 1e-3
+    w_row = torch.rand(n, 1, generator=gen) + 0.5
+    bias = torch.randn(n, generator=gen)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64}
+    for r in (8, 20, 32):  # R padded to 16 / 32 (masked), and exact
+        xa = torch.randn(m, r, generator=gen)
+        up = torch.randn(n, r, generator=gen) * 0.1  # up_t as the transposed view, like the dispatch passes it
+        for b in (None, bias):
+            y = int8_gemm(a, w, a_s, w_row, b, torch.float32, 0, cfg, xa, up.t())
+            ref = reference_int8_gemm(a, w, a_s, w_row, b, torch.float32, 0, xa, up.t())
+            _close(y, ref, 1e-6, f"int8 + lora r={r}")
+            unfused = reference_int8_gemm(a, w, a_s, w_row, b) + xa @ up.t()
+            _close(y, unfused, 1e-6, f"int8 + lora r={r} vs unfused")
+    y = int8_gemm(a, w, a_s, w_row, bias, torch.bfloat16, 0, None, xa, up.t().contiguous())
+    _close(y, reference_int8_gemm(a, w, a_s, w_row, bias, torch.float32, 0, xa, up.t()), 8e-3, "int8 + lora bf16 out")
+    from lowbit_pipe.kernels.quantize_act import quantize_act
+
+    xq = torch.randn(36, 520, generator=gen)  # K not a multiple of the 256 chunk, M of the 16 rows
+    for r in (8, 32):
+        dq = torch.randn(r, 520, generator=gen) * 0.1
+        for mode in ("int8", "fp8"):
+            q0, s0 = quantize_act(xq, mode)
+            q1, s1, xa = quantize_act(xq, mode, down=dq)
+            assert torch.equal(s0, s1) and torch.equal(q0.view(torch.int8), q1.view(torch.int8)), f"{mode} codes with down"
+            _close(xa, xq @ dq.t(), 1e-6, f"fused down r={r} {mode}")
+    xr = torch.randn(20, 512, generator=gen)
+    dq = torch.randn(24, 512, generator=gen) * 0.1
+    for rot, group in (("convrot", 256), ("quarot", 128)):
+        q0, s0 = quantize_act(xr, "int8", rot, group)
+        q1, s1, xa = quantize_act(xr, "int8", rot, group, down=dq)
+        assert torch.equal(s0, s1) and torch.equal(q0, q1), f"{rot} codes with down"
+        _close(xa, xr @ dq.t(), 1e-6, f"fused down {rot} (unrotated x)")
+    x = torch.randn(2, 20, 512, generator=gen)
+    wf = torch.randn(n, 512, generator=gen) * 0.02
+    down, upf = torch.randn(32, 512, generator=gen) * 0.01, torch.randn(n, 32, generator=gen) * 0.01
+    for spec in (FormatSpec("int8"), FormatSpec("int8", rotation="convrot")):
+        fmt = get_format("int8")
+        q = fmt.quantize(wf, spec)
+        kind, group = common.record_rotation(q.record, q.format)
+        ref = fmt.linear(x, q, bias) + F.linear(F.linear(x, down), upf)  # CPU: reference + unfused branch
+        assert torch.equal(fmt.linear(x, q, bias, lora=(down, upf)), ref)  # CPU fallback: exactly the old path
+        t = q.tensors
+        y = dispatch.int8_linear(x, t["weight"], t["weight_scale"], bias, kind, group, lora_down=down, lora_up=upf)
+        assert y.shape == ref.shape and y.dtype == ref.dtype
+        _close(y, ref, 1e-5, f"int8 {spec.rotation} fused lora")
 
 
 def case_quantize_act() -> None:

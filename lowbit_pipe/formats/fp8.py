@@ -24,6 +24,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.int8 import add_lora_residual
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 @register
@@ -62,11 +63,17 @@ class FP8(Format):
         kind, group = common.record_rotation(q.record, q.format)
         return rotation.unrotate_weight(w_rot, kind, group)
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
+               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (in-place addmm_
+        into the GEMM output); elsewhere added after the reference as (x @ down^T) @ up^T."""
         kind, group = common.record_rotation(q.record, q.format)
         if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + cuBLAS fp8
+            down, up = lora if lora is not None else (None, None)
             return dispatch.fp8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"),
-                                       bias, kind, group)
+                                       bias, kind, group, lora_down=down, lora_up=up)
+        if lora is not None:
+            return add_lora_residual(self.linear(x, q, bias), x, lora)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = reference.fp8_linear(x_rot, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"))
         if mu is not None:

@@ -17,11 +17,21 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | hadanorm rotation (any format)        | torch reference (its mean correction needs the whole weight)    |
 
 No module state, no environment switches: each call decides from its arguments.
+
+LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
+`int8_linear` / `fp8_linear` add `(x @ down^T) @ up^T` (x unrotated) inside the linear:
+xa = x @ down^T is one cuBLAS call on x (17 us at M=4608, K=6144 on the H200). The quantize
+kernel can also produce xa from its own read of x (`fuse_down=True`), but measured 3.5x slower
+than the plain quantize there (0.150 vs 0.042 ms: 16-row programs, 256-column chunks, a dot per
+chunk; bench/results/lora_overhead_h200.md), so it is off by default. int8 adds xa @ up^T in the GEMM's
+epilogue (fp32, before the output cast); fp8 (cuBLAS, no epilogue hook) adds it with an
+in-place `addmm_` into the GEMM output (beta = 1: no temporary, no separate add pass).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 from lowbit_pipe.kernels import rotation
 
@@ -49,8 +59,37 @@ def int8_supported(x: torch.Tensor, rot: str) -> bool:
     return _gpu_input(x) and rot in FUSED_ROTATIONS
 
 
+def _lora_pair(x: torch.Tensor, lora_down: torch.Tensor | None, lora_up: torch.Tensor | None
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(down, up) in x's dtype, or None without a branch."""
+    if (lora_down is None) != (lora_up is None):
+        raise ValueError("LoRA branch: lora_down and lora_up go together")
+    if lora_down is None:
+        return None
+    if lora_down.dtype != x.dtype:
+        lora_down, lora_up = lora_down.to(x.dtype), lora_up.to(x.dtype)
+    return lora_down, lora_up
+
+
+def _quantize_with_down(x2: torch.Tensor, mode: str, rot: str, g: int, static: torch.Tensor | None,
+                        down: torch.Tensor, fuse_down: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, xa = x2 @ down^T): the plain quantize kernel and one cuBLAS call, or
+    (fuse_down=True, R <= 128) the down projection inside the quantize kernel (slower on the H200)."""
+    from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op
+
+    if fuse_down and down.shape[0] <= FUSED_DOWN_MAX_R:
+        return quantize_act_down_op(x2, mode, rot, g, static, down)
+    q, s = quantize_act_op(x2, mode, rot, g, static)
+    return q, s, F.linear(x2, down)
+
+
+FUSED_DOWN_MAX_R = 128
+
+
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                rot: str = "none", group: int | None = None, int4: bool = False) -> torch.Tensor:
+                rot: str = "none", group: int | None = None, int4: bool = False,
+                lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
+                fuse_down: bool = False) -> torch.Tensor:
     """y = quant(rotate(x)) @ w^T with per-token activation scales; returns x.dtype [..., N].
 
     int4=False: int8 activations, w int8 [N, K]; int4=True: int4 activations (+-7), w packed
@@ -62,8 +101,14 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     g = rotation.resolve_group(rot, group) if rot != "none" else 0
-    q, s = quantize_act_op(x2, "int4" if int4 else "int8", rot, g, None)
-    y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0)
+    mode = "int4" if int4 else "int8"
+    pair = _lora_pair(x, lora_down, lora_up)
+    if pair is None:
+        q, s = quantize_act_op(x2, mode, rot, g, None)
+        y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0)
+    else:  # xa = x @ down^T (unrotated x, cuBLAS); xa @ up^T in the GEMM epilogue
+        q, s, xa = _quantize_with_down(x2, mode, rot, g, None, pair[0], fuse_down)
+        y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0, xa, pair[1].t())
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
@@ -78,7 +123,9 @@ def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
-               bias: torch.Tensor | None, rot: str = "none", group: int | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None, rot: str = "none", group: int | None = None,
+               lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
+               fuse_down: bool = False) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
     tensor-wise when both scales are scalars (any out dtype). The weight goes in as w.t():
     the column-major [K, N] operand cuBLAS wants, without a copy."""
@@ -88,7 +135,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     g = rotation.resolve_group(rot, group) if rot != "none" else 0
-    q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
+    pair = _lora_pair(x, lora_down, lora_up)
+    if pair is None:
+        q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
+    else:  # xa = x @ down^T (unrotated x, cuBLAS)
+        q, s, xa = _quantize_with_down(x2, "fp8", rot, g, input_scale, pair[0], fuse_down)
     if input_scale is not None and w_scale.numel() == 1:
         out_dtype = x.dtype
         y = torch._scaled_mm(q, w.t(), scale_a=input_scale.float().reshape(()), scale_b=w_scale.float().reshape(()),
@@ -98,7 +149,10 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
         y = torch._scaled_mm(q, w.t(), scale_a=s, scale_b=ws, out_dtype=torch.bfloat16)  # row-wise: bf16 only
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.to(x.dtype).reshape(*x.shape[:-1], n)
+    y = y.to(x.dtype)
+    if pair is not None:  # the up-projection accumulates into y in place (cuBLAS beta = 1)
+        y.addmm_(xa, pair[1].t())
+    return y.reshape(*x.shape[:-1], n)
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,12 @@
 """Triton INT8 GEMM: int8 activations x int8 (or packed int4) weight -> int32, scaled epilogue.
 
-    y[m, n] = (acc[m, n] * a_scale[m]) * b_scale[n or scalar] (+ bias[n]),  acc = sum_k a[m, k] * w[n, k]
+    y[m, n] = (acc[m, n] * a_scale[m]) * b_scale[n or scalar] (+ bias[n]) (+ sum_r xa[m, r] * up_t[r, n]),
+    acc = sum_k a[m, k] * w[n, k]
+
+Optional low-rank epilogue (LoRA residual, DESIGN.md 5): `xa` [M, R] = x @ down^T (activation dtype,
+the UNROTATED input) and `up_t` [R, N]; the tile's fp32 result is the accumulator of one more
+tl.dot (R padded to a power of two >= 16, masked), so the branch costs no extra pass over y and
+the output is rounded once (the unfused path rounds y and the delta, then their sum).
 
 Layout: kernel -> launcher (`int8_gemm`: checks, allocation, grid) -> custom op
 `lowbit_pipe::int8_gemm` (with a fake impl, so torch.compile traces through it).
@@ -51,10 +57,12 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
 
 @triton.jit
 def _int8_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr,
-    M, N, K, M_BUCKET,
+    a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, xa_ptr, up_ptr,
+    M, N, K, M_BUCKET, R,
     stride_am, stride_ak, stride_bn, stride_bk, stride_cm, stride_cn,
+    stride_xam, stride_xar, stride_ur, stride_un,
     W_MODE: tl.constexpr, B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     # Grouped program order: GROUP_M row-tiles share each column-tile while it is in L2.
@@ -105,20 +113,35 @@ def _int8_gemm_kernel(
         y = y * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_LORA:  # low-rank epilogue: y += xa[tile rows] @ up_t[:, tile cols], fp32 accumulate
+        offs_r = tl.arange(0, R_PAD)
+        r_ok = offs_r < R
+        xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
+                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+        up = tl.load(up_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
+                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+        if LORA_IEEE:  # fp32 factors: true fp32 products (the GPU default would be tf32)
+            y = tl.dot(xa, up, y, input_precision="ieee")
+        else:
+            y = tl.dot(xa, up, y)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-_int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE"])(_int8_gemm_kernel)
+_int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, w_mode: int = 0,
-              config: dict | None = None) -> torch.Tensor:
+              config: dict | None = None, xa: torch.Tensor | None = None,
+              up_t: torch.Tensor | None = None) -> torch.Tensor:
     """a int8 [M, K], w int8 [N, K] (w_mode 0) or packed int4 [N, K/2] (w_mode 1),
     a_scale fp32 [M] / [M, 1], w_scale fp32 [N] / [N, 1] / scalar -> out_dtype [M, N].
+
+    `xa` [M, R] and `up_t` [R, N] (same float dtype, any strides; R <= 128): the low-rank
+    epilogue, out += xa @ up_t in fp32 before the output cast. Both or neither.
 
     `config`: explicit meta-parameters (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) instead of
     autotuning; used by the interpreter tests, where autotuning would only cost time.
@@ -147,15 +170,32 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         raise ValueError(f"int8_gemm: w_scale has {w_scale.numel()} values for {n} columns")
     if bias is not None and bias.numel() != n:
         raise ValueError(f"int8_gemm: bias has {bias.numel()} values for {n} columns")
+    if (xa is None) != (up_t is None):
+        raise ValueError("int8_gemm: the low-rank epilogue needs both xa and up_t")
+    r = 0
+    if xa is not None:
+        r = xa.shape[1] if xa.dim() == 2 else -1
+        if xa.dim() != 2 or up_t.dim() != 2 or xa.shape[0] != m or tuple(up_t.shape) != (r, n):
+            raise ValueError(f"int8_gemm: low-rank epilogue wants xa [{m}, R] and up_t [R, {n}], "
+                             f"got {tuple(xa.shape)} and {tuple(up_t.shape)}")
+        if xa.dtype not in OUT_DTYPES or up_t.dtype != xa.dtype:
+            raise ValueError(f"int8_gemm: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
+        if r > 128:
+            raise ValueError(f"int8_gemm: low-rank epilogue takes R <= 128, got {r}")
     w = w.view(torch.int8)
     a_scale = a_scale.contiguous()
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
     bias_arg = bias.contiguous() if bias is not None else a_scale  # dummy pointer when HAS_BIAS=False
-    args = (a, w, c, a_scale, w_scale, bias_arg, m, n, k, m_bucket(m),
-            a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1))
-    flags = {"W_MODE": w_mode, "B_SCALAR": b_scalar, "HAS_BIAS": bias is not None}
+    has_lora = xa is not None and r > 0
+    xa_arg, up_arg = (xa, up_t) if has_lora else (a_scale, a_scale)  # dummy pointers when HAS_LORA=False
+    lora_strides = (xa.stride(0), xa.stride(1), up_t.stride(0), up_t.stride(1)) if has_lora else (0, 0, 0, 0)
+    args = (a, w, c, a_scale, w_scale, bias_arg, xa_arg, up_arg, m, n, k, m_bucket(m), r,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1), *lora_strides)
+    flags = {"W_MODE": w_mode, "B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, "HAS_LORA": has_lora,
+             "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
+             "LORA_IEEE": has_lora and xa.dtype == torch.float32}
     if config is None and not a.is_cuda:
         # CPU tensors only reach a Triton kernel under TRITON_INTERPRET (tests): the autotuner
         # needs a GPU driver to time configs, so take one fixed small-tile config.
@@ -179,19 +219,21 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
 
 @torch.library.custom_op("lowbit_pipe::int8_gemm", mutates_args=())
 def int8_gemm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
-                 bias: torch.Tensor | None, out_dtype: torch.dtype, w_mode: int) -> torch.Tensor:
-    return int8_gemm(a, w, a_scale, w_scale, bias, out_dtype, w_mode)
+                 bias: torch.Tensor | None, out_dtype: torch.dtype, w_mode: int,
+                 xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None) -> torch.Tensor:
+    return int8_gemm(a, w, a_scale, w_scale, bias, out_dtype, w_mode, None, xa, up_t)
 
 
 @int8_gemm_op.register_fake
-def _(a, w, a_scale, w_scale, bias, out_dtype, w_mode):
+def _(a, w, a_scale, w_scale, bias, out_dtype, w_mode, xa=None, up_t=None):
     return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 def reference_int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
                         bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
-                        w_mode: int = 0) -> torch.Tensor:
-    """Torch oracle of `int8_gemm` (exact int64 accumulate, same scale order)."""
+                        w_mode: int = 0, xa: torch.Tensor | None = None,
+                        up_t: torch.Tensor | None = None) -> torch.Tensor:
+    """Torch oracle of `int8_gemm` (exact int64 accumulate, same scale order; fp32 low-rank term)."""
     if w_mode == 1:
         p = w.view(torch.uint8).to(torch.int32)
         codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(w.shape[0], -1)
@@ -201,4 +243,6 @@ def reference_int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
     y = acc * a_scale.float().reshape(-1, 1) * ws
     if bias is not None:
         y = y + bias.float()
+    if xa is not None:
+        y = y + xa.float() @ up_t.float()
     return y.to(out_dtype)
