@@ -45,6 +45,24 @@ CONFIGS = {
 }
 
 
+def launch_gemm(tuned, kernel, args: tuple, flags: dict, m: int, n: int, config: dict | None, on_cuda: bool) -> None:  # noqa: ANN001
+    """Launch a tiled GEMM kernel: autotuned on CUDA, or with one fixed config (given, or the
+    interpreter's: CPU tensors only reach a Triton kernel under TRITON_INTERPRET in tests, and the
+    autotuner needs a GPU driver to time configs)."""
+    if config is None and not on_cuda:
+        config = INTERPRETER_CONFIG
+    if config is None:
+        def grid(meta):
+            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+        tuned[grid](*args, **flags)
+        return
+    cfg = dict(config)
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
+    cfg.setdefault("GROUP_M", 8)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    kernel[grid](*args, **flags, **cfg, num_warps=warps, num_stages=stages)
+
+
 def m_bucket(m: int) -> int:
     """Autotune key for M: powers of 4 from 64 up, so nearby token counts share a tuning."""
     b = 64
@@ -196,20 +214,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
     flags = {"W_MODE": w_mode, "B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, "HAS_LORA": has_lora,
              "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
              "LORA_IEEE": has_lora and xa.dtype == torch.float32}
-    if config is None and not a.is_cuda:
-        # CPU tensors only reach a Triton kernel under TRITON_INTERPRET (tests): the autotuner
-        # needs a GPU driver to time configs, so take one fixed small-tile config.
-        config = INTERPRETER_CONFIG
-    if config is None:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _int8_gemm_tuned[grid](*args, **flags)
-    else:
-        cfg = dict(config)
-        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
-        cfg.setdefault("GROUP_M", 8)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _int8_gemm_kernel[grid](*args, **flags, **cfg, num_warps=warps, num_stages=stages)
+    launch_gemm(_int8_gemm_tuned, _int8_gemm_kernel, args, flags, m, n, config, a.is_cuda)
     return c
 
 

@@ -96,9 +96,6 @@ CONFIGS = {
     "64x128x128_w4_s4": _cfg(64, 128, 128, 4, 4),
 }
 
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
-
-
 @triton.jit
 def _nvfp4_gemm_kernel(
     a_ptr, w_ptr, ws_ptr, scale_ptr, bias_ptr, c_ptr,
@@ -163,7 +160,7 @@ def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, s
     """a [M, Kp] (bf16/fp16/fp32; fp32 computes an fp32 dot), w_packed uint8 [Np, Kp/2],
     w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], scale fp32 scalar (g_x * g_w)
     -> out_dtype [M, n] (n <= Np: the logical out_features)."""
-    from lowbit_pipe.kernels.int8_gemm import m_bucket
+    from lowbit_pipe.kernels.int8_gemm import launch_gemm, m_bucket
 
     if a.dim() != 2 or w_packed.dim() != 2:
         raise ValueError(f"nvfp4_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w_packed.shape)}")
@@ -186,20 +183,7 @@ def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, s
     args = (a, w_packed, w_block, scale, bias_arg, c, m, n, kp, m_bucket(m), w_block.shape[1],
             a.stride(0), w_packed.stride(0), c.stride(0))
     flags = {"HAS_BIAS": bias is not None, "IEEE": a.dtype == torch.float32}
-    if config is None and not a.is_cuda:
-        # CPU tensors only reach a Triton kernel under TRITON_INTERPRET (tests): the autotuner
-        # needs a GPU driver to time configs, so take one fixed small-tile config.
-        config = INTERPRETER_CONFIG
-    if config is None:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        _nvfp4_gemm_tuned[grid](*args, **flags)
-    else:
-        cfg = dict(config)
-        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
-        cfg.setdefault("GROUP_M", 8)
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _nvfp4_gemm_kernel[grid](*args, **flags, **cfg, num_warps=warps, num_stages=stages)
+    launch_gemm(_nvfp4_gemm_tuned, _nvfp4_gemm_kernel, args, flags, m, n, config, a.is_cuda)
     return c
 
 
