@@ -128,15 +128,9 @@ def rotate_weight(weight: torch.Tensor, kind: str, group: int | None = None) -> 
 
 
 def unrotate_weight(weight_rot: torch.Tensor, kind: str, group: int | None = None) -> torch.Tensor:
-    """Inverse of `rotate_weight`: W~ @ H per group (H orthogonal and symmetric); fp32."""
-    w = weight_rot.float()
-    if kind == "none":
-        return w
-    g = resolve_group(kind, group)
-    n, k = w.shape
-    _check_divisible(k, g, "weight")
-    h = hadamard(kind, g, w.device)
-    return torch.matmul(w.reshape(n, k // g, g), h.T).reshape(n, k)
+    """Inverse of `rotate_weight`. Every H here is orthogonal and symmetric, so H^T H = H H = I and
+    the inverse is the same grouped product."""
+    return rotate_weight(weight_rot, kind, group)
 
 
 def rotate_activation(x: torch.Tensor, kind: str, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
