@@ -217,6 +217,14 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("export.layout", f"must be 'comfy' or 'diffusers', got '{recipe.export.layout}'")
     if recipe.export.shard_bytes is not None and recipe.export.shard_bytes < 1 << 20:
         raise RecipeError("export.shard_bytes", "must be at least 1 MiB (or null for one file)")
+    if "compile" in recipe.pipeline:
+        if recipe.compile.mode not in ("regional", "full"):
+            raise RecipeError("compile.mode", f"must be 'regional' or 'full', got '{recipe.compile.mode}'")
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if recipe.compile.backend not in backends:
+            raise RecipeError("compile.backend", f"unknown backend '{recipe.compile.backend}' (known: {', '.join(backends)})")
     if recipe.export.residual_lora not in ("separate", "error"):
         raise RecipeError("export.residual_lora", f"must be 'separate' or 'error', got '{recipe.export.residual_lora}'")
     if recipe.lora.mode not in ("residual", "standard", "stochastic"):

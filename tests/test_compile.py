@@ -9,7 +9,6 @@ import torch
 from torch import nn
 
 import lowbit_pipe
-from lowbit_pipe.errors import StageError
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import CompileConfig
 from lowbit_pipe.stages.compile import block_targets, compile_modules
@@ -78,10 +77,13 @@ def test_flux_blocks_and_the_repeated_blocks_fallback(tiny_model):
 
 @pytest.mark.parametrize("override, message", [("compile.mode=everything", "compile.mode"),
                                                ("compile.backend=warp_drive", "compile.backend")])
-def test_bad_settings_fail_naming_the_key_and_tear_down(override, message, tmp_path):
-    with pytest.raises(StageError, match=message) as info:
+def test_bad_settings_fail_naming_the_key_before_any_work(override, message, tmp_path):
+    from lowbit_pipe.errors import RecipeError
+
+    with pytest.raises(RecipeError, match=message) as info:
         lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,compile]", override], run_dir=tmp_path / "run")
-    assert info.value.stage == "compile"
+    assert info.value.path == message
+    assert not (tmp_path / "run").exists()  # refused at validation: no stage ran, no run dir
 
 
 def test_compiling_twice_is_refused(tiny_model):

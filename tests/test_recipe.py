@@ -97,3 +97,13 @@ def test_api_reruns_a_run_dir_recipe_of_another_model(tmp_path):
     again = lowbit_pipe.run(first.run_dir / "recipe.yaml", run_dir=tmp_path / "b")
     assert again.report["detect"]["arch"] == "flux1"
     assert again.report["evaluate"]["rel_error"] == first.report["evaluate"]["rel_error"]
+
+
+@pytest.mark.parametrize("override, path", [("compile.mode=partial", "compile.mode"),
+                                            ("compile.backend=warp_drive", "compile.backend"),
+                                            ("lora.mode=melt", "lora.mode"),
+                                            ("export.layout=onnx", "export.layout")])
+def test_stage_options_are_refused_before_any_work(override, path):
+    with pytest.raises(RecipeError) as info:
+        compose_recipe("default", ["pipeline=[load,detect,quantize,compile,lora,export]", override])
+    assert info.value.path == path
