@@ -11,6 +11,6 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from lowbit_pipe.api import quantize, run, teardown  # noqa: E402
+from lowbit_pipe.api import export, quantize, run, teardown  # noqa: E402
 
-__all__ = ["__version__", "quantize", "run", "teardown"]
+__all__ = ["__version__", "export", "quantize", "run", "teardown"]

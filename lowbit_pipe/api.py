@@ -13,7 +13,7 @@ from torch import nn
 from lowbit_pipe.arch import detect_model
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.recipe import QuantizeConfig
+from lowbit_pipe.recipe import QuantizeConfig, Recipe, validate
 from lowbit_pipe.runner import RunResult, Runner
 
 
@@ -39,10 +39,9 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     """
     from lowbit_pipe.compose import register_schema
     from lowbit_pipe.policy import plan_layers
-    from lowbit_pipe.recipe import Recipe, validate
     from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.stages.detect import linear_shapes
-    from lowbit_pipe.stages.quantize import quantize_module
+    from lowbit_pipe.stages.quantize import native_groups, quantize_module
 
     register_schema()
     if isinstance(config, dict):
@@ -56,7 +55,35 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     arch = detect_model(module)
     policy = arch.policy if arch else generic_policy(module)
     plans = plan_layers(linear_shapes(module), config, policy)
-    return quantize_module(module, plans, ledger if ledger is not None else Ledger(), originals=config.originals)
+    # Layers ComfyUI's native layout fuses (FLUX qkv, linear1) are quantized as one weight, so export is exact.
+    groups = native_groups(arch, arch.config_from_model(module), plans) if arch else []
+    return quantize_module(module, plans, ledger if ledger is not None else Ledger(), originals=config.originals,
+                           fused=groups)
+
+
+def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,
+           shard_bytes: int | None = None, residual_lora: str = "separate") -> dict[str, Any]:
+    """Write a (quantized) model or pipeline's transformer as ComfyUI / lowbit_pipe reads it; no recipe.
+
+    `layout`: "comfy" (native key names, the stock loader's) or "diffusers"; `dtype`: of the float tensors
+    (default: as they are). Returns the export figures (path, bytes, files, layout, ...).
+    """
+    import torch
+
+    from lowbit_pipe.adapters import adapter_for
+    from lowbit_pipe.recipe import ExportConfig
+    from lowbit_pipe.stages.export import write_export
+
+    adapter = adapter_for(model)
+    transformer = adapter.transformer(model)
+    cfg = ExportConfig(path=str(path), layout=layout, shard_bytes=shard_bytes, residual_lora=residual_lora)
+    validate(Recipe(pipeline=["load"], export=cfg))
+    arch = detect_model(transformer)
+    if dtype is None:
+        dtype = next((p.dtype for p in transformer.parameters() if p.is_floating_point()), torch.float32)
+    return write_export(transformer, Path(path), cfg, float_dtype=dtype, arch=arch,
+                        arch_config=arch.config_from_model(transformer) if arch else None,
+                        model_config=adapter.model_config(model))
 
 
 def teardown(ctx_or_result: Context | RunResult | Ledger) -> dict[str, Any]:

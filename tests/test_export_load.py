@@ -129,3 +129,25 @@ def test_kinds_stock_comfy_cannot_run_are_marked_and_warned(tmp_path):
     with safe_open(first.export_path, "pt") as f:
         record = json.loads(bytes(f.get_tensor("blocks.0.attn.wq.comfy_quant").tolist()))
     assert record.get("lowbit_rotation") == "quarot" and record["format"] != "int8_tensorwise"
+
+
+def test_api_quantize_then_export_without_a_recipe(tmp_path, tiny_model):
+    """The single-purpose calls: quantize a diffusers model in place, export it, load it back."""
+    model = tiny_model("flux1")
+    stats = lowbit_pipe.quantize(model, {"default": {"format": "nvfp4"}})
+    assert stats["layers"] == {"nvfp4": 22}
+    out = lowbit_pipe.export(model, tmp_path / "flux_nvfp4.safetensors")
+    assert out["layout"] == "native" and out["quantized_layers"] == 22
+    again = lowbit_pipe.run("flux1_fp8", [f"model.path={out['path']}", "pipeline=[load,detect]"], run_dir=tmp_path / "r")
+    a, b = model.state_dict(), again.model.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_residual_lora_error_writes_nothing(tmp_path):
+    from lowbit_pipe.lora.make_example import example_lora  # noqa: F401  (the stage generates it)
+
+    out = tmp_path / "m.safetensors"
+    with pytest.raises(StageError, match="residual branches"):
+        lowbit_pipe.run("krea2_nvfp4_lora", ["pipeline=[load,detect,quantize,lora,export]", f"export.path={out}",
+                                             "export.residual_lora=error"], run_dir=tmp_path / "r")
+    assert not out.exists() and not list(tmp_path.glob("*.safetensors"))

@@ -11,11 +11,13 @@ import torch
 from omegaconf import OmegaConf
 
 from lowbit_pipe import __version__, layout
+from lowbit_pipe.arch.base import Arch, ArchConfig
 from lowbit_pipe.checkpoint import atomic_save, atomic_write_text
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, save_residual_lora
 from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.recipe import ExportConfig
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.load import METADATA_KEY
@@ -56,6 +58,58 @@ def shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torc
     return shards
 
 
+def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float_dtype: torch.dtype,
+                 arch: Arch | None, arch_config: ArchConfig | None, model_config: dict[str, Any],
+                 recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = ()) -> dict[str, Any]:
+    """Write `model` (quantized layers as they are, float tensors in `float_dtype`) per `cfg`; returns figures."""
+    residual = has_residual_lora(model)
+    if residual and cfg.residual_lora == "error":
+        # Residual branches are runtime state the model file cannot hold: never drop them silently.
+        raise ValueError("the model carries LoRA residual branches that the model file cannot hold; "
+                         "set export.residual_lora=separate to write them as a LoRA file, or bake them (lora.mode)")
+    state, layers = export_state_dict(model, float_dtype)
+    key_layout = cfg.layout if arch is not None and arch.keymap is not None else "diffusers"
+    if key_layout == "comfy":
+        rows = {name: info["shape"][0] for name, info in layers.items()}
+        state = layout.to_native(state, arch, arch_config, rows)
+    foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
+    if foreign:
+        warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI cannot run (e.g. {foreign[0]}: "
+                      f"{layers[foreign[0]]['record']}); they load with lowbit_pipe only", stacklevel=2)
+    header = {
+        "version": __version__,
+        "arch": arch.id if arch else None,
+        "layout": "native" if key_layout == "comfy" else "diffusers",
+        "transformer_config": model_config,
+        "recipe": recipe,
+        "layers": {n: {"format": i["format"], "shape": i["shape"]} for n, i in layers.items()},
+    }
+    metadata = {METADATA_KEY: json.dumps(header, default=str)}
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    if cfg.shard_bytes is None or total <= cfg.shard_bytes:
+        nbytes, files = atomic_save(state, path, metadata, inputs=inputs), [str(path)]
+        written = str(path)
+    else:
+        parts = shard(state, cfg.shard_bytes)
+        stem = path.name.removesuffix(".safetensors")
+        files, weight_map, nbytes = [], {}, 0
+        for i, part in enumerate(parts, 1):
+            shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
+            nbytes += atomic_save(part, shard_path, metadata, inputs=inputs)
+            files.append(str(shard_path))
+            weight_map.update({k: shard_path.name for k in part})
+        index = path.with_name(f"{stem}.safetensors.index.json")
+        atomic_write_text(index, json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}))
+        written = str(index)
+    result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": header["layout"],
+              "quantized_layers": len(layers), "not_stock_comfy": foreign}
+    if residual:
+        lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
+        result["lora_path"] = str(lora_path)
+        result["lora_bytes"] = save_residual_lora(model, lora_path)
+    return result
+
+
 @register
 class Export(Stage):
     name = "export"
@@ -64,50 +118,8 @@ class Export(Stage):
         cfg = ctx.recipe.export
         path = Path(cfg.path) if cfg.path else ctx.run_dir / "model.safetensors"
         dtype = ctx.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-        state, layers = export_state_dict(ctx.transformer, dtype)
-        key_layout = cfg.layout if ctx.arch is not None and ctx.arch.keymap is not None else "diffusers"
-        if key_layout == "comfy":
-            rows = {name: info["shape"][0] for name, info in layers.items()}
-            state = layout.to_native(state, ctx.arch, ctx.arch_config, rows)
-        foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
-        if foreign:
-            warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI cannot run (e.g. {foreign[0]}: "
-                          f"{layers[foreign[0]]['record']}); they load with lowbit_pipe only", stacklevel=2)
-        header = {
-            "version": __version__,
-            "arch": ctx.arch.id if ctx.arch else None,
-            "layout": "native" if key_layout == "comfy" else "diffusers",
-            "transformer_config": ctx.model_config,
-            "recipe": OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True),
-            "layers": {n: {"format": i["format"], "shape": i["shape"]} for n, i in layers.items()},
-        }
-        metadata = {METADATA_KEY: json.dumps(header, default=str)}
-        inputs = (ctx.recipe.model.path,)
-        total = sum(t.numel() * t.element_size() for t in state.values())
-        if cfg.shard_bytes is None or total <= cfg.shard_bytes:
-            nbytes, files = atomic_save(state, path, metadata, inputs=inputs), [str(path)]
-            written = str(path)
-        else:
-            parts = shard(state, cfg.shard_bytes)
-            stem = path.name.removesuffix(".safetensors")
-            files, weight_map, nbytes = [], {}, 0
-            for i, part in enumerate(parts, 1):
-                shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
-                nbytes += atomic_save(part, shard_path, metadata, inputs=inputs)
-                files.append(str(shard_path))
-                weight_map.update({k: shard_path.name for k in part})
-            index = path.with_name(f"{stem}.safetensors.index.json")
-            atomic_write_text(index, json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}))
-            written = str(index)
-        result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": header["layout"],
-                  "quantized_layers": len(layers), "not_stock_comfy": foreign}
-        if has_residual_lora(ctx.transformer):
-            # Residual branches are runtime state the model file cannot hold: never drop them silently.
-            if cfg.residual_lora == "error":
-                raise ValueError("the model carries LoRA residual branches that the model file cannot hold; "
-                                 "set export.residual_lora=separate to write them as a LoRA file, or bake them (lora.mode)")
-            lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
-            result["lora_path"] = str(lora_path)
-            result["lora_bytes"] = save_residual_lora(ctx.transformer, lora_path)
+        recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
+        result = write_export(ctx.transformer, path, cfg, float_dtype=dtype, arch=ctx.arch, arch_config=ctx.arch_config,
+                              model_config=ctx.model_config, recipe=recipe, inputs=(ctx.recipe.model.path,))
         ctx.report["export"] = result
         return {k: v for k, v in result.items() if k != "not_stock_comfy"}

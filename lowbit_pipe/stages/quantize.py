@@ -86,16 +86,16 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
     return result.plans, result.as_dict()
 
 
-def _native_groups(ctx: Context, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:
+def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:  # noqa: ANN001
     """Fused native modules whose parts are all planned alike: quantized jointly for an exact ComfyUI export."""
     from lowbit_pipe.layout import fused_groups
 
-    if ctx.arch is None or ctx.recipe.export.layout != "comfy":
+    if arch is None:
         return []
     specs = {p.name: p.spec for p in plans if p.spec is not None}
     out = []
-    for native, group in fused_groups(ctx.arch, ctx.arch_config, list(specs)).items():
-        expected = {n for n, _ in ctx.arch.from_native_name(native, ctx.arch_config)}
+    for native, group in fused_groups(arch, arch_config, list(specs)).items():
+        expected = {n for n, _ in arch.from_native_name(native, arch_config)}
         if {n for n, _, _ in group} == expected and len({specs[n] for n, _, _ in group}) == 1:
             out.append(group)
     return out
@@ -111,7 +111,7 @@ class Quantize(Stage):
         budget = None
         if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
             plans, budget = _budget_plans(ctx, plans)
-        groups = _native_groups(ctx, plans)
+        groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" else []
         ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, show_progress=True,
                                  fused=groups)
