@@ -161,10 +161,13 @@ def test_no_cross_model_contamination(tmp_path):
 
 
 def test_a_failed_stage_is_torn_down_and_proven(tmp_path):
-    rec = _recipe("krea2", ["load", "detect", "quantize", "compile", "teardown"], ("compile.backend=no_such_backend",))
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the export wants a directory")
+    rec = _recipe("krea2", ["load", "detect", "quantize", "export", "teardown"],
+                  (f"export.path={blocker}/model.safetensors",))
     with pytest.raises(StageError) as info:
         Runner(rec, tmp_path / "run").run()
-    assert info.value.stage == "compile" and "no_such_backend" in str(info.value)
+    assert info.value.stage == "export" and "not_a_dir" in str(info.value)
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     td = report["teardown"]
     assert report["status"] == "failed"
