@@ -12,8 +12,9 @@ from typing import Any
 import torch
 
 from lowbit_pipe.arch import register
-from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
-from lowbit_pipe.arch.flux1 import double_block_rules, flux_inputs, single_block_rules, to_device
+from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks
+from lowbit_pipe.arch.flux1 import (double_block_rules, dual_stream_config, dual_stream_config_from_keys,
+                                    flux_inputs, single_block_rules, to_device)
 from lowbit_pipe.arch.keymap import KeyMap, Rename
 
 G = "distilled_guidance_layer"
@@ -49,25 +50,11 @@ class Chroma(Arch):
 
     def config_from_dict(self, c: Mapping[str, Any]) -> ArchConfig:
         hidden = c["attention_head_dim"] * c["num_attention_heads"]
-        return ArchConfig(
-            arch=self.id, num_layers=c["num_layers"] + c["num_single_layers"], hidden_size=hidden,
-            num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"],
-            mlp_hidden=hidden * 4,
-            extra={"double_layers": c["num_layers"], "single_layers": c["num_single_layers"],
-                   "approximator_layers": c["approximator_layers"]},
-        )
+        return dual_stream_config(self.id, c, hidden * 4, approximator_layers=c["approximator_layers"])
 
     def config_from_keys(self, shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
-        hidden = rows(shapes, "x_embedder.weight")
-        head_dim = rows(shapes, "single_transformer_blocks.0.attn.norm_q.weight")
-        double, single = count_blocks(shapes, "transformer_blocks"), count_blocks(shapes, "single_transformer_blocks")
-        return ArchConfig(
-            arch=self.id, num_layers=double + single, hidden_size=hidden, num_heads=hidden // head_dim,
-            num_kv_heads=hidden // head_dim, head_dim=head_dim,
-            mlp_hidden=rows(shapes, "single_transformer_blocks.0.proj_mlp.weight"),
-            extra={"double_layers": double, "single_layers": single,
-                   "approximator_layers": count_blocks(shapes, "distilled_guidance_layer.layers")},
-        )
+        return dual_stream_config_from_keys(
+            self.id, shapes, approximator_layers=count_blocks(shapes, "distilled_guidance_layer.layers"))
 
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,
                        generator: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:

@@ -76,6 +76,31 @@ def flux_inputs(c: Mapping[str, Any], batch: int, image_tokens: int, text_tokens
     }
 
 
+def dual_stream_config(arch_id: str, c: Mapping[str, Any], mlp_hidden: int, **extra: Any) -> ArchConfig:
+    """ArchConfig of a FLUX-style model (double- then single-stream blocks) from its diffusers config."""
+    return ArchConfig(
+        arch=arch_id, num_layers=c["num_layers"] + c["num_single_layers"],
+        hidden_size=c["attention_head_dim"] * c["num_attention_heads"], num_heads=c["num_attention_heads"],
+        num_kv_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"], mlp_hidden=mlp_hidden,
+        extra={"double_layers": c["num_layers"], "single_layers": c["num_single_layers"], **extra},
+    )
+
+
+def dual_stream_config_from_keys(arch_id: str, shapes: Mapping[str, Any], mlp_hidden: int | None = None,
+                                 **extra: Any) -> ArchConfig:
+    """The same from diffusers-layout shapes; the MLP width defaults to the single blocks' proj_mlp rows."""
+    hidden = rows(shapes, "x_embedder.weight")
+    head_dim = rows(shapes, "single_transformer_blocks.0.attn.norm_q.weight")
+    double, single = count_blocks(shapes, "transformer_blocks"), count_blocks(shapes, "single_transformer_blocks")
+    if mlp_hidden is None:
+        mlp_hidden = rows(shapes, "single_transformer_blocks.0.proj_mlp.weight")
+    return ArchConfig(
+        arch=arch_id, num_layers=double + single, hidden_size=hidden, num_heads=hidden // head_dim,
+        num_kv_heads=hidden // head_dim, head_dim=head_dim, mlp_hidden=mlp_hidden,
+        extra={"double_layers": double, "single_layers": single, **extra},
+    )
+
+
 def to_device(inputs: dict[str, Any], device, dtype, keep: tuple[str, ...] = ("img_ids", "txt_ids")) -> dict[str, Any]:
     return {k: (v.to(device) if k in keep else v.to(device, dtype)) if isinstance(v, torch.Tensor) else v
             for k, v in inputs.items()}
@@ -105,25 +130,11 @@ class Flux1(Arch):
 
     def config_from_dict(self, c: Mapping[str, Any]) -> ArchConfig:
         hidden = c["attention_head_dim"] * c["num_attention_heads"]
-        return ArchConfig(
-            arch=self.id, num_layers=c["num_layers"] + c["num_single_layers"], hidden_size=hidden,
-            num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"],
-            mlp_hidden=hidden * 4,
-            extra={"double_layers": c["num_layers"], "single_layers": c["num_single_layers"],
-                   "guidance_embeds": bool(c["guidance_embeds"])},
-        )
+        return dual_stream_config(self.id, c, hidden * 4, guidance_embeds=bool(c["guidance_embeds"]))
 
     def config_from_keys(self, shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
-        hidden = rows(shapes, "x_embedder.weight")
-        head_dim = rows(shapes, "single_transformer_blocks.0.attn.norm_q.weight")
-        double, single = count_blocks(shapes, "transformer_blocks"), count_blocks(shapes, "single_transformer_blocks")
-        return ArchConfig(
-            arch=self.id, num_layers=double + single, hidden_size=hidden, num_heads=hidden // head_dim,
-            num_kv_heads=hidden // head_dim, head_dim=head_dim,
-            mlp_hidden=rows(shapes, "single_transformer_blocks.0.proj_mlp.weight"),
-            extra={"double_layers": double, "single_layers": single,
-                   "guidance_embeds": "time_text_embed.guidance_embedder.linear_1.weight" in shapes},
-        )
+        return dual_stream_config_from_keys(
+            self.id, shapes, guidance_embeds="time_text_embed.guidance_embedder.linear_1.weight" in shapes)
 
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,
                        generator: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from lowbit_pipe.arch import register
-from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
-from lowbit_pipe.arch.flux1 import SN, S, double_block_rules, flux_inputs, mlp_embedder, to_device
+from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, rows
+from lowbit_pipe.arch.flux1 import (SN, S, double_block_rules, dual_stream_config, dual_stream_config_from_keys,
+                                    flux_inputs, mlp_embedder, to_device)
 from lowbit_pipe.arch.keymap import KeyMap, Rename
 
 KEYMAP = KeyMap([
@@ -51,25 +52,14 @@ class Flux2(Arch):
 
     def config_from_dict(self, c: Mapping[str, Any]) -> ArchConfig:
         hidden = c["attention_head_dim"] * c["num_attention_heads"]
-        return ArchConfig(
-            arch=self.id, num_layers=c["num_layers"] + c["num_single_layers"], hidden_size=hidden,
-            num_heads=c["num_attention_heads"], num_kv_heads=c["num_attention_heads"], head_dim=c["attention_head_dim"],
-            mlp_hidden=int(hidden * c["mlp_ratio"]),
-            extra={"double_layers": c["num_layers"], "single_layers": c["num_single_layers"],
-                   "guidance_embeds": bool(c["guidance_embeds"])},
-        )
+        return dual_stream_config(self.id, c, int(hidden * c["mlp_ratio"]), guidance_embeds=bool(c["guidance_embeds"]))
 
     def config_from_keys(self, shapes: dict[str, tuple[int, ...]]) -> ArchConfig:
-        hidden = rows(shapes, "x_embedder.weight")
-        head_dim = rows(shapes, "single_transformer_blocks.0.attn.norm_q.weight")
-        double, single = count_blocks(shapes, "transformer_blocks"), count_blocks(shapes, "single_transformer_blocks")
-        mlp = rows(shapes, "single_transformer_blocks.0.attn.to_out.weight", 1) - hidden
-        return ArchConfig(
-            arch=self.id, num_layers=double + single, hidden_size=hidden, num_heads=hidden // head_dim,
-            num_kv_heads=hidden // head_dim, head_dim=head_dim, mlp_hidden=mlp,
-            extra={"double_layers": double, "single_layers": single,
-                   "guidance_embeds": "time_guidance_embed.guidance_embedder.linear_1.weight" in shapes},
-        )
+        # Single blocks fuse attention and MLP: linear2's in_features = hidden + mlp.
+        mlp = rows(shapes, "single_transformer_blocks.0.attn.to_out.weight", 1) - rows(shapes, "x_embedder.weight")
+        return dual_stream_config_from_keys(
+            self.id, shapes, mlp,
+            guidance_embeds="time_guidance_embed.guidance_embedder.linear_1.weight" in shapes)
 
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,
                        generator: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:
