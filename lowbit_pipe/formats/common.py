@@ -81,6 +81,38 @@ def record_rotation(record: dict[str, Any], where: str) -> tuple[str, int]:
     return "none", 0
 
 
+def check_rotation_fits(record: dict[str, Any], in_features: int, where: str) -> tuple[str, int]:
+    """`record_rotation`, refusing a group that does not divide the layer's in_features."""
+    kind, group = record_rotation(record, where)
+    if kind != "none" and in_features % group:
+        raise FormatError(f"{where}.weight: in_features {in_features} not a multiple of the {kind} group {group} in the record")
+    return kind, group
+
+
+def scalar_or_row_scale(s: torch.Tensor, rows: int, key: str, where: str) -> torch.Tensor:
+    """A per-tensor (-> shape ()) or per-row (-> [rows, 1]) fp32 scale, finite, or a FormatError naming it."""
+    if s.numel() == 1:
+        s = s.float().reshape(())
+    elif tuple(s.shape) in ((rows, 1), (rows,)):
+        s = s.float().reshape(-1, 1)
+    else:
+        raise FormatError(f"{where}.{key}: shape {tuple(s.shape)}, expected a scalar or [{rows}, 1]")
+    check_finite_scale(s, key, where)
+    return s
+
+
+def optional_input_scale(tensors: dict[str, torch.Tensor], where: str) -> dict[str, torch.Tensor]:
+    """{"input_scale": fp32 scalar} when the layer has a static (calibrated) one, else {}."""
+    if "input_scale" not in tensors:
+        return {}
+    i = tensors["input_scale"]
+    check_dtype(i, "input_scale", where, (torch.float32,))
+    if i.numel() != 1:
+        raise FormatError(f"{where}.input_scale: expected a scalar, got shape {tuple(i.shape)}")
+    check_finite_scale(i, "input_scale", where)
+    return {"input_scale": i.reshape(())}
+
+
 def is_stock_loadable(record: dict[str, Any]) -> bool:
     """True when stock ComfyUI (comfy-kitchen layouts) can load and run this record as written."""
     return not any(key in record for key in MARKER_KEYS) and not str(record.get("format", "")).startswith("lowbit_")

@@ -101,16 +101,8 @@ class Int8(Format):
         if w.dim() != 2:
             raise FormatError(f"{where}.weight: expected a 2-D int8 tensor, got shape {tuple(w.shape)}")
         common.check_dtype(s, "weight_scale", where, (torch.float32, torch.bfloat16, torch.float16))
-        if s.numel() == 1:
-            s = s.float().reshape(())
-        elif tuple(s.shape) in ((w.shape[0], 1), (w.shape[0],)):
-            s = s.float().reshape(-1, 1)
-        else:
-            raise FormatError(f"{where}.weight_scale: shape {tuple(s.shape)}, expected a scalar or [{w.shape[0]}, 1]")
-        common.check_finite_scale(s, "weight_scale", where)
-        kind, group = common.record_rotation(record, where)
-        if kind != "none" and w.shape[1] % group:
-            raise FormatError(f"{where}.weight: in_features {w.shape[1]} not a multiple of the {kind} group {group} in the record")
+        s = common.scalar_or_row_scale(s, w.shape[0], "weight_scale", where)
+        common.check_rotation_fits(record, w.shape[1], where)
         return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), {"weight": w, "weight_scale": s}, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:

@@ -143,17 +143,8 @@ class NVFP4(Format):
         if g.numel() != 1:
             raise FormatError(f"{where}.weight_scale_2: expected a scalar, got shape {tuple(g.shape)}")
         common.check_finite_scale(g, "weight_scale_2", where)
-        out = {"weight": w, "weight_scale": s, "weight_scale_2": g.reshape(())}
-        if "input_scale" in tensors:
-            i = tensors["input_scale"]
-            common.check_dtype(i, "input_scale", where, (torch.float32,))
-            if i.numel() != 1:
-                raise FormatError(f"{where}.input_scale: expected a scalar, got shape {tuple(i.shape)}")
-            common.check_finite_scale(i, "input_scale", where)
-            out["input_scale"] = i.reshape(())
-        kind, group = common.record_rotation(record, where)
-        if kind != "none" and k % group:
-            raise FormatError(f"{where}.weight: in_features {k} not a multiple of the {kind} group {group} in the record")
+        out = {"weight": w, "weight_scale": s, "weight_scale_2": g.reshape(()), **common.optional_input_scale(tensors, where)}
+        common.check_rotation_fits(record, k, where)
         return QuantizedWeight(self.name, (n, k), out, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
