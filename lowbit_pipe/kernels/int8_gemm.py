@@ -74,6 +74,18 @@ INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
 
 
 @triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row-tiles share each
+    column-tile while it is in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = GROUP_M * num_n
+    first_m = (pid // group) * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    return first_m + ((pid % group) % size_m), (pid % group) // size_m
+
+
+@triton.jit
 def _int8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, xa_ptr, up_ptr,
     M, N, K, M_BUCKET, R,
@@ -83,15 +95,7 @@ def _int8_gemm_kernel(
     HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    # Grouped program order: GROUP_M row-tiles share each column-tile while it is in L2.
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % group) % size_m)
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

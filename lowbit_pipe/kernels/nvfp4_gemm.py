@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_pipe.kernels.int8_gemm import grouped_tile, launch_gemm, m_bucket
+
 E2M1_MAX = tl.constexpr(6.0)  # constexpr: read inside the kernels
 FP8_MAX = tl.constexpr(448.0)
 
@@ -104,14 +106,7 @@ def _nvfp4_gemm_kernel(
     HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + ((pid % group) % size_m)
-    pid_n = (pid % group) // size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -160,7 +155,6 @@ def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, s
     """a [M, Kp] (bf16/fp16/fp32; fp32 computes an fp32 dot), w_packed uint8 [Np, Kp/2],
     w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], scale fp32 scalar (g_x * g_w)
     -> out_dtype [M, n] (n <= Np: the logical out_features)."""
-    from lowbit_pipe.kernels.int8_gemm import launch_gemm, m_bucket
 
     if a.dim() != 2 or w_packed.dim() != 2:
         raise ValueError(f"nvfp4_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w_packed.shape)}")

@@ -85,6 +85,19 @@ def _rot_kron(x, ha_ptr, hb_ptr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOC
 
 
 @triton.jit
+def _rotated_chunk(x, h_ptr, hb_ptr, j, ROT: tl.constexpr, KRON_A: tl.constexpr, H_SCALE: tl.constexpr,
+                   IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr):
+    """Output columns [j*HC, (j+1)*HC) of the tile after the rotation (Kronecker form: HC == BLOCK_K), fp32."""
+    if ROT and KRON_A > 0:
+        v = _rot_kron(x, h_ptr, hb_ptr, H_SCALE, IEEE, BLOCK_M, KRON_A, BLOCK_K // KRON_A)
+    elif ROT:
+        v = _rot_chunk(x, h_ptr, j, H_SCALE, IEEE, BLOCK_K, HC)
+    else:
+        v = x.to(tl.float32)
+    return v
+
+
+@triton.jit
 def _quant_rows_kernel(
     x_ptr, h_ptr, hb_ptr, q_ptr, s_ptr, static_ptr, down_ptr, xa_ptr,
     M, K, stride_xm, stride_qm, R, stride_dr, stride_xam,
@@ -107,12 +120,7 @@ def _quant_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
             for j in tl.static_range(BLOCK_K // HC):
-                if ROT and KRON_A > 0:
-                    v = _rot_kron(x, h_ptr, hb_ptr, H_SCALE, IEEE, BLOCK_M, KRON_A, BLOCK_K // KRON_A)
-                elif ROT:
-                    v = _rot_chunk(x, h_ptr, j, H_SCALE, IEEE, BLOCK_K, HC)
-                else:
-                    v = x.to(tl.float32)
+                v = _rotated_chunk(x, h_ptr, hb_ptr, j, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
                 amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
         if FP8:
             scale = tl.math.div_rn(amax, QMAX)
@@ -133,12 +141,7 @@ def _quant_rows_kernel(
             else:
                 xa = tl.dot(x, d, xa)
         for j in tl.static_range(BLOCK_K // HC):
-            if ROT and KRON_A > 0:
-                v = _rot_kron(x, h_ptr, hb_ptr, H_SCALE, IEEE, BLOCK_M, KRON_A, BLOCK_K // KRON_A)
-            elif ROT:
-                v = _rot_chunk(x, h_ptr, j, H_SCALE, IEEE, BLOCK_K, HC)
-            else:
-                v = x.to(tl.float32)
+            v = _rotated_chunk(x, h_ptr, hb_ptr, j, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
             if FP8:
                 q = tl.clamp(v * inv[:, None], -QMAX, QMAX).to(q_ptr.dtype.element_ty)
             else:
