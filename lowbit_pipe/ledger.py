@@ -213,7 +213,7 @@ class Ledger:
         weakref: if the user dropped the model, the undo has nothing to restore and
         just releases the original.
         """
-        parent, attr = _parent(root, name)
+        parent, attr = parent_of(root, name)
         original = getattr(parent, attr)
         device = next((t.device for t in original.parameters()), None)
         setattr(parent, attr, new)
@@ -511,7 +511,8 @@ def device_allocated() -> dict[int, int]:
     return {i: torch.cuda.memory_allocated(i) for i in range(torch.cuda.device_count())}
 
 
-def _parent(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+def parent_of(root: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """(parent module, attribute) of the submodule `name` of `root`."""
     if "." not in name:
         return root, name
     path, attr = name.rsplit(".", 1)

@@ -17,6 +17,7 @@ from torch import nn
 
 from lowbit_pipe import metrics, sampler
 from lowbit_pipe.context import Context
+from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
@@ -34,7 +35,7 @@ def float_reference(ctx: Context) -> Iterator[None]:
             original = ctx.ledger.original(name)
             if original is None:
                 raise RuntimeError(f"no float original of '{name}' (quantize.originals=drop): cannot evaluate")
-            parent, attr = (root.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (root, name)
+            parent, attr = parent_of(root, name)
             quantized = getattr(parent, attr)
             device = next(quantized.buffers()).device
             original_device = next(original.parameters()).device

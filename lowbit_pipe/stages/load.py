@@ -14,6 +14,7 @@ from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import decode_record, format_for_record
+from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
@@ -67,7 +68,7 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
             raise CheckpointError(where, f"record says {qweight.shape[0]}x{qweight.shape[1]} but the model's module is "
                                          f"{type(target).__name__} {tuple(shape.shape) if shape is not None else ''}",
                                   file_key(name))
-        parent, attr = (model.get_submodule(name.rsplit(".", 1)[0]), name.rsplit(".", 1)[1]) if "." in name else (model, name)
+        parent, attr = parent_of(model, name)
         setattr(parent, attr, QuantLinear(qweight, bias.to(dtype) if bias is not None else None))
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not _is_quant_key(model, k)]
