@@ -18,6 +18,7 @@ from torch import nn
 
 from lowbit_pipe.formats import FormatSpec, encode_record, get_format
 from lowbit_pipe.ledger import tensor_bytes
+from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan
 
 
@@ -71,7 +72,7 @@ def _layer_error(linear: nn.Linear, spec: FormatSpec, x: torch.Tensor) -> tuple[
     ref = x @ w.float().t()
     out = fmt.linear(x, q, None).float()
     record_bytes = encode_record(q.record).numel()  # the `.comfy_quant` buffer is stored too
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30)), q.nbytes + record_bytes
+    return rel_error(ref, out), q.nbytes + record_bytes
 
 
 def plan_budget(model: nn.Module, plans: list[LayerPlan], candidates: list[FormatSpec], budget_bytes: int,

@@ -48,11 +48,6 @@ def float_reference(ctx: Context) -> Iterator[None]:
             setattr(parent, attr, quantized)
 
 
-def compare(ref: torch.Tensor, out: torch.Tensor) -> dict[str, float]:
-    """rel_error, cosine, max_abs_error, psnr_db of `out` against `ref` (see lowbit_pipe.metrics)."""
-    return metrics.compare(ref, out)
-
-
 @contextlib.contextmanager
 def layer_probes(ctx: Context, sums: dict[str, list[float]]) -> Iterator[dict[str, list[float]]]:
     """Forward hooks on the float originals: each runs its quantized twin on the very same input and
@@ -140,7 +135,7 @@ class Evaluate(Stage):
                     result["peak_device_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
                 with layer_probes(ctx, sums) if cfg.layers else contextlib.nullcontext(), float_reference(ctx):
                     refs.append(forward(inputs).float().cpu())
-            result.update(compare(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs])))
+            result.update(metrics.compare(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs])))
             result["samples"] = cfg.samples
             result["psnr_db"] = metrics.finite(result["psnr_db"])
             if cfg.layers:
