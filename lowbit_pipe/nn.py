@@ -15,10 +15,6 @@ from torch import nn
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_format
 
 
-# Formats whose `linear(x, q, bias, lora=(down, up))` fuses a LoRA residual into the GPU path.
-FUSED_LORA_FORMATS = ("int8", "fp8")
-
-
 class QuantLinear(nn.Module):
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -57,7 +53,7 @@ class QuantLinear(nn.Module):
         # epilogue / in-place addmm_); everything else (CPU reference included) adds it after.
         lora = self._modules.get("lora")
         if lora is not None and lora.branches:
-            if x.is_cuda and self.format.name in FUSED_LORA_FORMATS:
+            if x.is_cuda and self.format.fused_lora_on_cuda:
                 return self.format.linear(x, self.qweight, self.bias, lora=(lora.down, lora.up))
             return self.format.linear(x, self.qweight, self.bias) + lora(x)
         return self.format.linear(x, self.qweight, self.bias)

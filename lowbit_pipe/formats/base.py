@@ -74,6 +74,7 @@ class Format(ABC):
     bits_per_weight: ClassVar[float]  # storage cost including scales, for planning
     rotations: ClassVar[tuple[str, ...]] = ("none",)  # rotations this format can carry
     weight_only_on_cpu: ClassVar[bool] = False  # CPU reference skips activation quantization
+    fused_lora_on_cuda: ClassVar[bool] = False  # `linear(..., lora=(down, up))` fuses the LoRA branch on CUDA
 
     @abstractmethod
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:

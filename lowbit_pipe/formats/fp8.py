@@ -32,6 +32,7 @@ class FP8(Format):
     name = "fp8"
     comfy_name = "float8_e4m3fn"
     bits_per_weight = 8.0
+    fused_lora_on_cuda = True
     rotations = ("none", "convrot", "quarot", "hadanorm")
 
     def check_spec(self, spec: FormatSpec) -> None:

@@ -51,6 +51,7 @@ class Int8(Format):
     name = "int8"
     comfy_name = "int8_tensorwise"
     bits_per_weight = 8.0
+    fused_lora_on_cuda = True
     rotations = ("none", "convrot", "quarot", "hadanorm")
 
     def check_spec(self, spec: FormatSpec) -> None:
