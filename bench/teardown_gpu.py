@@ -44,6 +44,11 @@ from lowbit_pipe.stages.detect import linear_shapes  # noqa: E402
 from lowbit_pipe.stages.quantize import quantize_module  # noqa: E402
 from lowbit_pipe.stages.teardown import teardown  # noqa: E402
 
+# Imported here, before the baseline, not inside a cycle's `with torch.device(device)`: importing
+# diffusers' transformer modules creates module-level tensors (mag-cache ratios, an fp4 lookup table,
+# peft defaults) that would otherwise be created on the GPU once and held for the process's life.
+from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock  # noqa: E402
+
 FULL = {"hidden": 6144, "heads": 48, "kv_heads": 12, "mlp": 16384, "tokens": 4608}  # 4096 image + 512 text
 SMALL = {"hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "tokens": 32}
 
@@ -53,8 +58,6 @@ class Blocks(nn.Module):
 
     def __init__(self, dims: dict[str, int], layers: int):
         super().__init__()
-        from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock
-
         self.transformer_blocks = nn.ModuleList(
             Krea2TransformerBlock(dims["hidden"], dims["mlp"], dims["heads"], dims["kv_heads"], 1e-5) for _ in range(layers))
 
@@ -82,6 +85,31 @@ def _live_tensors() -> int:
 
     return sum(1 for o in gc.get_objects()
                if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.device.type != "meta")
+
+
+def _device_tensors() -> dict[int, torch.Tensor]:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return {id(o): o for o in gc.get_objects()
+            if isinstance(o, torch.Tensor) and not isinstance(o, FakeTensor) and o.device.type == "cuda"}
+
+
+def _describe_new(before: set[int]) -> list[str]:
+    """Device tensors alive now that were not at the baseline: shape, dtype, bytes and who holds them
+    (referrer types two levels up), so a residue names its owner."""
+    out = []
+    for key, t in _device_tensors().items():
+        if key in before:
+            continue
+        holders = []
+        for r in gc.get_referrers(t)[:4]:
+            if isinstance(r, (list, dict, tuple)):
+                up = [type(u).__name__ for u in gc.get_referrers(r)[:3] if u is not r]
+                holders.append(f"{type(r).__name__}<-{'/'.join(up)}")
+            else:
+                holders.append(type(r).__name__)
+        out.append(f"{tuple(t.shape)} {t.dtype} {t.untyped_storage().nbytes()} B held by {holders}")
+    return out[:20]
 
 
 def _capture(model: Blocks, static: tuple, eager: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -190,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     baseline = _allocated(device)
     tensors0 = _live_tensors()
+    device_tensors0 = set(_device_tensors()) if device.type == "cuda" else set()
     rows = []
     print(f"device={device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else platform.processor() or 'cpu'})"
           f" torch={torch.__version__} dims={dims} layers={args.layers} format={args.format} "
@@ -205,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
             row["baseline_bytes"] = baseline
             row["delta_bytes"] = None if baseline is None else row["after_bytes"] - baseline
             row["live_tensors_delta"] = _live_tensors() - tensors0
+            if device.type == "cuda" and (row["delta_bytes"] or row["live_tensors_delta"]) and i in (0, args.cycles - 1):
+                row["new_device_tensors"] = _describe_new(device_tensors0)
+                print("  new device tensors:", *row["new_device_tensors"], sep="\n    ")
             rows.append(row)
             peak = row.get("peak_bytes")
             print(f"{i:>5} {row['seconds']:>8.2f} {peak / 2**20 if peak else float('nan'):>9.1f} "

@@ -250,3 +250,23 @@ def test_purge_cli_removes_stale_temp_files_and_reports(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "removed 0 stale temp file(s)" in text and "NOT clean" in text
     assert purge_main([str(tmp_path / "nope")]) == 1
+
+
+_META_GLOBALS = """
+import sys, types, torch
+from lowbit_pipe.arch import ARCHS
+for arch in ARCHS.values():
+    arch.linear_names  # the meta-device template build, first thing in a fresh process
+bad = sorted(f"{name}.{key}" for name, mod in list(sys.modules.items()) if isinstance(mod, types.ModuleType)
+             for key, val in list(vars(mod).items()) if isinstance(val, torch.Tensor) and val.device.type == "meta")
+print("\\n".join(bad))
+sys.exit(1 if bad else 0)
+"""
+
+
+def test_meta_builds_leave_no_module_global_on_meta():
+    # Importing diffusers' model modules creates module-level tensors (mag-cache ratios, an fp4 lookup
+    # table); a first import inside `with torch.device("meta")` made them meta tensors for the process's life.
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", _META_GLOBALS], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"module globals left on meta: {proc.stdout[-2000:]} {proc.stderr[-2000:]}"

@@ -111,8 +111,11 @@ class Arch(ABC):
     @cached_property
     def linear_names(self) -> tuple[str, ...]:
         """Linear module names of the diffusers class (default size), from a meta-device build (no memory)."""
+        # Resolve the class first: its import creates module-level tensors (diffusers' mag-cache
+        # ratios, peft defaults), which inside the meta context would be created on meta for good.
+        cls = self.model_class()
         with torch.device("meta"):
-            model = self.model_class()(**self.lora_template_kwargs())
+            model = cls(**self.lora_template_kwargs())
         return tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear))
 
     @cached_property
