@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             row["live_tensors_delta"] = _live_tensors() - tensors0
             if device.type == "cuda" and (row["delta_bytes"] or row["live_tensors_delta"]) and i in (0, args.cycles - 1):
                 row["new_device_tensors"] = _describe_new(device_tensors0)
-                print("  new device tensors:", *row["new_device_tensors"], sep="\n    ")
+                if row["new_device_tensors"]:
+                    print("  new device tensors:", *row["new_device_tensors"], sep="\n    ")
             rows.append(row)
             peak = row.get("peak_bytes")
             print(f"{i:>5} {row['seconds']:>8.2f} {peak / 2**20 if peak else float('nan'):>9.1f} "
