@@ -6,10 +6,11 @@
 Per shape (M tokens, K in, N out) and format, in one run on one device:
 - t_q:     the QuantLinear forward without LoRA (this package's kernels for that format);
 - t_q+lora: the same layer with a rank-32 LoraStack (one concatenated pair, strength folded in): on
-           CUDA int8 / fp8 the FUSED path (xa = x @ down^T by cuBLAS; int8: xa @ up^T in the GEMM
-           epilogue, fp8: in-place addmm_ into the _scaled_mm output);
-- variants_ms (int8 / fp8): the pieces (quantize, quantize with the down projection fused, cuBLAS
-           x @ down^T, GEMM, GEMM with the epilogue, GEMM + addmm_) and both full fused variants;
+           CUDA int8 / fp8 the FUSED path (xa = x @ down^T from the quantize's read of x; int8:
+           xa @ up^T in the GEMM epilogue, fp8: in-place addmm_ into the _scaled_mm output);
+- variants_ms (int8 / fp8): the pieces (quantize, quantize with the down projection, cuBLAS
+           x @ down^T, GEMM, GEMM with the epilogue, GEMM + addmm_) and the previous wiring
+           (plain quantize + cuBLAS x @ down^T) end to end;
 - t_unfused: the old path in the same run, format.linear(x) + stack(x) (two extra matmuls and an add);
 - err_vs_unfused: ||fused - unfused|| / ||unfused|| (bf16 rounding level expected);
 - t_lora:  the branch alone, (x @ A^T) @ B^T in the activation dtype;
@@ -104,7 +105,7 @@ def variant_times(q: QuantLinear, stack: LoraStack, x: torch.Tensor, device: tor
     from torch.nn import functional as F
 
     from lowbit_pipe.kernels import dispatch
-    from lowbit_pipe.kernels.int8_gemm import int8_gemm_op
+    from lowbit_pipe.kernels.int8_gemm import int8_gemm_op, reference_int8_gemm
     from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op
 
     t = q.qweight.tensors
@@ -120,13 +121,31 @@ def variant_times(q: QuantLinear, stack: LoraStack, x: torch.Tensor, device: tor
         out["gemm"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 0), device, reps)
         out["gemm_epilogue"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 0, xa, up.t()), device, reps)
         out["gemm_then_addmm"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 0).addmm_(xa, up.t()), device, reps)
-        for name, fd in (("full_cublas_down_epilogue", False), ("full_quant_down_epilogue", True)):
-            out[name] = bench(lambda fd=fd: dispatch.int8_linear(x, w, ws, None, lora_down=down, lora_up=up, fuse_down=fd),
-                              device, reps)
-    else:
-        for name, fd in (("full_cublas_down_addmm", False), ("full_quant_down_addmm", True)):
-            out[name] = bench(lambda fd=fd: dispatch.fp8_linear(x, t["weight"], t["weight_scale"], None, None,
-                                                                lora_down=down, lora_up=up, fuse_down=fd), device, reps)
+        # the previous wiring, for comparison: plain quantize + a cuBLAS x @ down^T + the epilogue GEMM
+        def cublas_down() -> torch.Tensor:
+            q1, s1 = quantize_act_op(x, "int8", "none", 0, None)
+            return int8_gemm_op(q1, w, s1, ws, None, x.dtype, 0, F.linear(x, down), up.t())
+
+        out["full_cublas_down_epilogue"] = bench(cublas_down, device, reps)
+    else:  # cuBLAS fp8 (the no-LoRA path), Triton fp8 with / without the epilogue, and the previous wiring
+        w, ws = t["weight"], t["weight_scale"]
+        q0, s0 = quantize_act_op(x, "fp8", "none", 0, None)
+        xa = F.linear(x, down)
+        wrow = ws.float().reshape(1, -1).expand(1, w.shape[0]).contiguous()
+        out["gemm_cublas"] = bench(lambda: torch._scaled_mm(q0, w.t(), scale_a=s0, scale_b=wrow, out_dtype=torch.bfloat16),
+                                   device, reps)
+        out["gemm_triton"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 2), device, reps)
+        out["gemm_triton_epilogue"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 2, xa, up.t()), device, reps)
+        # accumulation accuracy of both fp8 GEMMs: the raw sums of the codes (unit scales, fp32 out, which
+        # cuBLAS allows tensor-wise only) against their float64 product
+        one = torch.ones((), device=x.device)
+        ref = reference_int8_gemm(q0, w, torch.ones(x.shape[0], device=x.device), one, None, torch.float32, 2)
+        for name, y in (("err_cublas_vs_f64", torch._scaled_mm(q0, w.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)),
+                        ("err_triton_vs_f64", int8_gemm_op(q0, w, torch.ones(x.shape[0], device=x.device), one, None,
+                                                           torch.float32, 2))):
+            out[name] = float((y - ref).norm() / ref.norm())
+        out["full_cublas_down_addmm"] = bench(
+            lambda: dispatch.fp8_linear(x, w, ws, None, None).addmm_(F.linear(x, down), up.t()), device, reps)
     return out
 
 
@@ -192,7 +211,8 @@ def main() -> None:
     for r in rows:
         if r["variants_ms"]:
             print(f"{r['format']:<8} {r['K']:>6} {r['N']:>6} pieces ms: "
-                  + ", ".join(f"{k_} {v:.3f}" for k_, v in r["variants_ms"].items()))
+                  + ", ".join(f"{k_} {v:.2e}" if k_.startswith("err") else f"{k_} {v:.3f}"
+                              for k_, v in r["variants_ms"].items()))
     for c in checks:
         print(f"check {c['format']:<5} {c['rotation']:<8} {c['granularity']:<6} {c['dtype']:<15} bias={c['bias']!s:<5} "
               f"3-D: rel err fused vs unfused {c['err']:.2e}")

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "int8_lora", "quantize_act", "nvfp4", "formats", "compile")
+CASES = ("int8_gemm", "fp8_gemm", "int8_lora", "quantize_act", "nvfp4", "formats", "compile")
 
 
 def _run_case(case: str) -> None:
@@ -142,6 +142,42 @@ def case_int8_gemm() -> None:
     _close(y, ref, 1e-6, "packed int4 vs unpacked")
 
 
+def case_fp8_gemm() -> None:
+    """w_mode 2: e4m3 x e4m3 -> fp32 accumulate, row or scalar scales, bias, the low-rank epilogue."""
+    from lowbit_pipe.kernels.int8_gemm import int8_gemm, reference_int8_gemm
+
+    gen = torch.Generator().manual_seed(7)
+    m, k, n = 40, 256, 72  # M and N not multiples of the tile (K must be, for fp8)
+    a = (torch.randn(m, k, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w = (torch.randn(n, k, generator=gen) * 50).clamp(-448, 448).to(torch.float8_e4m3fn)
+    a_s, w_row = torch.rand(m, generator=gen) * 0.01, torch.rand(n, generator=gen) * 0.01
+    bias = torch.randn(n, generator=gen)
+    xa, up = torch.randn(m, 16, generator=gen), torch.randn(n, 16, generator=gen) * 0.1
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64}
+    for ws, b, lora in ((w_row, None, None), (torch.tensor(0.003), bias, None), (w_row, bias, (xa, up.t()))):
+        extra = lora or (None, None)
+        y = int8_gemm(a, w, a_s, ws, b, torch.float32, 2, cfg, *extra)
+        _close(y, reference_int8_gemm(a, w, a_s, ws, b, torch.float32, 2, *extra), 1e-5, f"fp8 gemm lora={lora is not None}")
+    # the fp8 linear with a LoRA branch takes this GEMM and its epilogue (K % 128 == 0)
+    from lowbit_pipe.kernels import dispatch
+    from lowbit_pipe.kernels.quantize_act import quantize_act
+
+    x = torch.randn(2, 20, k, generator=gen)
+    down, upf = torch.randn(16, k, generator=gen) * 0.05, torch.randn(n, 16, generator=gen) * 0.05
+    for ws, static in ((w_row, None), (torch.tensor(0.003), torch.tensor(0.02))):
+        y = dispatch.fp8_linear(x, w, ws, static, bias, lora_down=down, lora_up=upf)
+        qx, sx, xa = quantize_act(x.reshape(-1, k), "fp8", static_scale=static, down=down)
+        ref = reference_int8_gemm(qx, w, sx, ws, bias, torch.float32, 2, xa, upf.t()).reshape(2, 20, n)
+        _close(y, ref, 1e-5, f"fp8_linear + lora static={static is not None}")
+    for bad, words in (((a.view(torch.int8), w), "float8_e4m3fn"), ((a[:, :200], w[:, :200]), "K % 128")):
+        try:
+            int8_gemm(*bad, a_s, w_row, None, torch.float32, 2, cfg)
+        except ValueError as err:
+            assert words in str(err), err
+        else:
+            raise AssertionError(f"w_mode 2 accepted {words!r} violation")
+
+
 def case_int8_lora() -> None:
     """Low-rank epilogue of the int8 GEMM (fp32 factors: the interpreter's bf16 dot is broken) vs the
     unfused reference, and dispatch.int8_linear(lora_down, lora_up) vs the format's linear + the branch."""
@@ -177,16 +213,26 @@ def case_int8_lora() -> None:
         dq = torch.randn(r, 520, generator=gen) * 0.1
         for mode in ("int8", "fp8"):
             q0, s0 = quantize_act(xq, mode)
-            q1, s1, xa = quantize_act(xq, mode, down=dq)
-            assert torch.equal(s0, s1) and torch.equal(q0.view(torch.int8), q1.view(torch.int8)), f"{mode} codes with down"
-            _close(xa, xq @ dq.t(), 1e-6, f"fused down r={r} {mode}")
+            # one K slice, or several with a ragged last one; down as given or as a transposed [K, R] copy
+            for cfg, d in (({}, dq), ({"DOWN_BLOCK_M": 16, "DOWN_BLOCK_K": 64, "DOWN_SLICE": 192, "BLOCK_M": 4},
+                                      dq.t().contiguous().t())):
+                q1, s1, xa = quantize_act(xq, mode, down=d, config=cfg)
+                assert torch.equal(s0, s1) and torch.equal(q0.view(torch.int8), q1.view(torch.int8)), \
+                    f"{mode} codes with down {cfg}"
+                _close(xa, xq @ dq.t(), 1e-6, f"fused down r={r} {mode} {cfg}")
+        static = torch.tensor(0.01)
+        q0, _ = quantize_act(xq, "fp8", static_scale=static)
+        q1, _, xa = quantize_act(xq, "fp8", static_scale=static, down=dq, config={"DOWN_SLICE": 256})
+        assert torch.equal(q0.view(torch.int8), q1.view(torch.int8))
+        _close(xa, xq @ dq.t(), 1e-6, f"fused down r={r} static fp8")
     xr = torch.randn(20, 512, generator=gen)
     dq = torch.randn(24, 512, generator=gen) * 0.1
     for rot, group in (("convrot", 256), ("quarot", 128)):
         q0, s0 = quantize_act(xr, "int8", rot, group)
-        q1, s1, xa = quantize_act(xr, "int8", rot, group, down=dq)
-        assert torch.equal(s0, s1) and torch.equal(q0, q1), f"{rot} codes with down"
-        _close(xa, xr @ dq.t(), 1e-6, f"fused down {rot} (unrotated x)")
+        for cfg in ({}, {"DOWN_SLICE": 256}):  # one slice / two (the slice is a multiple of the group)
+            q1, s1, xa = quantize_act(xr, "int8", rot, group, down=dq, config=cfg)
+            assert torch.equal(s0, s1) and torch.equal(q0, q1), f"{rot} codes with down {cfg}"
+            _close(xa, xr @ dq.t(), 1e-6, f"fused down {rot} (unrotated x) {cfg}")
     x = torch.randn(2, 20, 512, generator=gen)
     wf = torch.randn(n, 512, generator=gen) * 0.02
     down, upf = torch.randn(32, 512, generator=gen) * 0.01, torch.randn(n, 32, generator=gen) * 0.01
@@ -213,7 +259,7 @@ def case_quantize_act() -> None:
         for rot, group in (("none", None), ("convrot", 256), ("quarot", 128)):
             for dtype in ((torch.float32, torch.bfloat16) if rot == "none" else (torch.float32,)):
                 xi = x.to(dtype)
-                q, s = quantize_act(xi, mode, rot, group, block_m=16)
+                q, s = quantize_act(xi, mode, rot, group, config={"BLOCK_M": 16})
                 qr, sr = reference_quantize_act(xi, mode, rot, group)
                 _close(s, sr, 1e-6, f"{mode}/{rot}/{dtype} scale")
                 if mode == "fp8":

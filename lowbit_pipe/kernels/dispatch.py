@@ -9,7 +9,8 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 |---------------------------------------|-----------------------------------------------------------------|
 | int8 (none / convrot / quarot)        | Triton per-token int8 quant (rotation fused) + Triton INT8 GEMM |
 | fp8  (none / convrot / quarot)        | Triton per-token fp8 quant (rotation fused) + torch._scaled_mm   |
-|                                       | (row-wise scales), when K, N % 16 == 0 and M >= 16              |
+|                                       | (row-wise scales), when K, N % 16 == 0 and M >= 16; with a LoRA |
+|                                       | branch and K % 128 == 0: Triton fp8 GEMM + low-rank epilogue     |
 | convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
 | w4a8 / w6a8 (no weight_correction)    | int8-grid decode in torch per call + the int8 path above         |
 | nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation + Triton GEMM that |
@@ -19,13 +20,15 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 No module state, no environment switches: each call decides from its arguments.
 
 LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
-`int8_linear` / `fp8_linear` add `(x @ down^T) @ up^T` (x unrotated) inside the linear:
-xa = x @ down^T is one cuBLAS call on x (17 us at M=4608, K=6144 on the H200). The quantize
-kernel can also produce xa from its own read of x (`fuse_down=True`), but measured 3.5x slower
-than the plain quantize there (0.150 vs 0.042 ms: 16-row programs, 256-column chunks, a dot per
-chunk; bench/results/lora_overhead_h200.md), so it is off by default. int8 adds xa @ up^T in the GEMM's
-epilogue (fp32, before the output cast); fp8 (cuBLAS, no epilogue hook) adds it with an
-in-place `addmm_` into the GEMM output (beta = 1: no temporary, no separate add pass).
+`int8_linear` / `fp8_linear` add `(x @ down^T) @ up^T` (x unrotated) inside the linear. A branch
+must read x once more (56 MB at M=4608, K=6144: 17 us as its own cuBLAS call on the H200), so
+xa = x @ down^T rides the quantize's read of x: one kernel reads x for the row amax and the down
+projection together (per K slice), and the codes kernel then needs one pass over x, not two
+(quantize_act with `down`). int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
+cast); fp8 with a branch runs the same Triton GEMM on e4m3 operands (w_mode 2, K % 128 == 0;
+as fast as cuBLAS's fp8 GEMM on the H200, which has no epilogue hook) with the same epilogue,
+and otherwise adds it with an in-place `addmm_` into the cuBLAS output (beta = 1, no temporary).
+Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 """
 
 from __future__ import annotations
@@ -72,12 +75,13 @@ def _lora_pair(x: torch.Tensor, lora_down: torch.Tensor | None, lora_up: torch.T
 
 
 def _quantize_with_down(x2: torch.Tensor, mode: str, rot: str, g: int, static: torch.Tensor | None,
-                        down: torch.Tensor, fuse_down: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scales, xa = x2 @ down^T): the plain quantize kernel and one cuBLAS call, or
-    (fuse_down=True, R <= 128) the down projection inside the quantize kernel (slower on the H200)."""
+                        down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(codes, scales, xa = x2 @ down^T): one read of x for the row amax and the down projection,
+    then the codes pass (quantize_act with `down`); ranks above 128 (many stacked LoRAs) take the
+    plain quantize and one cuBLAS call."""
     from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op
 
-    if fuse_down and down.shape[0] <= FUSED_DOWN_MAX_R:
+    if down.shape[0] <= FUSED_DOWN_MAX_R:
         return quantize_act_down_op(x2, mode, rot, g, static, down)
     q, s = quantize_act_op(x2, mode, rot, g, static)
     return q, s, F.linear(x2, down)
@@ -88,8 +92,7 @@ FUSED_DOWN_MAX_R = 128
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                 rot: str = "none", group: int | None = None, int4: bool = False,
-                lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
-                fuse_down: bool = False) -> torch.Tensor:
+                lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None) -> torch.Tensor:
     """y = quant(rotate(x)) @ w^T with per-token activation scales; returns x.dtype [..., N].
 
     int4=False: int8 activations, w int8 [N, K]; int4=True: int4 activations (+-7), w packed
@@ -106,8 +109,8 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     if pair is None:
         q, s = quantize_act_op(x2, mode, rot, g, None)
         y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0)
-    else:  # xa = x @ down^T (unrotated x, cuBLAS); xa @ up^T in the GEMM epilogue
-        q, s, xa = _quantize_with_down(x2, mode, rot, g, None, pair[0], fuse_down)
+    else:  # xa = x @ down^T (unrotated x) from the quantize's read of x; xa @ up^T in the GEMM epilogue
+        q, s, xa = _quantize_with_down(x2, mode, rot, g, None, pair[0])
         y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0, xa, pair[1].t())
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
@@ -124,11 +127,11 @@ def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str) -> bool:
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None, rot: str = "none", group: int | None = None,
-               lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
-               fuse_down: bool = False) -> torch.Tensor:
+               lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None) -> torch.Tensor:
     """torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
     tensor-wise when both scales are scalars (any out dtype). The weight goes in as w.t():
     the column-major [K, N] operand cuBLAS wants, without a copy."""
+    from lowbit_pipe.kernels.int8_gemm import FP8_K_MULTIPLE, int8_gemm_op
     from lowbit_pipe.kernels.quantize_act import quantize_act_op
 
     k = x.shape[-1]
@@ -138,8 +141,11 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     pair = _lora_pair(x, lora_down, lora_up)
     if pair is None:
         q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
-    else:  # xa = x @ down^T (unrotated x, cuBLAS)
-        q, s, xa = _quantize_with_down(x2, "fp8", rot, g, input_scale, pair[0], fuse_down)
+    else:  # xa = x @ down^T (unrotated x) from the quantize's read of x
+        q, s, xa = _quantize_with_down(x2, "fp8", rot, g, input_scale, pair[0])
+    if pair is not None and k % FP8_K_MULTIPLE == 0:  # Triton fp8 GEMM, xa @ up^T in its epilogue
+        y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 2, xa, pair[1].t())
+        return y.reshape(*x.shape[:-1], n)
     if input_scale is not None and w_scale.numel() == 1:
         out_dtype = x.dtype
         y = torch._scaled_mm(q, w.t(), scale_a=input_scale.float().reshape(()), scale_b=w_scale.float().reshape(()),
@@ -150,7 +156,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     if bias is not None:
         y = y + bias.to(y.dtype)
     y = y.to(x.dtype)
-    if pair is not None:  # the up-projection accumulates into y in place (cuBLAS beta = 1)
+    if pair is not None:  # K not a multiple of 128: the up-projection accumulates into y in place
         y.addmm_(xa, pair[1].t())
     return y.reshape(*x.shape[:-1], n)
 

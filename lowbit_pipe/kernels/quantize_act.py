@@ -1,6 +1,6 @@
 """Triton per-token activation quantization, optionally fused with a block-diagonal Hadamard.
 
-    (rotate x @ H per group) -> row amax -> scale -> codes          (one kernel)
+    (rotate x @ H per group) -> row amax -> scale -> codes          (one kernel; two with a LoRA `down`)
 
 Modes:
 - "int8": scale = max(amax, 1e-12) / 127, codes = clamp(rne(x / scale), +-127)   (reference.quantize_rows_int8)
@@ -19,13 +19,18 @@ of spilling the fp32 rotated row to memory.
 hadanorm (per-group mean removal, plus a correction term) is not fused: rotate with
 `rotation.rotate_activation` first and quantize with rot="none".
 
-LoRA down projection (`down` [R, K], optional): the kernel already reads every x chunk of its
-rows, so it also accumulates xa = x @ down^T (unrotated x, fp32 accumulate, stored in x's dtype)
-with one small tl.dot per chunk; a LoRA'd linear then needs no separate pass over x. That
-variant takes 16-row programs and (without rotation) 256-column chunks, so the down chunk
-[256, R] stays small in shared memory. Measured on the H200 (M=4608, K=6144, R=32) it runs
-0.150 ms vs 0.042 ms for the plain kernel, slower than plain + a cuBLAS x @ down^T (0.017 ms):
-dispatch does not use it by default (`fuse_down=False`).
+LoRA down projection (`down` [R, K], optional): a branch needs x @ down^T, one more read of x
+as its own GEMM. Instead `_amax_down_kernel` reads x once for both the row amax (the codes
+kernel's first pass) and xa (one tl.dot per chunk, fp32), each program a 64-row block of one
+K slice (the dot needs 16+ rows; every row block reads all of `down` from L2, so blocks are
+large and the slices widen the grid). Partial results go to per-slice slots, no atomics: the
+codes kernel reduces them in slice order (the same bits every run) and makes one pass over x.
+A first design put the dot into the codes kernel itself (16-row programs): 0.10 ms against
+0.033 + 0.016 ms for plain + cuBLAS at M=4608, K=6144 (90 launch shapes swept on the H200).
+This one breaks even with plain + cuBLAS at K=6144 and saves 8% at K=16384
+(bench/results/lora_kernel_tune_h200.md): x comes from HBM twice either way (the plain kernel's
+second pass hits L2 because each program re-reads its own few rows at once; here the codes kernel
+runs after the whole slice kernel, and 56 MB of x does not stay in the 50 MB L2).
 
 Division is `div_rn` (Triton's `/` on fp32 is an approximate division on the GPU) and
 rounding is round-half-even through the 1.5*2^23 trick (torch.round's rule), so codes
@@ -98,30 +103,84 @@ def _rotated_chunk(x, h_ptr, hb_ptr, j, ROT: tl.constexpr, KRON_A: tl.constexpr,
 
 
 @triton.jit
+def _row_amax(x, h_ptr, hb_ptr, amax, ROT: tl.constexpr, KRON_A: tl.constexpr, H_SCALE: tl.constexpr,
+              IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr):
+    """amax updated with the row-wise |max| of the rotated tile x [BLOCK_M, BLOCK_K]."""
+    for j in tl.static_range(BLOCK_K // HC):
+        v = _rotated_chunk(x, h_ptr, hb_ptr, j, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
+        amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+    return amax
+
+
+@triton.jit
+def _amax_down_kernel(
+    x_ptr, h_ptr, hb_ptr, down_ptr, amax_ptr, xa_ptr,
+    M, K, SLICE, stride_xm, R, stride_dk, stride_dr,
+    ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr,
+):
+    # Program (row block, K slice): the slice's row amax (rotated x) and its partial x @ down^T
+    # (unrotated x, fp32), each written to its own slot [slice, row] -- no atomics, so the
+    # codes kernel reduces them in a fixed order and the result is the same every run.
+    pid = tl.program_id(0)
+    sl = tl.program_id(1)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = rows < M
+    x_row = x_ptr + rows[:, None] * stride_xm
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    xa = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+    for k0 in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, K), BLOCK_K):
+        kk = k0 + cols
+        x = tl.load(x_row + kk[None, :], mask=r_ok[:, None] & (kk[None, :] < K), other=0.0)
+        d = tl.load(down_ptr + kk[:, None] * stride_dk + offs_r[None, :] * stride_dr,
+                    mask=(kk[:, None] < K) & (offs_r[None, :] < R), other=0.0)
+        if IEEE:
+            xa = tl.dot(x, d, xa, input_precision="ieee")
+        else:
+            xa = tl.dot(x, d, xa)
+        amax = _row_amax(x, h_ptr, hb_ptr, amax, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
+    tl.store(amax_ptr + sl * M + rows, amax, mask=r_ok)
+    tl.store(xa_ptr + (sl * M + rows)[:, None] * R_PAD + offs_r[None, :], xa, mask=r_ok[:, None])
+
+
+@triton.jit
 def _quant_rows_kernel(
-    x_ptr, h_ptr, hb_ptr, q_ptr, s_ptr, static_ptr, down_ptr, xa_ptr,
-    M, K, stride_xm, stride_qm, R, stride_dr, stride_xam,
+    x_ptr, h_ptr, hb_ptr, q_ptr, s_ptr, static_ptr, amax_ptr, xa_part_ptr, xa_ptr,
+    M, K, stride_xm, stride_qm, R, stride_xam,
     QMAX: tl.constexpr, EPS: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr,
-    ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, HAS_DOWN: tl.constexpr, R_PAD: tl.constexpr,
+    ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr, R_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr,
 ):
     # BLOCK_K: the rotation group (ROT) or the column chunk; HC: output columns per step
     # (HC == BLOCK_K without rotation or with the Kronecker form). KRON_A > 0: rotate as
     # H_A kron H_B (h_ptr = H_A, hb_ptr = H_B, A * B = BLOCK_K); 0: one dot with H (h_ptr).
+    # PARTS > 0: `_amax_down_kernel` ran first; its PARTS slices give the amax (no amax pass
+    # over x here) and the LoRA xa, summed in slice order.
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
     r_ok = rows < M
     x_row = x_ptr + rows[:, None] * stride_xm
+    if PARTS > 0:
+        offs_r = tl.arange(0, R_PAD)
+        xa = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
+        for sl in tl.static_range(PARTS):
+            xa += tl.load(xa_part_ptr + (sl * M + rows)[:, None] * R_PAD + offs_r[None, :], mask=r_ok[:, None], other=0.0)
+        tl.store(xa_ptr + rows[:, None] * stride_xam + offs_r[None, :], xa.to(xa_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & (offs_r[None, :] < R))
     if STATIC:
         scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(static_ptr)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
-            for j in tl.static_range(BLOCK_K // HC):
-                v = _rotated_chunk(x, h_ptr, hb_ptr, j, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
-                amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
+        if PARTS > 0:
+            for sl in tl.static_range(PARTS):
+                amax = tl.maximum(amax, tl.load(amax_ptr + sl * M + rows, mask=r_ok, other=0.0))
+        else:
+            for k0 in range(0, K, BLOCK_K):
+                x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
+                amax = _row_amax(x, h_ptr, hb_ptr, amax, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
         if FP8:
             scale = tl.math.div_rn(amax, QMAX)
             scale = tl.where(scale > 0, scale, 1.0)
@@ -129,17 +188,8 @@ def _quant_rows_kernel(
             scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
         tl.store(s_ptr + rows, scale, mask=r_ok)
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale)
-    offs_r = tl.arange(0, R_PAD)
-    xa = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
-        if HAS_DOWN:  # LoRA down projection of the unrotated chunk: xa += x[:, chunk] @ down[:, chunk]^T
-            d = tl.load(down_ptr + offs_r[None, :] * stride_dr + (k0 + cols)[:, None],
-                        mask=(offs_r[None, :] < R) & ((k0 + cols)[:, None] < K), other=0.0)
-            if IEEE:
-                xa = tl.dot(x, d, xa, input_precision="ieee")
-            else:
-                xa = tl.dot(x, d, xa)
         for j in tl.static_range(BLOCK_K // HC):
             v = _rotated_chunk(x, h_ptr, hb_ptr, j, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
             if FP8:
@@ -150,9 +200,6 @@ def _quant_rows_kernel(
                 q = tl.clamp(t, -QMAX, QMAX).to(tl.int8)
             oc = k0 + j * HC + tl.arange(0, HC)
             tl.store(q_ptr + rows[:, None] * stride_qm + oc[None, :], q, mask=r_ok[:, None] & (oc[None, :] < K))
-    if HAS_DOWN:
-        tl.store(xa_ptr + rows[:, None] * stride_xam + offs_r[None, :], xa.to(xa_ptr.dtype.element_ty),
-                 mask=r_ok[:, None] & (offs_r[None, :] < R))
 
 
 KRON_OUTER = 16  # groups >= 256 rotate as H_16 kron H_{G/16} (both kinds are Kronecker powers)
@@ -172,15 +219,34 @@ def clear_cache() -> None:
     _unnormalized_hadamard.cache_clear()
 
 
+def launch_config(k: int, rot: str, override: dict | None = None) -> dict:
+    """Launch shapes (H200 sweep, bench/results/lora_kernel_tune_h200.md).
+
+    Codes kernel: 2-row programs over 2048-column chunks, 8 warps (0.033 ms int8 / 0.024 ms fp8 at
+    4608 x 6144; 4-row, 4-warp programs took 0.042 / 0.036); 16 rows when rotating (the Hadamard
+    dot needs 16). LoRA slice kernel (DOWN_*): 64-row programs over 2048-column slices in 128-column
+    chunks (the dot wants 16+ rows, and every row block reads all of `down` from L2 once, so row
+    blocks are large and the slices give the grid its width). Slice + codes kernel, int8: 0.049 ms
+    at K=6144 (plain 0.033 + cuBLAS x @ down^T 0.016: even) and 0.131 at K=16384 (0.101 + 0.042)."""
+    cfg = {"BLOCK_M": 16 if rot != "none" else 2, "BLOCK_K": min(triton.next_power_of_2(k), 2048),
+           "num_warps": 4 if rot != "none" else 8,
+           "DOWN_BLOCK_M": 64, "DOWN_BLOCK_K": 128, "DOWN_SLICE": 2048, "down_warps": 4, "down_stages": 3}
+    cfg.update(override or {})
+    return cfg
+
+
 def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: int | None = None,
-                 static_scale: torch.Tensor | None = None, block_m: int | None = None,
-                 num_warps: int | None = None, down: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
+                 static_scale: torch.Tensor | None = None, down: torch.Tensor | None = None,
+                 config: dict | None = None) -> tuple[torch.Tensor, ...]:
     """x [M, K] (fp32/bf16/fp16) -> (codes [M, K] int8 or float8_e4m3fn, scale fp32 [M, 1]),
     plus xa = x @ down^T [M, R] in x's dtype when `down` [R, K] (R <= 128) is given.
 
     `rot` rotates first (x @ H per group of `group`); `static_scale` (fp8 only) uses one
     per-tensor scale instead of the per-token amax (the returned scale is then [M, 1] of it).
-    `block_m` / `num_warps` override the launch shape (tests under the interpreter).
+    With `down` (any strides; a transposed [K, R] copy reads in whole rows), a first kernel
+    reads x once for both the row amax and the LoRA down projection, per K slice; the codes
+    kernel then needs one pass over x instead of two. Codes and scales equal the plain call's.
+    `config` overrides `launch_config` (tests under the interpreter, the tuning bench).
     """
     if mode not in MODES:
         raise ValueError(f"quantize_act: mode must be one of {list(MODES)}, got '{mode}'")
@@ -199,7 +265,7 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
     if down is not None:
         if down.dim() != 2 or down.shape[1] != k or not 0 < down.shape[0] <= 128:
             raise ValueError(f"quantize_act: down must be [R <= 128, {k}], got {tuple(down.shape)}")
-        down = down.to(x.dtype).contiguous()
+        down = down.to(x.dtype)
         r = down.shape[0]
     xa = torch.empty((m, r), dtype=x.dtype, device=x.device) if down is not None else None
     is_fp8, qmax, eps = MODES[mode]
@@ -212,11 +278,13 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
         static = scale  # dummy pointer when STATIC=False
     if m == 0:
         return (q, scale) if down is None else (q, scale, xa)
+    cfg = launch_config(k, rot, config)
     if rot != "none":
         g = rotation.resolve_group(rot, group)
         if k % g:
             raise ValueError(f"quantize_act: K={k} is not a multiple of the {rot} group {g}")
-        block_k, h_scale = g, float(1.0 / g**0.5)
+        block_k = down_block_k = g
+        h_scale = float(1.0 / g**0.5)
         if g >= KRON_OUTER * KRON_OUTER:
             kron_a, hc = KRON_OUTER, g
             h = _unnormalized_hadamard(rot, KRON_OUTER, x.dtype, x.device)
@@ -224,22 +292,30 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
         else:  # small group (quarot 128: 32 KB in bf16): one dot, in 64-column slices
             kron_a, hc = 0, min(g, 64)
             h = hb = _unnormalized_hadamard(rot, g, x.dtype, x.device)
-        bm, warps, stages = block_m or 16, num_warps or 4, 2
+        bm = max(cfg["BLOCK_M"], 16)  # the Hadamard dot needs 16 rows
     else:
         h = hb = scale  # dummy pointers when ROT=False
-        block_k, h_scale, kron_a = min(triton.next_power_of_2(k), 256 if down is not None else 2048), 1.0, 0
+        block_k, down_block_k, h_scale, kron_a = cfg["BLOCK_K"], cfg["DOWN_BLOCK_K"], 1.0, 0
         hc = block_k
-        bm, warps, stages = block_m or (16 if down is not None else 4), num_warps or 4, 2
+        bm = cfg["BLOCK_M"]
+    flags = {"ROT": rot != "none", "H_SCALE": h_scale, "IEEE": x.dtype == torch.float32, "KRON_A": kron_a,
+             "R_PAD": max(16, triton.next_power_of_2(r))}
+    parts, amax_part, xa_part = 0, scale, scale  # dummy pointers without down
     if down is not None:
-        bm = max(bm, 16)  # tl.dot needs 16 rows
-    grid = (triton.cdiv(m, bm),)
-    _quant_rows_kernel[grid](
-        x, h, hb, q, scale, static, down if down is not None else scale, xa if down is not None else scale,
-        m, k, x.stride(0), q.stride(0), r, k, r,
-        QMAX=qmax, EPS=eps, FP8=bool(is_fp8), STATIC=static_scale is not None,
-        ROT=rot != "none", H_SCALE=h_scale, IEEE=x.dtype == torch.float32,
-        HAS_DOWN=down is not None, R_PAD=max(16, triton.next_power_of_2(r)),
-        BLOCK_M=bm, BLOCK_K=block_k, HC=hc, KRON_A=kron_a, num_warps=warps, num_stages=stages,
+        dbm = max(cfg["DOWN_BLOCK_M"], 16)  # tl.dot needs 16 rows
+        slice_k = triton.cdiv(cfg["DOWN_SLICE"], down_block_k) * down_block_k
+        parts = triton.cdiv(k, slice_k)
+        amax_part = torch.empty((parts, m), dtype=torch.float32, device=x.device)
+        xa_part = torch.empty((parts, m, flags["R_PAD"]), dtype=torch.float32, device=x.device)
+        _amax_down_kernel[(triton.cdiv(m, dbm), parts)](
+            x, h, hb, down, amax_part, xa_part, m, k, slice_k, x.stride(0), r, down.stride(1), down.stride(0),
+            BLOCK_M=dbm, BLOCK_K=down_block_k, HC=down_block_k if kron_a or rot == "none" else hc, **flags,
+            num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+    _quant_rows_kernel[(triton.cdiv(m, bm),)](
+        x, h, hb, q, scale, static, amax_part, xa_part, xa if down is not None else scale,
+        m, k, x.stride(0), q.stride(0), r, r,
+        QMAX=qmax, EPS=eps, FP8=bool(is_fp8), STATIC=static_scale is not None, PARTS=parts,
+        BLOCK_M=bm, BLOCK_K=block_k, HC=hc, **flags, num_warps=cfg["num_warps"], num_stages=2,
     )
     return (q, scale) if down is None else (q, scale, xa)
 
