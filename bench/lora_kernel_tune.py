@@ -1,5 +1,5 @@
 """Launch-shape sweep for the LoRA-fused kernels at Krea 2 shapes (M=4608, rank 32, bf16): which
-quantize-with-down config, and which GEMM tiles for int8 / fp8 with the low-rank epilogue.
+quantize-with-down config, and which int8 GEMM tiles with the low-rank epilogue.
 
     python3 bench/lora_kernel_tune.py --out bench/results/lora_kernel_tune_h200.json      # GPU
     python3 bench/lora_kernel_tune.py --quick                                              # fewer configs
@@ -12,8 +12,8 @@ Measured in one run (CUDA-graph medians, triton.testing.do_bench_cudagraph):
   warps x stages x down layout ([R, K] rows or a transposed [K, R] copy); codes equal the plain
   call's bit for bit, xa within bf16 rounding of cuBLAS's;
 - the baselines those replace: cuBLAS x @ down^T, and plain quantize + it;
-- GEMMs per (K, N): Triton int8 and Triton fp8 (w_mode 2) with and without the epilogue, per tile
-  config, against cuBLAS fp8 (torch._scaled_mm, row-wise) and cuBLAS fp8 followed by addmm_.
+- GEMMs per (K, N): Triton int8 with and without the epilogue, per tile config, against cuBLAS fp8
+  (torch._scaled_mm, row-wise) and cuBLAS fp8 followed by addmm_ (the fp8 LoRA path).
 The chosen defaults go into the kernels' launch tables by hand; this file is the evidence.
 """
 
@@ -121,12 +121,10 @@ def sweep_gemm(k: int, n: int, quick: bool, deadline: float) -> dict:
     wf_scale = w.abs().amax(1).float() / 448
     wf = (w.float() / wf_scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     ws_row = wf_scale.reshape(1, n).contiguous()
-    y_cublas = torch._scaled_mm(qf, wf.t(), scale_a=sf, scale_b=ws_row, out_dtype=torch.bfloat16)
     out["cublas_fp8_ms"] = timed(lambda: torch._scaled_mm(qf, wf.t(), scale_a=sf, scale_b=ws_row, out_dtype=torch.bfloat16))
     out["cublas_fp8_addmm_ms"] = timed(
         lambda: torch._scaled_mm(qf, wf.t(), scale_a=sf, scale_b=ws_row, out_dtype=torch.bfloat16).addmm_(xa, up_t))
     out["bf16_ms"] = timed(lambda: F.linear(x, w))
-    y_lora_ref = y_cublas.float() + xa.float() @ up_t.float()
     for bm, bn, bk, warps, stages in GEMM_TILES if not quick else GEMM_TILES[:2]:
         if time.time() > deadline:
             break
@@ -135,12 +133,6 @@ def sweep_gemm(k: int, n: int, quick: bool, deadline: float) -> dict:
         try:
             row["int8_ms"] = timed(lambda: int8_gemm(qi, wi, si, wi_scale, None, torch.bfloat16, 0, cfg))
             row["int8_lora_ms"] = timed(lambda: int8_gemm(qi, wi, si, wi_scale, None, torch.bfloat16, 0, cfg, xa, up_t))
-            y = int8_gemm(qf, wf, sf, wf_scale, None, torch.bfloat16, 2, cfg)
-            row["fp8_err_vs_cublas"] = rel(y, y_cublas)
-            row["fp8_ms"] = timed(lambda: int8_gemm(qf, wf, sf, wf_scale, None, torch.bfloat16, 2, cfg))
-            y = int8_gemm(qf, wf, sf, wf_scale, None, torch.bfloat16, 2, cfg, xa, up_t)
-            row["fp8_lora_err"] = rel(y, y_lora_ref)
-            row["fp8_lora_ms"] = timed(lambda: int8_gemm(qf, wf, sf, wf_scale, None, torch.bfloat16, 2, cfg, xa, up_t))
         except Exception as err:  # out of shared memory etc.: recorded
             row["error"] = repr(err)[:160]
         out["tiles"].append(row)

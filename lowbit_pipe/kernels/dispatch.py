@@ -9,8 +9,7 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 |---------------------------------------|-----------------------------------------------------------------|
 | int8 (none / convrot / quarot)        | Triton per-token int8 quant (rotation fused) + Triton INT8 GEMM |
 | fp8  (none / convrot / quarot)        | Triton per-token fp8 quant (rotation fused) + torch._scaled_mm   |
-|                                       | (row-wise scales), when K, N % 16 == 0 and M >= 16; with a LoRA |
-|                                       | branch and K % 128 == 0: Triton fp8 GEMM + low-rank epilogue     |
+|                                       | (row-wise scales), when K, N % 16 == 0 and M >= 16              |
 | convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
 | w4a8 / w6a8 (no weight_correction)    | int8-grid decode in torch per call + the int8 path above         |
 | nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation + Triton GEMM that |
@@ -25,9 +24,11 @@ must read x once more (56 MB at M=4608, K=6144: 17 us as its own cuBLAS call on 
 xa = x @ down^T rides the quantize's read of x: one kernel reads x for the row amax and the down
 projection together (per K slice), and the codes kernel then needs one pass over x, not two
 (quantize_act with `down`). int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
-cast); fp8 with a branch runs the same Triton GEMM on e4m3 operands (w_mode 2, K % 128 == 0;
-as fast as cuBLAS's fp8 GEMM on the H200, which has no epilogue hook) with the same epilogue,
-and otherwise adds it with an in-place `addmm_` into the cuBLAS output (beta = 1, no temporary).
+cast); fp8 (cuBLAS, no epilogue hook) adds it with an in-place `addmm_` into the GEMM output
+(beta = 1: no temporary, no add pass). A Triton fp8 GEMM with the same epilogue was measured and
+dropped: with fp32-promoted accumulation (what cuBLAS does; Triton's sm90 default accumulates the
+whole K in the tensor cores' reduced precision) the fp8 LoRA path cost 26-36 % instead of 8-27 %
+(bench/results/lora_overhead_h200.md).
 Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 """
 
@@ -131,7 +132,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     """torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
     tensor-wise when both scales are scalars (any out dtype). The weight goes in as w.t():
     the column-major [K, N] operand cuBLAS wants, without a copy."""
-    from lowbit_pipe.kernels.int8_gemm import FP8_K_MULTIPLE, int8_gemm_op
     from lowbit_pipe.kernels.quantize_act import quantize_act_op
 
     k = x.shape[-1]
@@ -143,9 +143,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
         q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
     else:  # xa = x @ down^T (unrotated x) from the quantize's read of x
         q, s, xa = _quantize_with_down(x2, "fp8", rot, g, input_scale, pair[0])
-    if pair is not None and k % FP8_K_MULTIPLE == 0:  # Triton fp8 GEMM, xa @ up^T in its epilogue
-        y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 2, xa, pair[1].t())
-        return y.reshape(*x.shape[:-1], n)
     if input_scale is not None and w_scale.numel() == 1:
         out_dtype = x.dtype
         y = torch._scaled_mm(q, w.t(), scale_a=input_scale.float().reshape(()), scale_b=w_scale.float().reshape(()),
@@ -156,7 +153,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     if bias is not None:
         y = y + bias.to(y.dtype)
     y = y.to(x.dtype)
-    if pair is not None:  # K not a multiple of 128: the up-projection accumulates into y in place
+    if pair is not None:  # the up-projection accumulates into y in place (cuBLAS beta = 1)
         y.addmm_(xa, pair[1].t())
     return y.reshape(*x.shape[:-1], n)
 

@@ -15,8 +15,6 @@ Weight modes (`w_mode`):
 - 0: int8 codes [N, K] (int8_tensorwise, w4a8/w6a8 after their int8-grid decode).
 - 1: signed int4 codes packed two per byte [N, K/2], column 2i in the LOW nibble
      (convrot_w4a4). Unpacked to int8 in registers, so the tensor cores see int8.
-- 2: float8_e4m3fn activations and weight [N, K], fp32 accumulate, K % 128 == 0 (fp8 with a LoRA
-     branch: the same low-rank epilogue, where cuBLAS's fp8 GEMM has none).
 
 The epilogue multiplies in the same order as the torch reference
 (`acc * xs * ws`, then `+ bias`, then the output cast), and the int32 accumulation
@@ -47,7 +45,6 @@ CONFIGS = {
     "128x128x128_w8_s4": _cfg(128, 128, 128, 8, 4),
     "64x128x128_w4_s4": _cfg(64, 128, 128, 4, 4),
     "128x128x64_w4_s5": _cfg(128, 128, 64, 4, 5),
-    "128x128x128_w4_s4": _cfg(128, 128, 128, 4, 4),  # fp8 with the epilogue (0.327 vs 0.365 ms for 128x256)
 }
 
 
@@ -108,51 +105,30 @@ def _int8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     m_ok = offs_m < M
     n_ok = offs_n < N
-    if W_MODE == 2:  # fp8: no masks in the K loop (K % BLOCK_K == 0, rows / columns wrapped; the
-        # extra rows and columns are never stored). Masked or byte-loaded fp8 operands measured
-        # 1.45x slower on the H200; unmasked ones beat cuBLAS (bench/results/lora_kernel_tune_h200.md).
-        a_ptrs = a_ptr + (offs_m % M)[:, None] * stride_am + offs_k[None, :] * stride_ak
-    else:
-        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    if W_MODE == 2:
-        b_ptrs = b_ptr + (offs_n % N)[None, :] * stride_bn + offs_k[:, None] * stride_bk
-    elif W_MODE == 0:
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+    if W_MODE == 0:
         # [BLOCK_K, BLOCK_N] view of the row-major [N, K] weight (K-major B, what int8 wgmma wants).
         b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
     else:
         offs_kh = tl.arange(0, BLOCK_K // 2)
         b_ptrs = b_ptr + offs_n[:, None] * stride_bn + offs_kh[None, :] * stride_bk
 
-    if W_MODE == 2:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for k0 in range(0, K, BLOCK_K):
         k_left = K - k0
-        if W_MODE == 2:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-        elif W_MODE == 0:
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0)
+        a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0)
+        if W_MODE == 0:
             b = tl.load(b_ptrs, mask=n_ok[None, :] & (offs_k[:, None] < k_left), other=0)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
         else:
-            a = tl.load(a_ptrs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0)
             p = tl.load(b_ptrs, mask=n_ok[:, None] & (offs_kh[None, :] < k_left // 2), other=0)
             lo = (p << 4).to(tl.int8) >> 4  # sign-extend the low nibble (even column)
             hi = p >> 4  # arithmetic shift: the high nibble, sign-extended (odd column)
             b = tl.trans(tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K)))
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += (BLOCK_K // 2) * stride_bk
-        if W_MODE == 2:  # e4m3 x e4m3 into fp32: the partial sum of each K tile is promoted to the fp32
-            # accumulator (Triton's sm90 default, 2**30, would keep the whole K in the tensor cores'
-            # reduced-precision accumulator: cuBLAS's "fast accumulation")
-            acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
-        else:
-            acc = tl.dot(a, b, acc, out_dtype=tl.int32)
+        acc = tl.dot(a, b, acc, out_dtype=tl.int32)
 
     a_scale = tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)
     y = acc.to(tl.float32) * a_scale[:, None]
@@ -180,7 +156,6 @@ def _int8_gemm_kernel(
 _int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-FP8_K_MULTIPLE = 128  # every BLOCK_K in CONFIGS divides it: the fp8 K loop runs unmasked
 
 
 def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -198,15 +173,10 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
     """
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(f"int8_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w.shape)}")
-    if w_mode not in (0, 1, 2):
-        raise ValueError(f"int8_gemm: w_mode must be 0 (int8), 1 (packed int4) or 2 (fp8), got {w_mode}")
-    if w_mode == 2 and (a.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn):
-        raise ValueError(f"int8_gemm: w_mode 2 expects float8_e4m3fn a and w, got {a.dtype} and {w.dtype}")
-    if w_mode != 2 and (a.dtype != torch.int8 or w.dtype not in (torch.int8, torch.uint8)):
+    if a.dtype != torch.int8 or w.dtype not in (torch.int8, torch.uint8):
         raise ValueError(f"int8_gemm: expected int8 a and int8 w, got {a.dtype} and {w.dtype}")
-    if w_mode == 2 and (a.shape[1] % FP8_K_MULTIPLE or a.stride(1) != 1 or w.stride(1) != 1):
-        raise ValueError(f"int8_gemm: w_mode 2 (fp8) needs K % {FP8_K_MULTIPLE} == 0 and K-contiguous operands, "
-                         f"got K={a.shape[1]}")
+    if w_mode not in (0, 1):
+        raise ValueError(f"int8_gemm: w_mode must be 0 (int8) or 1 (packed int4), got {w_mode}")
     if out_dtype not in OUT_DTYPES:
         raise ValueError(f"int8_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     m, k = a.shape
@@ -237,8 +207,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
             raise ValueError(f"int8_gemm: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
         if r > 128:
             raise ValueError(f"int8_gemm: low-rank epilogue takes R <= 128, got {r}")
-    if w_mode != 2:
-        w = w.view(torch.int8)
+    w = w.view(torch.int8)
     a_scale = a_scale.contiguous()
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
@@ -277,19 +246,11 @@ def reference_int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
                         w_mode: int = 0, xa: torch.Tensor | None = None,
                         up_t: torch.Tensor | None = None) -> torch.Tensor:
     """Torch oracle of `int8_gemm` (exact int64 accumulate, same scale order; fp32 low-rank term)."""
-    if w_mode == 2:  # fp8 products are exact in fp32; accumulate in float64 as the oracle
-        acc = (a.double() @ w.double().t()).float()
-        return _reference_epilogue(acc, a_scale, w_scale, bias, out_dtype, xa, up_t)
     if w_mode == 1:
         p = w.view(torch.uint8).to(torch.int32)
         codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(w.shape[0], -1)
         w = torch.where(codes >= 8, codes - 16, codes)
     acc = (a.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)
-    return _reference_epilogue(acc, a_scale, w_scale, bias, out_dtype, xa, up_t)
-
-
-def _reference_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                        out_dtype: torch.dtype, xa: torch.Tensor | None, up_t: torch.Tensor | None) -> torch.Tensor:
     ws = w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(1, -1)
     y = acc * a_scale.float().reshape(-1, 1) * ws
     if bias is not None:
