@@ -218,8 +218,10 @@ def validate(recipe: Recipe) -> Recipe:
     if recipe.export.shard_bytes is not None and recipe.export.shard_bytes < 1 << 20:
         raise RecipeError("export.shard_bytes", "must be at least 1 MiB (or null for one file)")
     if "compile" in recipe.pipeline:
-        if recipe.compile.mode not in ("regional", "full"):
-            raise RecipeError("compile.mode", f"must be 'regional' or 'full', got '{recipe.compile.mode}'")
+        from lowbit_pipe.stages.compile import MODES as COMPILE_MODES
+
+        if recipe.compile.mode not in COMPILE_MODES:
+            raise RecipeError("compile.mode", f"must be one of {list(COMPILE_MODES)}, got '{recipe.compile.mode}'")
         import torch._dynamo
 
         backends = torch._dynamo.list_backends(exclude_tags=())
@@ -227,8 +229,10 @@ def validate(recipe: Recipe) -> Recipe:
             raise RecipeError("compile.backend", f"unknown backend '{recipe.compile.backend}' (known: {', '.join(backends)})")
     if recipe.export.residual_lora not in ("separate", "error"):
         raise RecipeError("export.residual_lora", f"must be 'separate' or 'error', got '{recipe.export.residual_lora}'")
-    if recipe.lora.mode not in ("residual", "standard", "stochastic"):
-        raise RecipeError("lora.mode", f"must be residual, standard or stochastic, got '{recipe.lora.mode}'")
+    from lowbit_pipe.stages.lora import MODES as LORA_MODES
+
+    if recipe.lora.mode not in LORA_MODES:
+        raise RecipeError("lora.mode", f"must be one of {list(LORA_MODES)}, got '{recipe.lora.mode}'")
     if "lora" in recipe.pipeline and "quantize" in recipe.pipeline and \
             recipe.pipeline.index("lora") < recipe.pipeline.index("quantize"):
         raise RecipeError("pipeline", "'lora' must come after 'quantize' (branches attach to quantized layers)")

@@ -61,7 +61,7 @@ def _fill(template: str, groups: tuple[str, ...]) -> str:
     return re.sub(r"\{i\}", lambda _: next(it), template)
 
 
-def _strip(name: str) -> tuple[str, bool]:
+def strip_lora_prefixes(name: str) -> tuple[str, bool]:
     """Name without prefixes; True when it is a kohya (underscore) name."""
     for p in KOHYA_PREFIXES:
         if name.startswith(p):
@@ -77,7 +77,7 @@ def _strip(name: str) -> tuple[str, bool]:
 
 def resolve_lora_name(arch: Arch, key: str, config: ArchConfig | None = None) -> list[tuple[str, slice | None]]:
     """[(diffusers module, rows of the LoRA up matrix for it, or None)]; [] for names of no known module."""
-    name, kohya = _strip(lora_module_name(key))
+    name, kohya = strip_lora_prefixes(lora_module_name(key))
     diff_set = arch.linear_names_set
     if kohya:
         for rx, template, layout in _kohya_table(arch.id):

@@ -30,7 +30,6 @@ KNOWN = DOWN + UP + ("alpha", "dora_scale", "diff")
 UNSUPPORTED = re.compile(r"(lora_mid|lokr_|hada_|diff_b|lora_[AB]\.bias|lora_(up|down)\.bias)")
 SUFFIX = re.compile(r"\.(lora_[AB](\.default)?\.(weight|bias)|lora_(down|up|mid)\.(weight|bias)|alpha|dora_scale|diff|diff_b|"
                     r"lokr_w[12](_[ab])?|lokr_t2|hada_w[12]_[ab]|hada_t[12])$")
-GENERIC_PREFIXES = ("base_model.model.", "model.diffusion_model.", "diffusion_model.", "transformer.", "unet.")
 
 
 class LoraError(LowbitError):
@@ -137,18 +136,13 @@ def _group(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict[str, str]]
 
 def _generic_targets(name: str, linears: Mapping[str, nn.Module]) -> list[tuple[str, slice | None]]:
     """No arch map: module names as written (prefixes stripped), or kohya underscores matched to them."""
-    for p in ("lora_unet_", "lora_transformer_"):
-        if name.startswith(p):
-            under = {n.replace(".", "_"): n for n in linears}
-            hit = under.get(name[len(p):])
-            return [(hit, None)] if hit else []
-    changed = True
-    while changed:
-        changed = False
-        for p in GENERIC_PREFIXES:
-            if name.startswith(p):
-                name, changed = name[len(p):], True
-    return [(name, None)] if name in linears else []
+    from lowbit_pipe.arch.lora import strip_lora_prefixes
+
+    stripped, kohya = strip_lora_prefixes(name)
+    if kohya:
+        hit = {n.replace(".", "_"): n for n in linears}.get(stripped)
+        return [(hit, None)] if hit else []
+    return [(stripped, None)] if stripped in linears else []
 
 
 def _matrix(t: torch.Tensor, key: str, where: str) -> torch.Tensor:

@@ -18,7 +18,7 @@ from lowbit_pipe.lora.make_example import example_lora, parse_spec
 from lowbit_pipe.stages import register
 from lowbit_pipe.stages.base import Stage
 
-MODES = ("residual",) + BAKE_MODES
+MODES = ("residual",) + BAKE_MODES  # recipe.validate checks lora.mode against these
 
 
 def _source(ctx: Context, path: str) -> Any:
@@ -35,8 +35,6 @@ class Lora(Stage):
 
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.lora
-        if cfg.mode not in MODES:
-            raise ValueError(f"lora.mode must be one of {list(MODES)}, got '{cfg.mode}'")
         model = ctx.transformer
         arch = ctx.arch if ctx.arch is not None else "generic"
         if not cfg.files:
