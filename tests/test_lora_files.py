@@ -113,3 +113,16 @@ def test_peft_alpha_from_diffusers_metadata(tiny_model, tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert lora.load(model, path, alpha=8.0)[0].alphas == [8.0]
+
+
+def test_names_without_an_arch_map_match_as_written_or_by_kohya_underscores():
+    from torch import nn
+
+    from lowbit_pipe.lora.files import _generic_targets
+
+    linears = {"blocks.0.attn.to_q": nn.Linear(2, 2), "proj_out": nn.Linear(2, 2)}
+    assert _generic_targets("transformer.blocks.0.attn.to_q", linears) == [("blocks.0.attn.to_q", None)]
+    assert _generic_targets("base_model.model.blocks.0.attn.to_q", linears) == [("blocks.0.attn.to_q", None)]
+    assert _generic_targets("lora_unet_blocks_0_attn_to_q", linears) == [("blocks.0.attn.to_q", None)]
+    assert _generic_targets("proj_out", linears) == [("proj_out", None)]
+    assert _generic_targets("unet.blocks.0.attn.to_k", linears) == []
