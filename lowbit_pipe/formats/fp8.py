@@ -24,7 +24,6 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
-from lowbit_pipe.formats.int8 import add_lora_residual
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 @register
@@ -74,7 +73,7 @@ class FP8(Format):
             return dispatch.fp8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"),
                                        bias, kind, group, lora_down=down, lora_up=up)
         if lora is not None:
-            return add_lora_residual(self.linear(x, q, bias), x, lora)
+            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = reference.fp8_linear(x_rot, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"))
         if mu is not None:

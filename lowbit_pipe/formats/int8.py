@@ -15,20 +15,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.nn import functional as F
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
-
-
-def add_lora_residual(y: torch.Tensor, x: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """y + (x @ down^T) @ up^T in x's dtype: the unfused LoRA residual (LoraStack.forward's math)."""
-    down, up = lora
-    if down.dtype != x.dtype:
-        down, up = down.to(x.dtype), up.to(x.dtype)
-    return y + F.linear(F.linear(x, down), up)
 
 
 def quantize_int8(w: torch.Tensor, per_row: bool, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +75,7 @@ class Int8(Format):
             return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, kind, group,
                                         lora_down=down, lora_up=up)
         if lora is not None:
-            return add_lora_residual(self.linear(x, q, bias), x, lora)
+            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
         if kind == "none":
             return reference.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias)
         x_rot, mu = rotation.rotate_activation(x, kind, group)

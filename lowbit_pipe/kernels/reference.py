@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.nn import functional as F
 
 
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,3 +194,11 @@ def int8_linear_fp32(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tens
     acc = (xq.to(torch.int64) @ w_codes.to(torch.int64).t()).to(torch.float32)
     ws = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(())
     return (acc * xs * ws).reshape(*shape[:-1], w_codes.shape[0])
+
+
+def low_rank_delta(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """(x @ down^T) @ up^T in x's dtype: a LoRA residual's output, unfused (LoraStack.forward, and the
+    formats' non-GPU path with a branch)."""
+    if down.dtype != x.dtype:
+        down, up = down.to(x.dtype), up.to(x.dtype)
+    return F.linear(F.linear(x, down), up)

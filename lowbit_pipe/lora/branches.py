@@ -27,7 +27,8 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from lowbit_pipe.kernels import reference
 
 
 @dataclass(frozen=True)
@@ -96,10 +97,7 @@ class LoraStack(nn.Module):
         return [b.name for b in self.branches]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        down, up = self.down, self.up
-        if down.dtype != x.dtype:
-            down, up = down.to(x.dtype), up.to(x.dtype)
-        return F.linear(F.linear(x, down), up)
+        return reference.low_rank_delta(x, self.down, self.up)
 
     def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
         # Branch factors live in a tuple (not buffers): move / cast them, then rebuild the pair.
