@@ -307,6 +307,22 @@ def test_from_tensors_nan_scale(name):
         _expect(name, tensors, record, key)
 
 
+def test_fp8_zero_weight_scale_loads_as_one():
+    """A zero scale (all-zero rows from another tool) loads as 1 with zero codes: same weight, and the
+    GPU GEMM can divide by every scale. A zero static input_scale is refused, naming the key."""
+    tensors, record = _good("fp8")
+    w, s = tensors["weight"].clone(), tensors["weight_scale"].float().reshape(-1, 1).expand(tensors["weight"].shape[0], 1).clone()
+    s[2] = 0.0  # row 2: zero scale, codes left as they were (dequantize to 0 all the same)
+    fmt = get_format("fp8")
+    q = fmt.from_tensors({"weight": w, "weight_scale": s}, record, "blocks.0.attn.to_q")
+    expect = w.float() * s
+    assert torch.equal(fmt.dequantize(q), expect)
+    assert float(q.tensors["weight_scale"][2]) == 1.0 and not q.tensors["weight"][2].float().any()
+    assert torch.equal(q.tensors["weight"][3].view(torch.uint8), w[3].view(torch.uint8))
+    with pytest.raises(FormatError, match=r"blocks\.0\.attn\.to_q\.input_scale"):
+        fmt.from_tensors({"weight": w, "weight_scale": s, "input_scale": torch.tensor(0.0)}, record, "blocks.0.attn.to_q")
+
+
 @pytest.mark.parametrize("name", sorted(SCALE_KEYS))
 def test_from_tensors_shape_contradiction(name):
     tensors, record = _good(name)

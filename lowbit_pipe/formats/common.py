@@ -110,6 +110,8 @@ def optional_input_scale(tensors: dict[str, torch.Tensor], where: str) -> dict[s
     if i.numel() != 1:
         raise FormatError(f"{where}.input_scale: expected a scalar, got shape {tuple(i.shape)}")
     check_finite_scale(i, "input_scale", where)
+    if float(i) <= 0:
+        raise FormatError(f"{where}.input_scale: {float(i)}, expected > 0 (activations are divided by it)")
     return {"input_scale": i.reshape(())}
 
 

@@ -26,6 +26,18 @@ from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
+def _nonzero_scales(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero weight scale (an all-zero row or tensor, written by another tool as amax / 448 = 0) becomes
+    1 with its codes zeroed: the same dequantized weight, and every scale can be divided by (the
+    Hopper GEMM starts its accumulator at the LoRA branch / (a_scale w_scale))."""
+    zero = s == 0
+    if not bool(zero.any()):
+        return w, s
+    rows = zero.reshape(-1, 1) if zero.dim() else zero
+    codes = torch.where(rows, torch.zeros((), dtype=torch.uint8), w.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return codes, torch.where(zero, torch.ones((), dtype=s.dtype), s)
+
+
 @register
 class FP8(Format):
     name = "fp8"
@@ -65,10 +77,11 @@ class FP8(Format):
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
                lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (in-place addmm_
-        into the GEMM output); elsewhere added after the reference as (x @ down^T) @ up^T."""
+        """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (on Hopper the
+        fp8 GEMM's initial accumulator, else an in-place addmm_ into cuBLAS's output); on the CPU
+        added after the reference as (x @ down^T) @ up^T."""
         kind, group = common.record_rotation(q.record, q.format)
-        if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + cuBLAS fp8
+        if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + fp8 GEMM
             down, up = lora if lora is not None else (None, None)
             return dispatch.fp8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"),
                                        bias, kind, group, lora_down=down, lora_up=up)
@@ -89,6 +102,7 @@ class FP8(Format):
             raise FormatError(f"{where}.weight: expected 2-D, got shape {tuple(w.shape)}")
         common.check_dtype(s, "weight_scale", where, (torch.float32,))
         s = common.scalar_or_row_scale(s, w.shape[0], "weight_scale", where)
+        w, s = _nonzero_scales(w, s)
         out = {"weight": w, "weight_scale": s, **common.optional_input_scale(tensors, where)}
         common.check_rotation_fits(record, w.shape[1], where)
         return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
