@@ -1,14 +1,14 @@
-"""fp8 GEMM with the LoRA epilogue: Triton (TMA, three accumulation modes, several tiles) against cuBLAS.
+"""fp8 GEMM with a LoRA branch: the Triton TMA GEMM (two accumulation modes, several tiles) against cuBLAS.
 
-    python3 bench/fp8_lora_gemm.py --out $OUT/fp8_lora_gemm_h200.json        # H200, ~3-5 min
+    python3 bench/fp8_lora_gemm.py --out $OUT/fp8_lora_gemm_h200.json        # H200, ~3 min
 
-Decides how an fp8 linear with a LoRA branch runs on the GPU. Per Krea 2 shape (M=4608, rank 32,
+Why the fp8 linear runs `lowbit_pipe.kernels.fp8_gemm` on Hopper. Per Krea 2 shape (M=4608, rank 32,
 bf16) in one run:
-- cuBLAS `_scaled_mm` (row-wise scales), accurate and fast accumulation, and + `addmm_` (today's
-  LoRA path);
-- `lowbit_pipe.kernels.fp8_gemm` for PROMOTE 0 (fast accumulation), 1 (every K tile promoted to
-  fp32) and 4 (a second accumulator added every 4 tiles), each tile config, with and without
-  the low-rank epilogue;
+- cuBLAS `_scaled_mm` (row-wise scales), accurate and fast accumulation, and + `addmm_` (the LoRA
+  path without an epilogue hook, still used off Hopper);
+- `fp8_gemm` with promote 0 (fast accumulation, the linear's) and 4 (a second accumulator added
+  every 4 K tiles), each tile config, without and with the branch (the accumulator's initial
+  value; the run that also timed the branch as an epilogue dot is at commit 5716ef3);
 - whole linears: quantize (+ down projection) + GEMM (+ branch), so overhead = lora / base - 1
   with both in the same accumulation mode;
 - accuracy of every GEMM against a float64 oracle of the same fp8 codes (rel. Frobenius error).
@@ -39,8 +39,7 @@ CONFIGS = {  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages
     "128x128x256_w8_s3": (128, 128, 256, 8, 3),
 }
 PROMOTES = (0, 4)
-# where the branch enters: the epilogue (after the scales) or the accumulator's initial value
-LORA_MODES = {"": None, "+lora": False, "+lora_init": True}
+LORA_MODES = ("", "+lora")
 
 
 def cfg_dict(c: tuple) -> dict:
@@ -88,10 +87,10 @@ def shape_rows(k: int, n: int, failures: list) -> dict:
     best: dict = {}
     for p in PROMOTES:
         for cname, c in CONFIGS.items():
-            for suffix, init in LORA_MODES.items():
-                lora = init is not None
+            for suffix in LORA_MODES:
+                lora = suffix == "+lora"
                 key = f"triton_p{p}_{cname}{suffix}"
-                extra = {"xa": xa, "up_t": up_t, "lora_init": init} if lora else {}
+                extra = {"xa": xa, "up_t": up_t} if lora else {}
                 try:
                     fn = (lambda extra=extra, c=c, p=p: fp8_gemm(q, w, s, wrow, None, torch.bfloat16,
                                                                    config=cfg_dict(c), promote=p, **extra))
@@ -117,22 +116,18 @@ def shape_rows(k: int, n: int, failures: list) -> dict:
 
         lin[f"cublas_{tag}+addmm"] = bench(cublas_lora)
     for p in PROMOTES:
-        slots = [sl for sl in ((p, "+lora"), (p, "+lora_init")) if sl in best]
-        if not slots:
+        if (p, "+lora") not in best:
             continue
-        fastest = min(slots, key=lambda sl: row["gemm_ms"][best[sl]])
-        init = LORA_MODES[fastest[1]]
-        c = CONFIGS[best[fastest].split("_", 2)[2].removesuffix(fastest[1])]
-        row.setdefault("linear_choice", {})[f"p{p}"] = best[fastest]
+        c = CONFIGS[best[(p, "+lora")].split("_", 2)[2].removesuffix("+lora")]
+        row.setdefault("linear_choice", {})[f"p{p}"] = best[(p, "+lora")]
 
         def base(c=c, p=p):
             qq, ss = quantize_act_op(x, "fp8", "none", 0, None)
             return fp8_gemm(qq, w, ss, wrow, None, torch.bfloat16, config=cfg_dict(c), promote=p)
 
-        def with_lora(c=c, p=p, init=init):
+        def with_lora(c=c, p=p):
             qq, ss, xx = quantize_act_down_op(x, "fp8", "none", 0, None, down)
-            return fp8_gemm(qq, w, ss, wrow, None, torch.bfloat16, xx, up_t, config=cfg_dict(c), promote=p,
-                            lora_init=init)
+            return fp8_gemm(qq, w, ss, wrow, None, torch.bfloat16, xx, up_t, config=cfg_dict(c), promote=p)
 
         lin[f"triton_p{p}"] = bench(base)
         lin[f"triton_p{p}+lora"] = bench(with_lora)

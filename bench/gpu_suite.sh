@@ -7,6 +7,7 @@ out=${1:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+echo "== GPU kernel tests"; timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_kernels.py 2>&1 | tail -5 | tee "$out/pytest_gpu.log"
 echo "== lora overhead"; timeout 150 python3 bench/lora_overhead.py --device cuda --out "$out/lora_overhead_h200.json" 2>&1 | tee "$out/lora_overhead.log"
 echo "== teardown proof"; timeout 240 python3 bench/teardown_gpu.py --out "$out/teardown_gpu_h200.json" 2>&1 | tee "$out/teardown_gpu.log"
 echo "== pipeline on the GPU"

@@ -84,7 +84,9 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
 def path_of(name: str, x: torch.Tensor, q) -> str:
     kind, _ = common.record_rotation(q.record, q.format)
     if name == "fp8":
-        return "triton-quant+cublas-fp8" if dispatch.fp8_supported(x, q.tensors["weight"], kind) else "reference"
+        if not dispatch.fp8_supported(x, q.tensors["weight"], kind):
+            return "reference"
+        return "triton-quant+triton-fp8" if dispatch.fp8_triton_gemm(x) else "triton-quant+cublas-fp8"
     if name == "nvfp4":
         return "triton-nvfp4-act+triton-nvfp4-gemm" if dispatch.nvfp4_supported(x, kind) else "reference"
     if name == "convrot_w4a4":

@@ -7,7 +7,8 @@ Per shape (M tokens, K in, N out) and format, in one run on one device:
 - t_q:     the QuantLinear forward without LoRA (this package's kernels for that format);
 - t_q+lora: the same layer with a rank-32 LoraStack (one concatenated pair, strength folded in): on
            CUDA int8 / fp8 the FUSED path (xa = x @ down^T from the quantize's read of x; int8:
-           xa @ up^T in the GEMM epilogue, fp8: in-place addmm_ into the _scaled_mm output);
+           xa @ up^T in the GEMM epilogue; fp8 on Hopper: the Triton fp8 GEMM's initial
+           accumulator, elsewhere an in-place addmm_ into the _scaled_mm output);
 - variants_ms (int8 / fp8): the pieces (quantize, quantize with the down projection, cuBLAS
            x @ down^T, GEMM, GEMM with the epilogue, GEMM + addmm_) and the previous wiring
            (plain quantize + cuBLAS x @ down^T) end to end;
@@ -127,17 +128,19 @@ def variant_times(q: QuantLinear, stack: LoraStack, x: torch.Tensor, device: tor
             return int8_gemm_op(q1, w, s1, ws, None, x.dtype, 0, F.linear(x, down), up.t())
 
         out["full_cublas_down_epilogue"] = bench(cublas_down, device, reps)
-    else:  # cuBLAS fp8, the in-place up-projection, and the previous wiring (plain quantize + cuBLAS x @ down^T)
+    else:  # the Triton fp8 GEMM with / without the branch, and cuBLAS (+ the in-place up-projection) beside it
+        from lowbit_pipe.kernels.fp8_gemm import fp8_gemm_op
+
         w, ws = t["weight"], t["weight_scale"]
         q0, s0 = quantize_act_op(x, "fp8", "none", 0, None)
         xa = F.linear(x, down)
         wrow = ws.float().reshape(1, -1).expand(1, w.shape[0]).contiguous()
-        out["gemm"] = bench(lambda: torch._scaled_mm(q0, w.t(), scale_a=s0, scale_b=wrow, out_dtype=torch.bfloat16),
-                            device, reps)
-        out["gemm_then_addmm"] = bench(lambda: torch._scaled_mm(q0, w.t(), scale_a=s0, scale_b=wrow,
-                                                                out_dtype=torch.bfloat16).addmm_(xa, up.t()), device, reps)
-        out["full_cublas_down_addmm"] = bench(
-            lambda: dispatch.fp8_linear(x, w, ws, None, None).addmm_(F.linear(x, down), up.t()), device, reps)
+        out["gemm"] = bench(lambda: fp8_gemm_op(q0, w, s0, ws, None, x.dtype), device, reps)
+        out["gemm_branch"] = bench(lambda: fp8_gemm_op(q0, w, s0, ws, None, x.dtype, xa, up.t()), device, reps)
+        out["cublas_gemm"] = bench(lambda: torch._scaled_mm(q0, w.t(), scale_a=s0, scale_b=wrow, out_dtype=torch.bfloat16),
+                                   device, reps)
+        out["cublas_gemm_then_addmm"] = bench(lambda: torch._scaled_mm(q0, w.t(), scale_a=s0, scale_b=wrow,
+                                                                       out_dtype=torch.bfloat16).addmm_(xa, up.t()), device, reps)
     return out
 
 

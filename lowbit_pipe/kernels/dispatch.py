@@ -8,8 +8,9 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | format (rotation)                     | GPU path                                                        |
 |---------------------------------------|-----------------------------------------------------------------|
 | int8 (none / convrot / quarot)        | Triton per-token int8 quant (rotation fused) + Triton INT8 GEMM |
-| fp8  (none / convrot / quarot)        | Triton per-token fp8 quant (rotation fused) + torch._scaled_mm   |
-|                                       | (row-wise scales), when K, N % 16 == 0 and M >= 16              |
+| fp8  (none / convrot / quarot)        | Triton per-token fp8 quant (rotation fused) + on Hopper the      |
+|                                       | Triton TMA fp8 GEMM (K % 16 == 0), elsewhere torch._scaled_mm    |
+|                                       | (row-wise scales; K, N % 16 == 0 and M >= 16)                    |
 | convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
 | w4a8 / w6a8 (no weight_correction)    | int8-grid decode in torch per call + the int8 path above         |
 | nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation + Triton GEMM that |
@@ -24,11 +25,9 @@ must read x once more (56 MB at M=4608, K=6144: 17 us as its own cuBLAS call on 
 xa = x @ down^T rides the quantize's read of x: one kernel reads x for the row amax and the down
 projection together (per K slice), and the codes kernel then needs one pass over x, not two
 (quantize_act with `down`). int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
-cast); fp8 (cuBLAS, no epilogue hook) adds it with an in-place `addmm_` into the GEMM output
-(beta = 1: no temporary, no add pass). A Triton fp8 GEMM with the same epilogue was measured and
-dropped: with fp32-promoted accumulation (what cuBLAS does; Triton's sm90 default accumulates the
-whole K in the tensor cores' reduced precision) the fp8 LoRA path cost 26-36 % instead of 8-27 %
-(bench/results/lora_overhead_h200.md).
+cast). fp8 on Hopper: the Triton fp8 GEMM starts its accumulator at xa @ up^T (in the
+accumulator's units), so the branch costs no pass over y (bench/results/fp8_lora_gemm_h200.md);
+elsewhere cuBLAS (no epilogue hook) and an in-place `addmm_` into its output.
 Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 """
 
@@ -120,18 +119,28 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
 # fp8: per-token (or static) e4m3 activations, cuBLAS fp8 GEMM
 # ---------------------------------------------------------------------------
 
+def fp8_triton_gemm(x: torch.Tensor) -> bool:
+    """The Triton fp8 GEMM: TMA and fp8 wgmma need sm90; measured on the H200 only, so other GPUs
+    keep cuBLAS (get_device_properties: torch.compile constant-folds it). CPU tensors reach
+    fp8_linear only from the interpreter tests (fp8_supported says no to them)."""
+    return not x.is_cuda or torch.cuda.get_device_properties(x.device).major == 9
+
+
 def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str) -> bool:
     n, k = w.shape
-    return (_gpu_input(x) and rot in FUSED_ROTATIONS and w.is_contiguous()
-            and k % 16 == 0 and n % 16 == 0 and _rows(x) >= FP8_MIN_M)
+    if not (_gpu_input(x) and rot in FUSED_ROTATIONS and w.is_contiguous() and k % 16 == 0):
+        return False
+    return fp8_triton_gemm(x) or (n % 16 == 0 and _rows(x) >= FP8_MIN_M)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None, rot: str = "none", group: int | None = None,
                lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None) -> torch.Tensor:
-    """torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
-    tensor-wise when both scales are scalars (any out dtype). The weight goes in as w.t():
-    the column-major [K, N] operand cuBLAS wants, without a copy."""
+    """Hopper: the Triton fp8 GEMM (scales, bias and the LoRA branch inside; any out dtype).
+    Elsewhere torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
+    tensor-wise when both scales are scalars (any out dtype); the weight goes in as w.t(): the
+    column-major [K, N] operand cuBLAS wants, without a copy."""
+    from lowbit_pipe.kernels.fp8_gemm import fp8_gemm_op
     from lowbit_pipe.kernels.quantize_act import quantize_act_op
 
     k = x.shape[-1]
@@ -143,6 +152,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
         q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
     else:  # xa = x @ down^T (unrotated x) from the quantize's read of x
         q, s, xa = _quantize_with_down(x2, "fp8", rot, g, input_scale, pair[0])
+    if fp8_triton_gemm(x):
+        y = fp8_gemm_op(q, w, s, w_scale, bias, x.dtype, *((xa, pair[1].t()) if pair is not None else ()))
+        return y.reshape(*x.shape[:-1], n)
     if input_scale is not None and w_scale.numel() == 1:
         out_dtype = x.dtype
         y = torch._scaled_mm(q, w.t(), scale_a=input_scale.float().reshape(()), scale_b=w_scale.float().reshape(()),

@@ -1,20 +1,27 @@
-"""Triton FP8 GEMM: e4m3 activations x e4m3 weight -> fp32, scaled epilogue with an optional
-low-rank term (the LoRA residual), for the fp8 format on Hopper.
+"""Triton FP8 GEMM for the fp8 format on Hopper: e4m3 activations x e4m3 weight, per-row/column
+scales, optional bias and LoRA branch, one kernel.
 
-    y[m, n] = acc[m, n] * a_scale[m] * w_scale[n or scalar] (+ bias[n]) (+ sum_r xa[m, r] * up_t[r, n]),
-    acc = sum_k a[m, k] * w[n, k]
+    y[m, n] = (acc0[m, n] + sum_k a[m, k] w[n, k]) * a_scale[m] * w_scale[n or scalar] (+ bias[n]),
+    acc0 = (xa @ up_t)[m, n] / (a_scale[m] w_scale[n])     (0 without a branch)
 
-Why not only cuBLAS (`torch._scaled_mm`): it has no epilogue hook, so a LoRA branch would cost
-one more pass over y (`addmm_`, 8-27 % of the linear at Krea 2 shapes on the H200). Here the
-branch is one more tl.dot on the fp32 tile before the output cast, as in int8_gemm.
+Why not cuBLAS alone (`torch._scaled_mm`): it has no hook for the branch, so a LoRA cost one more
+pass over y (`addmm_`: 15-24 % of the linear at Krea 2 shapes on the H200). Why the branch enters
+as the accumulator's initial value: as a dot after the K loop (the int8 GEMM's epilogue) it cost
+0.05-0.14 ms on the 128x256 tile, as the initial value 0.002-0.017 ms
+(bench/results/fp8_lora_gemm_h200.md). Dividing by the scales first costs two fp32 roundings.
 
-Operands are read through TMA tensor descriptors (out-of-range rows / columns / K come back as
-zeros, so the K loop needs no masks; masked pointer loads of fp8 ran 1.45x slower on the H200).
+Accumulation: the whole K in the Hopper tensor cores' reduced-precision fp8 accumulator (Triton's
+sm90 default; cuBLAS's "fast accumulation", what torchao and vLLM use for fp8 inference): 2.4e-3
+relative error at K=6144 and 3.5e-3 at K=16384 against a float64 oracle, where bf16 output
+rounding alone is 1.7e-3 and e4m3 quantization of x and w is ~4 %. `promote=P` adds the partial
+sum into an fp32 accumulator every P K tiles (P=4: 1.7e-3, ~18 % slower); not used by the linear.
 
-Accumulation (`PROMOTE`): Hopper's fp8 tensor cores keep a reduced-precision accumulator.
-- 0: the whole K in it (Triton's sm90 default; cuBLAS's "fast accumulation").
-- 1: each K tile's partial sum promoted to the fp32 accumulator (max_num_imprecise_acc).
-- P > 1: a second register accumulator, added into the fp32 one every P K tiles.
+Operands come through TMA tensor descriptors: out-of-range rows, columns and K come back as zeros,
+so the K loop has no masks (masked pointer loads of fp8 ran 1.45x slower on the H200). Needs
+K % 16 == 0 (16-byte rows) and sm90; the fp8 linear checks both (dispatch.fp8_linear).
+
+Layout: kernel -> launcher (`fp8_gemm`: checks, allocation, grid) -> custom op
+`lowbit_pipe::fp8_gemm` (fake impl: shapes only, so torch.compile keeps it as one node).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ def _fp8_gemm_kernel(
     M, N, K, R,
     stride_cm, stride_cn, stride_xam, stride_xar, stride_ur, stride_un,
     B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LORA: tl.constexpr, R_PAD: tl.constexpr,
-    LORA_IEEE: tl.constexpr, LORA_INIT: tl.constexpr, PROMOTE: tl.constexpr,
+    LORA_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -45,7 +52,7 @@ def _fp8_gemm_kernel(
     m_ok = offs_m < M
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if HAS_LORA and LORA_INIT:  # the branch in the accumulator's units: acc0 = (xa @ up_t) / (a_scale w_scale)
+    if HAS_LORA:  # the branch in the accumulator's units: acc0 = (xa @ up_t) / (a_scale w_scale)
         offs_r = tl.arange(0, R_PAD)
         r_ok = offs_r < R
         xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
@@ -68,8 +75,6 @@ def _fp8_gemm_kernel(
         b = b_desc.load([off_n, i * BLOCK_K])
         if PROMOTE == 0:
             acc = tl.dot(a, b.T, acc)
-        elif PROMOTE == 1:
-            acc = tl.dot(a, b.T, acc, max_num_imprecise_acc=BLOCK_K)
         else:
             part = tl.dot(a, b.T, part)
             if i % PROMOTE == PROMOTE - 1:
@@ -85,17 +90,6 @@ def _fp8_gemm_kernel(
         y = y * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    if HAS_LORA and not LORA_INIT:  # low-rank epilogue: y += xa[tile rows] @ up_t[:, tile cols], fp32 accumulate
-        offs_r = tl.arange(0, R_PAD)
-        r_ok = offs_r < R
-        xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
-                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        up = tl.load(up_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        if LORA_IEEE:
-            y = tl.dot(xa, up, y, input_precision="ieee")
-        else:
-            y = tl.dot(xa, up, y)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -103,10 +97,14 @@ def _fp8_gemm_kernel(
 def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None,
-             config: dict | None = None, promote: int = 0, lora_init: bool = False) -> torch.Tensor:
-    """a e4m3 [M, K], w e4m3 [N, K] (both K-contiguous, K % 16 == 0), a_scale fp32 [M] / [M, 1],
-    w_scale fp32 [N] / [N, 1] / scalar -> out_dtype [M, N]; `xa` [M, R] and `up_t` [R, N] (one float
-    dtype, R <= 128): out += xa @ up_t in fp32 before the output cast."""
+             config: dict | None = None, promote: int = 0) -> torch.Tensor:
+    """a e4m3 [M, K], w e4m3 [N, K] (both K-contiguous, K % 16 == 0), a_scale fp32 [M] / [M, 1]
+    (positive), w_scale fp32 [N] / [N, 1] / scalar (positive) -> out_dtype [M, N].
+
+    `xa` [M, R] and `up_t` [R, N] (one float dtype, any strides, R <= 128): the LoRA branch,
+    out += xa @ up_t (fp32 products and sum). `config`: BLOCK_M/N/K, num_warps, num_stages
+    (default: `launch_config(M)`); `promote`: 0, or P >= 2 (see the module doc).
+    """
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(f"fp8_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w.shape)}")
     if a.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
@@ -140,10 +138,12 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
             raise ValueError(f"fp8_gemm: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
         if r > 128:
             raise ValueError(f"fp8_gemm: low-rank epilogue takes R <= 128, got {r}")
+    if promote != 0 and promote < 2:
+        raise ValueError(f"fp8_gemm: promote must be 0 or >= 2, got {promote}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = dict(config or DEFAULT_CONFIG)
+    cfg = dict(config or launch_config(m))
     warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
     cfg.setdefault("GROUP_M", 8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -159,12 +159,33 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
         c.stride(0), c.stride(1), *lora_strides,
         B_SCALAR=b_scalar, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
         R_PAD=max(16, triton.next_power_of_2(r)) if has_lora else 16,
-        LORA_IEEE=has_lora and xa.dtype == torch.float32, LORA_INIT=lora_init, PROMOTE=promote,
+        LORA_IEEE=has_lora and xa.dtype == torch.float32, PROMOTE=promote,
         **cfg, num_warps=warps, num_stages=stages)
     return c
 
 
-DEFAULT_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+def launch_config(m: int) -> dict:
+    """128x256x128 tiles, 8 warps, 3 stages: fastest of the tiles swept on the H200 at M=4608, with and
+    without the branch, at all four Krea 2 shapes (bench/results/fp8_lora_gemm_h200.md). Fewer rows
+    take smaller tiles so the grid still covers the SMs: 128x128 (one warpgroup) up to M=1024,
+    64x128 up to M=64 (the time embedding, a batch of one)."""
+    if m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if m <= 1024:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+
+
+@torch.library.custom_op("lowbit_pipe::fp8_gemm", mutates_args=())
+def fp8_gemm_op(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None, out_dtype: torch.dtype,
+                xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None) -> torch.Tensor:
+    return fp8_gemm(a, w, a_scale, w_scale, bias, out_dtype, xa, up_t)
+
+
+@fp8_gemm_op.register_fake
+def _(a, w, a_scale, w_scale, bias, out_dtype, xa=None, up_t=None):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 def reference_fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
