@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lowbit_pipe.kernels.int8_gemm import OUT_DTYPES, grouped_tile
+from lowbit_pipe.kernels.int8_gemm import epilogue_args, grouped_tile, low_rank_tile, reference_epilogue, scaled_tile
 
 
 @triton.jit
@@ -53,16 +53,8 @@ def _fp8_gemm_kernel(
     n_ok = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:  # the branch in the accumulator's units: acc0 = (xa @ up_t) / (a_scale w_scale)
-        offs_r = tl.arange(0, R_PAD)
-        r_ok = offs_r < R
-        xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
-                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        up = tl.load(up_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        if LORA_IEEE:
-            acc = tl.dot(xa, up, input_precision="ieee")
-        else:
-            acc = tl.dot(xa, up)
+        acc = low_rank_tile(acc, xa_ptr, up_ptr, offs_m, offs_n, m_ok, n_ok, R, stride_xam, stride_xar, stride_ur,
+                            stride_un, R_PAD, LORA_IEEE)
         acc = acc * (1.0 / tl.load(as_ptr + offs_m, mask=m_ok, other=1.0))[:, None]
         if B_SCALAR:
             acc = acc * (1.0 / tl.load(bs_ptr))
@@ -83,13 +75,7 @@ def _fp8_gemm_kernel(
     if PROMOTE > 1:
         acc += part
 
-    y = acc * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
-    if B_SCALAR:
-        y = y * tl.load(bs_ptr)
-    else:
-        y = y * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = scaled_tile(acc, as_ptr, bs_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, B_SCALAR, HAS_BIAS)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -115,29 +101,7 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
         raise ValueError(f"fp8_gemm: K mismatch, a has {k}, w has {w.shape[1]}")
     if k % 16 or a.stride(1) != 1 or w.stride(1) != 1 or a.stride(0) % 16 or w.stride(0) % 16:
         raise ValueError(f"fp8_gemm: TMA needs K-contiguous operands with 16-byte aligned rows, got K={k}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"fp8_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    a_scale = a_scale.reshape(-1).float().contiguous()
-    if a_scale.numel() != m:
-        raise ValueError(f"fp8_gemm: a_scale has {a_scale.numel()} values for {m} rows")
-    b_scalar = w_scale.numel() == 1
-    w_scale = w_scale.reshape(-1).float().contiguous()
-    if not b_scalar and w_scale.numel() != n:
-        raise ValueError(f"fp8_gemm: w_scale has {w_scale.numel()} values for {n} columns")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"fp8_gemm: bias has {bias.numel()} values for {n} columns")
-    if (xa is None) != (up_t is None):
-        raise ValueError("fp8_gemm: the low-rank epilogue needs both xa and up_t")
-    r = 0
-    if xa is not None:
-        r = xa.shape[1] if xa.dim() == 2 else -1
-        if xa.dim() != 2 or up_t.dim() != 2 or xa.shape[0] != m or tuple(up_t.shape) != (r, n):
-            raise ValueError(f"fp8_gemm: low-rank epilogue wants xa [{m}, R] and up_t [R, {n}], "
-                             f"got {tuple(xa.shape)} and {tuple(up_t.shape)}")
-        if xa.dtype not in OUT_DTYPES or up_t.dtype != xa.dtype:
-            raise ValueError(f"fp8_gemm: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
-        if r > 128:
-            raise ValueError(f"fp8_gemm: low-rank epilogue takes R <= 128, got {r}")
+    ep = epilogue_args("fp8_gemm", m, n, a_scale, w_scale, bias, out_dtype, xa, up_t)
     if promote != 0 and promote < 2:
         raise ValueError(f"fp8_gemm: promote must be 0 or >= 2, got {promote}")
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
@@ -149,18 +113,10 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
     b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
-    bias_arg = bias.contiguous() if bias is not None else a_scale  # dummy pointer when HAS_BIAS=False
-    has_lora = xa is not None and r > 0
-    xa_arg, up_arg = (xa, up_t) if has_lora else (a_scale, a_scale)
-    lora_strides = (xa.stride(0), xa.stride(1), up_t.stride(0), up_t.stride(1)) if has_lora else (0, 0, 0, 0)
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _fp8_gemm_kernel[grid](
-        a_desc, b_desc, c, a_scale, w_scale, bias_arg, xa_arg, up_arg, m, n, k, r,
-        c.stride(0), c.stride(1), *lora_strides,
-        B_SCALAR=b_scalar, HAS_BIAS=bias is not None, HAS_LORA=has_lora,
-        R_PAD=max(16, triton.next_power_of_2(r)) if has_lora else 16,
-        LORA_IEEE=has_lora and xa.dtype == torch.float32, PROMOTE=promote,
-        **cfg, num_warps=warps, num_stages=stages)
+        a_desc, b_desc, c, *ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides,
+        **ep.flags, PROMOTE=promote, **cfg, num_warps=warps, num_stages=stages)
     return c
 
 
@@ -192,11 +148,4 @@ def reference_fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, 
                        bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
                        xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None) -> torch.Tensor:
     """Torch oracle of `fp8_gemm`: e4m3 products are exact in fp32; the sum runs in float64."""
-    acc = (a.double() @ w.double().t()).float()
-    ws = w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(1, -1)
-    y = acc * a_scale.float().reshape(-1, 1) * ws
-    if bias is not None:
-        y = y + bias.float()
-    if xa is not None:
-        y = y + xa.float() @ up_t.float()
-    return y.to(out_dtype)
+    return reference_epilogue((a.double() @ w.double().t()).float(), a_scale, w_scale, bias, out_dtype, xa, up_t)

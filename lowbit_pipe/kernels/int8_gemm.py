@@ -27,6 +27,8 @@ N, K and a bucketed M (so a new token count does not re-tune).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -89,6 +91,35 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def scaled_tile(acc, as_ptr, bs_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, B_SCALAR: tl.constexpr,
+                HAS_BIAS: tl.constexpr):
+    """acc (fp32) * a_scale[rows] * w_scale[cols or scalar] (+ bias[cols]): the torch reference's order."""
+    y = acc * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    if B_SCALAR:
+        y = y * tl.load(bs_ptr)
+    else:
+        y = y * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def low_rank_tile(acc, xa_ptr, up_ptr, offs_m, offs_n, m_ok, n_ok, R, stride_xam, stride_xar, stride_ur, stride_un,
+                  R_PAD: tl.constexpr, LORA_IEEE: tl.constexpr):
+    """acc + xa[tile rows, :R] @ up_t[:R, tile cols] (fp32 accumulate; R padded to R_PAD, masked)."""
+    offs_r = tl.arange(0, R_PAD)
+    r_ok = offs_r < R
+    xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
+                 mask=m_ok[:, None] & r_ok[None, :], other=0.0)
+    up = tl.load(up_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
+                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
+    if LORA_IEEE:  # fp32 factors: true fp32 products (the GPU default would be tf32)
+        return tl.dot(xa, up, acc, input_precision="ieee")
+    return tl.dot(xa, up, acc)
+
+
+@triton.jit
 def _int8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, bias_ptr, xa_ptr, up_ptr,
     M, N, K, M_BUCKET, R,
@@ -130,25 +161,10 @@ def _int8_gemm_kernel(
             b_ptrs += (BLOCK_K // 2) * stride_bk
         acc = tl.dot(a, b, acc, out_dtype=tl.int32)
 
-    a_scale = tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)
-    y = acc.to(tl.float32) * a_scale[:, None]
-    if B_SCALAR:
-        y = y * tl.load(bs_ptr)
-    else:
-        y = y * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    y = scaled_tile(acc.to(tl.float32), as_ptr, bs_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, B_SCALAR, HAS_BIAS)
     if HAS_LORA:  # low-rank epilogue: y += xa[tile rows] @ up_t[:, tile cols], fp32 accumulate
-        offs_r = tl.arange(0, R_PAD)
-        r_ok = offs_r < R
-        xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
-                     mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-        up = tl.load(up_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
-                     mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-        if LORA_IEEE:  # fp32 factors: true fp32 products (the GPU default would be tf32)
-            y = tl.dot(xa, up, y, input_precision="ieee")
-        else:
-            y = tl.dot(xa, up, y)
+        y = low_rank_tile(y, xa_ptr, up_ptr, offs_m, offs_n, m_ok, n_ok, R, stride_xam, stride_xar, stride_ur, stride_un,
+                          R_PAD, LORA_IEEE)
     c_ptrs = c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
@@ -156,6 +172,54 @@ def _int8_gemm_kernel(
 _int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel)
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class EpilogueArgs:
+    """The checked operands of a scaled GEMM's epilogue (this GEMM and fp8_gemm), in kernel order:
+    `pointers` = (a_scale, w_scale, bias, xa, up_t) with dummies where absent, `lora_strides` =
+    (xa rows, xa cols, up_t rows, up_t cols), `flags` = the matching constexprs."""
+    pointers: tuple[torch.Tensor, ...]
+    r: int
+    lora_strides: tuple[int, int, int, int]
+    flags: dict
+
+
+def epilogue_args(op: str, m: int, n: int, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                  out_dtype: torch.dtype, xa: torch.Tensor | None, up_t: torch.Tensor | None) -> EpilogueArgs:
+    """a_scale fp32 [M] / [M, 1], w_scale [N] / [N, 1] / scalar, bias [N], xa [M, R] and up_t [R, N]
+    (one float dtype, R <= 128, both or neither): checked, each error naming `op` and the operand."""
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
+    a_scale = a_scale.reshape(-1).float().contiguous()
+    if a_scale.numel() != m:
+        raise ValueError(f"{op}: a_scale has {a_scale.numel()} values for {m} rows")
+    b_scalar = w_scale.numel() == 1
+    w_scale = w_scale.reshape(-1).float().contiguous()
+    if not b_scalar and w_scale.numel() != n:
+        raise ValueError(f"{op}: w_scale has {w_scale.numel()} values for {n} columns")
+    if bias is not None and bias.numel() != n:
+        raise ValueError(f"{op}: bias has {bias.numel()} values for {n} columns")
+    if (xa is None) != (up_t is None):
+        raise ValueError(f"{op}: the low-rank term needs both xa and up_t")
+    r = 0
+    if xa is not None:
+        r = xa.shape[1] if xa.dim() == 2 else -1
+        if xa.dim() != 2 or up_t.dim() != 2 or xa.shape[0] != m or tuple(up_t.shape) != (r, n):
+            raise ValueError(f"{op}: low-rank term wants xa [{m}, R] and up_t [R, {n}], "
+                             f"got {tuple(xa.shape)} and {tuple(up_t.shape)}")
+        if xa.dtype not in OUT_DTYPES or up_t.dtype != xa.dtype:
+            raise ValueError(f"{op}: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
+        if r > 128:
+            raise ValueError(f"{op}: low-rank term takes R <= 128, got {r}")
+    has_lora = xa is not None and r > 0
+    bias_arg = bias.contiguous() if bias is not None else a_scale  # dummy pointers when absent
+    xa_arg, up_arg = (xa, up_t) if has_lora else (a_scale, a_scale)
+    strides = (xa.stride(0), xa.stride(1), up_t.stride(0), up_t.stride(1)) if has_lora else (0, 0, 0, 0)
+    flags = {"B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, "HAS_LORA": has_lora,
+             "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
+             "LORA_IEEE": has_lora and xa.dtype == torch.float32}
+    return EpilogueArgs((a_scale, w_scale, bias_arg, xa_arg, up_arg), r, strides, flags)
 
 
 def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
@@ -177,8 +241,6 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         raise ValueError(f"int8_gemm: expected int8 a and int8 w, got {a.dtype} and {w.dtype}")
     if w_mode not in (0, 1):
         raise ValueError(f"int8_gemm: w_mode must be 0 (int8) or 1 (packed int4), got {w_mode}")
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"int8_gemm: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     m, k = a.shape
     n = w.shape[0]
     wk = w.shape[1] * (2 if w_mode == 1 else 1)
@@ -186,41 +248,14 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         raise ValueError(f"int8_gemm: K mismatch, a has {k}, w holds {wk} (w_mode {w_mode})")
     if w_mode == 1 and k % 2:
         raise ValueError("int8_gemm: packed int4 needs an even K")
-    a_scale = a_scale.reshape(-1).float()
-    if a_scale.numel() != m:
-        raise ValueError(f"int8_gemm: a_scale has {a_scale.numel()} values for {m} rows")
-    b_scalar = w_scale.numel() == 1
-    w_scale = w_scale.reshape(-1).float().contiguous()
-    if not b_scalar and w_scale.numel() != n:
-        raise ValueError(f"int8_gemm: w_scale has {w_scale.numel()} values for {n} columns")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"int8_gemm: bias has {bias.numel()} values for {n} columns")
-    if (xa is None) != (up_t is None):
-        raise ValueError("int8_gemm: the low-rank epilogue needs both xa and up_t")
-    r = 0
-    if xa is not None:
-        r = xa.shape[1] if xa.dim() == 2 else -1
-        if xa.dim() != 2 or up_t.dim() != 2 or xa.shape[0] != m or tuple(up_t.shape) != (r, n):
-            raise ValueError(f"int8_gemm: low-rank epilogue wants xa [{m}, R] and up_t [R, {n}], "
-                             f"got {tuple(xa.shape)} and {tuple(up_t.shape)}")
-        if xa.dtype not in OUT_DTYPES or up_t.dtype != xa.dtype:
-            raise ValueError(f"int8_gemm: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
-        if r > 128:
-            raise ValueError(f"int8_gemm: low-rank epilogue takes R <= 128, got {r}")
+    ep = epilogue_args("int8_gemm", m, n, a_scale, w_scale, bias, out_dtype, xa, up_t)
     w = w.view(torch.int8)
-    a_scale = a_scale.contiguous()
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    bias_arg = bias.contiguous() if bias is not None else a_scale  # dummy pointer when HAS_BIAS=False
-    has_lora = xa is not None and r > 0
-    xa_arg, up_arg = (xa, up_t) if has_lora else (a_scale, a_scale)  # dummy pointers when HAS_LORA=False
-    lora_strides = (xa.stride(0), xa.stride(1), up_t.stride(0), up_t.stride(1)) if has_lora else (0, 0, 0, 0)
-    args = (a, w, c, a_scale, w_scale, bias_arg, xa_arg, up_arg, m, n, k, m_bucket(m), r,
-            a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1), *lora_strides)
-    flags = {"W_MODE": w_mode, "B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, "HAS_LORA": has_lora,
-             "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
-             "LORA_IEEE": has_lora and xa.dtype == torch.float32}
+    args = (a, w, c, *ep.pointers, m, n, k, m_bucket(m), ep.r,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1), *ep.lora_strides)
+    flags = {"W_MODE": w_mode, **ep.flags}
     launch_gemm(_int8_gemm_tuned, _int8_gemm_kernel, args, flags, m, n, config, a.is_cuda)
     return c
 
@@ -251,6 +286,12 @@ def reference_int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
         codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(w.shape[0], -1)
         w = torch.where(codes >= 8, codes - 16, codes)
     acc = (a.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)
+    return reference_epilogue(acc, a_scale, w_scale, bias, out_dtype, xa, up_t)
+
+
+def reference_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
+                       out_dtype: torch.dtype, xa: torch.Tensor | None, up_t: torch.Tensor | None) -> torch.Tensor:
+    """The scaled GEMMs' epilogue in torch (their oracles): acc * a_scale * w_scale (+ bias) (+ xa @ up_t)."""
     ws = w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(1, -1)
     y = acc * a_scale.float().reshape(-1, 1) * ws
     if bias is not None:
