@@ -26,6 +26,7 @@ from lowbit_pipe.formats import common, register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
+
 def _nonzero_scales(w: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A zero weight scale (an all-zero row or tensor, written by another tool as amax / 448 = 0) becomes
     1 with its codes zeroed: the same dequantized weight, and every scale can be divided by (the

@@ -116,7 +116,7 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
 
 
 # ---------------------------------------------------------------------------
-# fp8: per-token (or static) e4m3 activations, cuBLAS fp8 GEMM
+# fp8: per-token (or static) e4m3 activations; Triton fp8 GEMM on Hopper, cuBLAS elsewhere
 # ---------------------------------------------------------------------------
 
 def fp8_triton_gemm(x: torch.Tensor) -> bool:

@@ -84,8 +84,9 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None,
              config: dict | None = None, promote: int = 0) -> torch.Tensor:
-    """a e4m3 [M, K], w e4m3 [N, K] (both K-contiguous, K % 16 == 0), a_scale fp32 [M] / [M, 1]
-    (positive), w_scale fp32 [N] / [N, 1] / scalar (positive) -> out_dtype [M, N].
+    """a e4m3 [M, K], w e4m3 [N, K] (both K-contiguous, K % 16 == 0), a_scale fp32 [M] / [M, 1],
+    w_scale fp32 [N] / [N, 1] / scalar -> out_dtype [M, N]. With a branch every scale must be nonzero
+    (it is divided by them; the fp8 format guarantees it: formats/fp8.py `_nonzero_scales`).
 
     `xa` [M, R] and `up_t` [R, N] (one float dtype, any strides, R <= 128): the LoRA branch,
     out += xa @ up_t (fp32 products and sum). `config`: BLOCK_M/N/K, num_warps, num_stages
