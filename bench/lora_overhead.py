@@ -105,7 +105,6 @@ def variant_times(q: QuantLinear, stack: LoraStack, x: torch.Tensor, device: tor
     """Pieces and alternative fusions (rotation none): where the LoRA time goes."""
     from torch.nn import functional as F
 
-    from lowbit_pipe.kernels import dispatch
     from lowbit_pipe.kernels.int8_gemm import int8_gemm_op
     from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op
 

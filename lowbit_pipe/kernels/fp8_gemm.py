@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lowbit_pipe.kernels.int8_gemm import epilogue_args, grouped_tile, low_rank_tile, reference_epilogue, scaled_tile
+from lowbit_pipe.kernels.gemm_common import epilogue_args, grouped_tile, low_rank_tile, reference_epilogue, scaled_tile
 
 
 @triton.jit

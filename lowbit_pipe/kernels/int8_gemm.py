@@ -27,11 +27,19 @@ N, K and a bucketed M (so a new token count does not re-tune).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
+
+from lowbit_pipe.kernels.gemm_common import (
+    epilogue_args,
+    grouped_tile,
+    launch_gemm,
+    low_rank_tile,
+    m_bucket,
+    reference_epilogue,
+    scaled_tile,
+)
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> triton.Config:
@@ -48,75 +56,6 @@ CONFIGS = {
     "64x128x128_w4_s4": _cfg(64, 128, 128, 4, 4),
     "128x128x64_w4_s5": _cfg(128, 128, 64, 4, 5),
 }
-
-
-def launch_gemm(tuned, kernel, args: tuple, flags: dict, m: int, n: int, config: dict | None, on_cuda: bool) -> None:  # noqa: ANN001
-    """Launch a tiled GEMM kernel: autotuned on CUDA, or with one fixed config (given, or the
-    interpreter's: CPU tensors only reach a Triton kernel under TRITON_INTERPRET in tests, and the
-    autotuner needs a GPU driver to time configs)."""
-    if config is None and not on_cuda:
-        config = INTERPRETER_CONFIG
-    if config is None:
-        def grid(meta):
-            return (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
-        tuned[grid](*args, **flags)
-        return
-    cfg = dict(config)
-    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
-    cfg.setdefault("GROUP_M", 8)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-    kernel[grid](*args, **flags, **cfg, num_warps=warps, num_stages=stages)
-
-
-def m_bucket(m: int) -> int:
-    """Autotune key for M: powers of 4 from 64 up, so nearby token counts share a tuning."""
-    b = 64
-    while b < m and b < 16384:
-        b *= 4
-    return b
-
-INTERPRETER_CONFIG = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64}
-
-
-@triton.jit
-def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(row tile, column tile) of program `pid` in grouped order: GROUP_M row-tiles share each
-    column-tile while it is in L2."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    group = GROUP_M * num_n
-    first_m = (pid // group) * GROUP_M
-    size_m = tl.minimum(num_m - first_m, GROUP_M)
-    return first_m + ((pid % group) % size_m), (pid % group) // size_m
-
-
-@triton.jit
-def scaled_tile(acc, as_ptr, bs_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, B_SCALAR: tl.constexpr,
-                HAS_BIAS: tl.constexpr):
-    """acc (fp32) * a_scale[rows] * w_scale[cols or scalar] (+ bias[cols]): the torch reference's order."""
-    y = acc * tl.load(as_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
-    if B_SCALAR:
-        y = y * tl.load(bs_ptr)
-    else:
-        y = y * tl.load(bs_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    return y
-
-
-@triton.jit
-def low_rank_tile(acc, xa_ptr, up_ptr, offs_m, offs_n, m_ok, n_ok, R, stride_xam, stride_xar, stride_ur, stride_un,
-                  R_PAD: tl.constexpr, LORA_IEEE: tl.constexpr):
-    """acc + xa[tile rows, :R] @ up_t[:R, tile cols] (fp32 accumulate; R padded to R_PAD, masked)."""
-    offs_r = tl.arange(0, R_PAD)
-    r_ok = offs_r < R
-    xa = tl.load(xa_ptr + offs_m[:, None] * stride_xam + offs_r[None, :] * stride_xar,
-                 mask=m_ok[:, None] & r_ok[None, :], other=0.0)
-    up = tl.load(up_ptr + offs_r[:, None] * stride_ur + offs_n[None, :] * stride_un,
-                 mask=r_ok[:, None] & n_ok[None, :], other=0.0)
-    if LORA_IEEE:  # fp32 factors: true fp32 products (the GPU default would be tf32)
-        return tl.dot(xa, up, acc, input_precision="ieee")
-    return tl.dot(xa, up, acc)
 
 
 @triton.jit
@@ -170,57 +109,6 @@ def _int8_gemm_kernel(
 
 
 _int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel)
-
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class EpilogueArgs:
-    """The checked operands of a scaled GEMM's epilogue (this GEMM and fp8_gemm), in kernel order:
-    `pointers` = (a_scale, w_scale, bias, xa, up_t) with dummies where absent, `lora_strides` =
-    (xa rows, xa cols, up_t rows, up_t cols), `flags` = the matching constexprs."""
-    pointers: tuple[torch.Tensor, ...]
-    r: int
-    lora_strides: tuple[int, int, int, int]
-    flags: dict
-
-
-def epilogue_args(op: str, m: int, n: int, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                  out_dtype: torch.dtype, xa: torch.Tensor | None, up_t: torch.Tensor | None) -> EpilogueArgs:
-    """a_scale fp32 [M] / [M, 1], w_scale [N] / [N, 1] / scalar, bias [N], xa [M, R] and up_t [R, N]
-    (one float dtype, R <= 128, both or neither): checked, each error naming `op` and the operand."""
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"{op}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-    a_scale = a_scale.reshape(-1).float().contiguous()
-    if a_scale.numel() != m:
-        raise ValueError(f"{op}: a_scale has {a_scale.numel()} values for {m} rows")
-    b_scalar = w_scale.numel() == 1
-    w_scale = w_scale.reshape(-1).float().contiguous()
-    if not b_scalar and w_scale.numel() != n:
-        raise ValueError(f"{op}: w_scale has {w_scale.numel()} values for {n} columns")
-    if bias is not None and bias.numel() != n:
-        raise ValueError(f"{op}: bias has {bias.numel()} values for {n} columns")
-    if (xa is None) != (up_t is None):
-        raise ValueError(f"{op}: the low-rank term needs both xa and up_t")
-    r = 0
-    if xa is not None:
-        r = xa.shape[1] if xa.dim() == 2 else -1
-        if xa.dim() != 2 or up_t.dim() != 2 or xa.shape[0] != m or tuple(up_t.shape) != (r, n):
-            raise ValueError(f"{op}: low-rank term wants xa [{m}, R] and up_t [R, {n}], "
-                             f"got {tuple(xa.shape)} and {tuple(up_t.shape)}")
-        if xa.dtype not in OUT_DTYPES or up_t.dtype != xa.dtype:
-            raise ValueError(f"{op}: xa and up_t must share one float dtype, got {xa.dtype} and {up_t.dtype}")
-        if r > 128:
-            raise ValueError(f"{op}: low-rank term takes R <= 128, got {r}")
-    has_lora = xa is not None and r > 0
-    bias_arg = bias.contiguous() if bias is not None else a_scale  # dummy pointers when absent
-    xa_arg, up_arg = (xa, up_t) if has_lora else (a_scale, a_scale)
-    strides = (xa.stride(0), xa.stride(1), up_t.stride(0), up_t.stride(1)) if has_lora else (0, 0, 0, 0)
-    flags = {"B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, "HAS_LORA": has_lora,
-             "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
-             "LORA_IEEE": has_lora and xa.dtype == torch.float32}
-    return EpilogueArgs((a_scale, w_scale, bias_arg, xa_arg, up_arg), r, strides, flags)
-
 
 def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, w_mode: int = 0,
@@ -287,15 +175,3 @@ def reference_int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor,
         w = torch.where(codes >= 8, codes - 16, codes)
     acc = (a.to(torch.int64) @ w.to(torch.int64).t()).to(torch.float32)
     return reference_epilogue(acc, a_scale, w_scale, bias, out_dtype, xa, up_t)
-
-
-def reference_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
-                       out_dtype: torch.dtype, xa: torch.Tensor | None, up_t: torch.Tensor | None) -> torch.Tensor:
-    """The scaled GEMMs' epilogue in torch (their oracles): acc * a_scale * w_scale (+ bias) (+ xa @ up_t)."""
-    ws = w_scale.float().reshape(()) if w_scale.numel() == 1 else w_scale.float().reshape(1, -1)
-    y = acc * a_scale.float().reshape(-1, 1) * ws
-    if bias is not None:
-        y = y + bias.float()
-    if xa is not None:
-        y = y + xa.float() @ up_t.float()
-    return y.to(out_dtype)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_pipe.kernels.int8_gemm import grouped_tile, launch_gemm, m_bucket
+from lowbit_pipe.kernels.gemm_common import grouped_tile, launch_gemm, m_bucket
 
 E2M1_MAX = tl.constexpr(6.0)  # constexpr: read inside the kernels
 FP8_MAX = tl.constexpr(448.0)
