@@ -37,3 +37,8 @@ class StageError(LowbitError):
         self.stage = stage
         self.cause = cause
         super().__init__(f"stage '{stage}' failed: {type(cause).__name__}: {cause}")
+
+
+class LoraError(LowbitError):
+    """A LoRA file does not fit the model, or its adapter config cannot be read or applied: names the file, the
+    key or config field, and the layer."""

@@ -1,14 +1,27 @@
 """attach / remove / set_strength / bake_files: LoRA files onto a (quantized) model.
 
+    handle = attach(model, "style.safetensors", strength=0.8)
+    handle.set_strength(0.5)   # exact: the branches' scale changes (baked parts are baked again)
+    handle.remove()            # every layer back to what the other adapters alone give
+    # handle.set_strength / handle.remove on a removed handle raise LoraRemovedError
+
 A model keeps a registry `model._lowbit_lora` {adapter name: LoraHandle}, so remove and
 re-weight find every stack of an adapter, including the mirror stacks on the float originals
 the ledger holds for quantized layers (why: evaluate's float reference swaps those originals
-back in, and must then run float + LoRA, to compare like with like).
+back in, and must then run float + LoRA, to compare like with like). The module functions
+`remove(model, name)` / `set_strength(model, name, s)` do the same as the handle's methods.
+
+Baked parts (DoRA, dense `diff`) are kept per layer as a `LayerBakes`: the layer's tensors before
+the first adapter baked into it, and the adapters baked since, in attach order. Removing or
+re-weighting one restores those tensors and bakes the others again, so in any order a layer
+equals a fresh bake of the adapters still attached, and is bit for bit its pre-LoRA self once
+none is left. Every tensor swap goes through the ledger when there is one.
 """
 
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -17,16 +30,39 @@ import torch
 from torch import nn
 
 from lowbit_pipe.lora import branches as br
-from lowbit_pipe.lora.bake import bake_group, bake_layer
-from lowbit_pipe.lora.files import LayerFactors, LoraData, check_matched, parse_lora
+from lowbit_pipe.lora.bake import _replace, bake_group, bake_layer
+from lowbit_pipe.lora.files import LayerFactors, LoraData, LoraError, check_matched, parse_lora
 from lowbit_pipe.nn import QuantLinear
 
 REGISTRY = "_lowbit_lora"
 
 
+class LoraRemovedError(LoraError):
+    """A LoraHandle used after its adapter came off the model (remove, or a ledger teardown)."""
+
+
 @dataclass
+class BakedAdapter:
+    """One adapter's non-residual parts (DoRA / dense) on one layer, at its strength."""
+
+    name: str
+    factors: list[LayerFactors]
+    strength: float
+
+
+@dataclass
+class LayerBakes:
+    """The adapters baked into one layer (attach order) and the layer's tensors before the first of them."""
+
+    module: str
+    pristine: dict[str, torch.Tensor | None]  # the layer's parameters and buffers before any adapter bake
+    adapters: list[BakedAdapter] = field(default_factory=list)
+    written: dict[str, torch.Tensor | None] = field(default_factory=dict)  # what the last bake left in the layer
+
+
+@dataclass(eq=False)
 class LoraHandle:
-    """What one attached adapter did."""
+    """What one attached adapter did; `set_strength(s)` and `remove()` act on it."""
 
     name: str
     source: str
@@ -37,12 +73,44 @@ class LoraHandle:
     alphas: list[float] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # warnings (unmatched keys with strict=False)
     stacks: list[tuple[str, br.LoraStack]] = field(default_factory=list)  # incl. float-original mirrors
-    pre_bake: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # exact undo of its bakes
+    bakes: dict[str, LayerBakes] = field(default_factory=dict, repr=False)  # per baked layer (shared with others)
     ledger: Any = None
+    rslora: bool = False
+    removed: bool = False
+    model_ref: Any = field(default=None, repr=False)  # weakref to the model it is attached to
 
     def figures(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "strength": self.strength, "layers": len(self.layers),
-                "baked_layers": len(self.baked), "ranks": self.ranks, "alphas": self.alphas, "skipped": self.skipped}
+                "baked_layers": len(self.baked), "ranks": self.ranks, "alphas": self.alphas, "rslora": self.rslora,
+                "skipped": self.skipped}
+
+    @property
+    def attached(self) -> bool:
+        model = self.model_ref() if self.model_ref is not None else None
+        return not self.removed and model is not None and registry(model).get(self.name) is self
+
+    def _model(self) -> nn.Module:
+        """The model this adapter is attached to, or LoraRemovedError saying why it is not."""
+        if self.removed:
+            raise LoraRemovedError(f"LoRA '{self.name}' ({self.source}) was removed from its model; attach the file "
+                                   "again for a new handle")
+        model = self.model_ref() if self.model_ref is not None else None
+        if model is None:
+            raise LoraRemovedError(f"LoRA '{self.name}' ({self.source}): the model it was attached to is gone")
+        if registry(model).get(self.name) is not self:
+            raise LoraRemovedError(f"LoRA '{self.name}' ({self.source}) is no longer attached to its model (removed, "
+                                   "or taken off by a ledger teardown); attach the file again for a new handle")
+        return model
+
+    def set_strength(self, strength: float) -> None:
+        """Re-weight this adapter: residual branches exactly (their scale changes, nothing is requantized);
+        baked parts are baked again from the layer's pre-LoRA tensors, as a fresh attach at `strength` would."""
+        _reweight(self._model(), self, strength)
+
+    def remove(self) -> None:
+        """Take this adapter off: its branches go; layers it baked into become a fresh bake of the adapters
+        still attached (bit for bit their pre-LoRA tensors when none is left). The handle is then dead."""
+        _detach(self._model(), self)
 
 
 def registry(model: nn.Module, ledger=None, create: bool = False) -> dict[str, LoraHandle]:  # noqa: ANN001
@@ -89,19 +157,21 @@ def _by_layer(layers: list[LayerFactors]) -> dict[str, list[LayerFactors]]:
 def _branch(name: str, factors: list[LayerFactors], strength: float, source: str, dtype: torch.dtype,
             device: torch.device) -> br.LoraBranch:
     """One branch per adapter and layer; several factors for one layer (e.g. diffusers and native names in one
-    file) concatenate along the rank with their alpha / rank folded into `up`."""
+    file) concatenate along the rank with their scale (alpha / rank, or alpha / sqrt(rank)) folded into `up`."""
     if len(factors) == 1:
         f = factors[0]
-        return br.LoraBranch(name, f.down.to(device, dtype), f.up.to(device, dtype), f.alpha, strength, source)
+        return br.LoraBranch(name, f.down.to(device, dtype), f.up.to(device, dtype), f.alpha, strength, source,
+                             f.rslora)
     down = torch.cat([f.down.float() for f in factors], dim=0)
-    up = torch.cat([f.up.float() * (f.alpha / f.rank) for f in factors], dim=1)
+    up = torch.cat([f.up.float() * f.scale for f in factors], dim=1)
     return br.LoraBranch(name, down.to(device, dtype), up.to(device, dtype), float(down.shape[0]), strength, source)
 
 
 def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tensor], *, strength: float = 1.0,
            name: str | None = None, arch: Any = None, config: Any = None, ledger=None, strict: bool = True,  # noqa: ANN001
            alpha: float | None = None, dtype: torch.dtype | None = None) -> LoraHandle:
-    """Attach a LoRA as exact residual branches: y = Q(W) x + strength * alpha / rank * B (A x).
+    """Attach a LoRA as exact residual branches: y = Q(W) x + strength * scale * B (A x), scale = alpha / rank
+    (alpha / sqrt(rank) for rslora). Returns the handle: `handle.set_strength(s)`, `handle.remove()`.
 
     Adapter parts that cannot be a residual (DoRA, dense `diff`) are baked (nearest rounding) with a
     warning naming the layer. With a ledger every change is recorded and teardown takes it off again.
@@ -113,8 +183,13 @@ def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tens
     data, problems = load(model, path_or_state, arch=arch, config=config, strict=strict, alpha=alpha)
     dtype = dtype or model_dtype(model)
     handle = LoraHandle(name, data.where, float(strength), ranks=data.ranks, alphas=data.alphas, skipped=problems,
-                        ledger=ledger)
-    for module, factors in _by_layer(data.layers).items():
+                        ledger=ledger, rslora=data.rslora, model_ref=weakref.ref(model))
+    by_layer = _by_layer(data.layers)
+    for module, factors in by_layer.items():  # refuse before changing anything
+        record = _record_of(model, module)
+        if record is not None and any(f.kind != "lora" for f in factors):
+            _check_unchanged(model.get_submodule(module), record, f"attach LoRA '{name}'")
+    for module, factors in by_layer.items():
         layer = model.get_submodule(module)
         low = [f for f in factors if f.kind == "lora"]
         if low:
@@ -124,14 +199,18 @@ def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tens
             handle.stacks.append((module, stack))
             handle.layers.append(module)
             _mirror(handle, module, layer, ledger)
-        for f in factors:
-            if f.kind != "lora":
-                warnings.warn(f"{data.where}: '{module}' carries a {f.kind.upper()} adapter ({f.keys[0]}), which cannot be "
-                              "a residual branch: baked into the weight", stacklevel=2)
-                handle.pre_bake.setdefault(module, _tensors(layer))
-                bake_layer(layer, lambda w, f=f: f.delta_weight(w, strength), mode="standard", seed=0, where=module,
-                           ledger=ledger)
-                handle.baked.append(module)
+        parts = [f for f in factors if f.kind != "lora"]
+        if parts:
+            for f in parts:
+                warnings.warn(f"{data.where}: '{module}' carries a {f.kind.upper()} adapter ({f.keys[0]}), which "
+                              "cannot be a residual branch: baked into the weight", stacklevel=2)
+            record = _record_of(model, module) or LayerBakes(module, _tensors(layer))
+            baked = BakedAdapter(name, parts, float(strength))
+            _bake_parts(layer, module, baked, ledger)
+            record.adapters.append(baked)
+            record.written = _tensors(layer)
+            handle.bakes[module] = record
+            handle.baked.append(module)
     registry(model, ledger, create=True)[name] = handle
     return handle
 
@@ -159,34 +238,101 @@ def _mirror(handle: LoraHandle, module: str, layer: nn.Module, ledger) -> None: 
     handle.stacks.append((where, stack))
 
 
-def remove(model: nn.Module, name: str) -> None:
-    """Take adapter `name` off: its branches go, its baked layers get their exact pre-bake tensors back.
-    Once every adapter is removed, every layer's output is its pre-LoRA value bit for bit."""
+def _record_of(model: nn.Module, module: str) -> LayerBakes | None:
+    """The bake record of layer `module` (shared by every attached adapter baked into it), or None."""
+    return next((h.bakes[module] for h in registry(model).values() if module in h.bakes), None)
+
+
+def _bake_parts(layer: nn.Module, module: str, baked: BakedAdapter, ledger) -> None:  # noqa: ANN001
+    for f in baked.factors:
+        bake_layer(layer, lambda w, f=f: f.delta_weight(w, baked.strength), mode="standard", seed=0, where=module,
+                   ledger=ledger)
+
+
+def _same(current: torch.Tensor | None, written: torch.Tensor | None) -> bool:
+    """`current` is what we wrote, or its copy after the model moved device or dtype."""
+    if current is written:
+        return True
+    if current is None or written is None or current.shape != written.shape:
+        return False
+    return torch.equal(current.detach(), written.detach().to(current.device, current.dtype))
+
+
+def _check_unchanged(layer: nn.Module, record: LayerBakes, action: str) -> None:
+    """Refuse to rebuild a layer someone else changed after our last bake (e.g. bake_files): restoring its
+    pre-LoRA tensors would silently throw that change away."""
+    now = _tensors(layer)
+    if now.keys() != record.written.keys() or not all(_same(now[k], record.written[k]) for k in now):
+        names = [b.name for b in record.adapters]
+        raise LoraError(f"cannot {action}: layer '{record.module}' was changed after LoRA(s) {names} were baked into "
+                        "it (another bake or requantization); removing or re-weighting a baked adapter there would "
+                        "drop that change")
+
+
+def _placed(saved: torch.Tensor | None, current: torch.Tensor | None) -> torch.Tensor | None:
+    """A saved tensor where the layer's current one lives (the same object when nothing moved)."""
+    if saved is None or current is None or (saved.device == current.device and saved.dtype == current.dtype):
+        return saved
+    moved = saved.detach().to(current.device, current.dtype)
+    return nn.Parameter(moved, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else moved
+
+
+def _rebake(layer: nn.Module, record: LayerBakes, ledger) -> None:  # noqa: ANN001
+    """Layer := its pre-LoRA tensors with `record.adapters` baked in again, in order (the ledger records each swap)."""
+    now = _tensors(layer)
+    restore = {k: _placed(t, now.get(k)) for k, t in record.pristine.items()}
+    restore = {k: t for k, t in restore.items() if now.get(k) is not t}
+    if restore:
+        _replace(layer, restore, f"{record.module} (pre-LoRA tensors)", ledger)
+    for baked in record.adapters:
+        _bake_parts(layer, record.module, baked, ledger)
+    record.written = _tensors(layer)
+
+
+def _detach(model: nn.Module, handle: LoraHandle) -> None:
+    for module, record in handle.bakes.items():  # refuse before changing anything
+        _check_unchanged(model.get_submodule(module), record, f"remove LoRA '{handle.name}'")
+    registry(model).pop(handle.name)
+    handle.removed = True
+    for where, stack in handle.stacks:
+        if handle.name in stack.names():
+            br.remove_branch(stack, handle.name, where, handle.ledger)
+    for module, record in handle.bakes.items():
+        record.adapters = [b for b in record.adapters if b.name != handle.name]
+        _rebake(model.get_submodule(module), record, handle.ledger)
+    handle.bakes, handle.stacks = {}, []  # a kept dead handle holds no tensors of the model
+
+
+def _reweight(model: nn.Module, handle: LoraHandle, strength: float) -> None:
+    for module, record in handle.bakes.items():
+        _check_unchanged(model.get_submodule(module), record, f"re-weight LoRA '{handle.name}'")
+    for where, stack in handle.stacks:
+        br.set_branch_strength(stack, handle.name, strength, where, handle.ledger)
+    for module, record in handle.bakes.items():
+        for baked in record.adapters:
+            if baked.name == handle.name:
+                baked.strength = float(strength)
+        _rebake(model.get_submodule(module), record, handle.ledger)
+    handle.strength = float(strength)
+
+
+def _handle(model: nn.Module, name: str) -> LoraHandle:
     reg = registry(model)
     if name not in reg:
         raise KeyError(f"no LoRA named '{name}' is attached (attached: {sorted(reg)})")
-    handle = reg.pop(name)
-    for where, stack in handle.stacks:
-        if name in stack.names():
-            br.remove_branch(stack, name, where, handle.ledger)
-    for module, tensors in handle.pre_bake.items():
-        layer = model.get_submodule(module)
-        for key, t in tensors.items():
-            (layer._parameters if key in layer._parameters else layer._buffers)[key] = t
+    return reg[name]
+
+
+def remove(model: nn.Module, name: str) -> None:
+    """Take adapter `name` off (same as `handle.remove()`): its branches go; layers it baked into become a fresh
+    bake of the adapters still attached. Once every adapter is removed, every layer's output is its pre-LoRA
+    value bit for bit."""
+    _detach(model, _handle(model, name))
 
 
 def set_strength(model: nn.Module, name: str, strength: float) -> None:
-    """Re-weight adapter `name` (exact: its branches' scale changes, nothing is requantized)."""
-    reg = registry(model)
-    if name not in reg:
-        raise KeyError(f"no LoRA named '{name}' is attached (attached: {sorted(reg)})")
-    handle = reg[name]
-    if handle.baked:
-        raise ValueError(f"LoRA '{name}' has parts baked into {handle.baked[:3]} (DoRA / dense): a bake cannot be "
-                         "re-weighted exactly; remove it and attach it again with the new strength")
-    for where, stack in handle.stacks:
-        br.set_branch_strength(stack, name, strength, where, handle.ledger)
-    handle.strength = float(strength)
+    """Re-weight adapter `name` (same as `handle.set_strength(strength)`)."""
+    _reweight(model, _handle(model, name), strength)
 
 
 def attached(model: nn.Module) -> dict[str, LoraHandle]:
@@ -208,7 +354,7 @@ def bake_files(model: nn.Module, loras: list[tuple[Any, float]], *, mode: str = 
         data, problems = load(model, src, arch=arch, config=config, strict=strict, alpha=rest[0] if rest else None)
         layers = _by_layer(data.layers)
         per_file.append({"source": data.where, "strength": strength, "layers": len(layers), "ranks": data.ranks,
-                         "alphas": data.alphas, "skipped": problems})
+                         "alphas": data.alphas, "rslora": data.rslora, "skipped": problems})
         for module, factors in layers.items():
             pooled.setdefault(module, []).extend((f, float(strength)) for f in factors)
             layer = model.get_submodule(module)

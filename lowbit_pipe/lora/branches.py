@@ -2,8 +2,9 @@
 
 Each LoRA'd layer (QuantLinear or a float nn.Linear) gets one child module `lora` (a
 `LoraStack`). Its `branches` tuple is the typed list (adapter name, factors, alpha, strength);
-from it the stack builds ONE concatenated pair, `down` [sum r, K] and `up` [N, sum r] with
-strength * alpha / rank folded into `up`, so a stack of any size costs two thin matmuls:
+from it the stack builds ONE concatenated pair, `down` [sum r, K] and `up` [N, sum r] with each
+branch's `scale` (strength * alpha / rank, or strength * alpha / sqrt(rank) for rslora) folded
+into `up`, so a stack of any size costs two thin matmuls:
 `delta = (x @ down.T) @ up.T` in the activation dtype, on the layer's unrotated input.
 
 QuantLinear adds the delta in its forward; a float nn.Linear gets a forward hook doing the
@@ -29,11 +30,12 @@ import torch
 from torch import nn
 
 from lowbit_pipe.kernels import reference
+from lowbit_pipe.lora.files import lora_scale
 
 
 @dataclass(frozen=True)
 class LoraBranch:
-    """One adapter on one layer: delta W = strength * alpha / rank * up @ down."""
+    """One adapter on one layer: delta W = strength * alpha / rank * up @ down (alpha / sqrt(rank) with `rslora`)."""
 
     name: str  # adapter name (swap / remove key)
     down: torch.Tensor  # A [rank, in_features]
@@ -41,6 +43,7 @@ class LoraBranch:
     alpha: float
     strength: float = 1.0
     source: str = ""  # file (and key) it came from, for messages
+    rslora: bool = False  # rank-stabilized LoRA (peft use_rslora)
 
     @property
     def rank(self) -> int:
@@ -48,7 +51,7 @@ class LoraBranch:
 
     @property
     def scale(self) -> float:
-        return self.strength * self.alpha / self.rank
+        return self.strength * lora_scale(self.alpha, self.rank, self.rslora)
 
     def delta(self) -> torch.Tensor:
         """fp32 [out, in] weight delta (for bakes and oracles)."""
@@ -106,7 +109,8 @@ class LoraStack(nn.Module):
         return self
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{b.name}: rank={b.rank} alpha={b.alpha:g} strength={b.strength:g}" for b in self.branches)
+        return ", ".join(f"{b.name}: rank={b.rank} alpha={b.alpha:g}{' rslora' if b.rslora else ''} "
+                         f"strength={b.strength:g}" for b in self.branches)
 
 
 def float_lora_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:

@@ -3,8 +3,9 @@
 Baked LoRAs need nothing: they are in the weights. Residual branches are written as ONE
 peft / diffusers-style LoRA (`transformer.<diffusers module>.lora_A.weight` [sum r, in] and
 `.lora_B.weight` [out, sum r]): per layer the concatenated pair the forward uses, with every
-adapter's strength * alpha / rank already folded into lora_B and no alpha keys, so it means
-scale 1 to every loader (diffusers / peft default alpha = rank; ComfyUI without `.alpha`: 1).
+adapter's scale (strength * alpha / rank, or strength * alpha / sqrt(rank) for an rslora adapter)
+already folded into lora_B and no alpha keys nor adapter config, so it means scale 1 to every
+loader (diffusers / peft default alpha = rank; ComfyUI without `.alpha`: 1).
 Loaded at strength 1 it reproduces the residual exactly. ComfyUI and diffusers both read this
 key style for FLUX / Krea 2 (diffusers names, `transformer.` prefix); the adapters it was
 built from are listed in the header metadata (`lowbit_pipe_lora`).
@@ -55,8 +56,9 @@ def save_residual_lora(model: nn.Module, path: str | Path) -> int:
     for layer, stack in stacks.items():
         for b in stack.branches:
             a = adapters.setdefault(b.name, {"strength": b.strength, "source": b.source, "layers": 0, "ranks": set(),
-                                             "alphas": set()})
+                                             "alphas": set(), "rslora": False})
             a["layers"] += 1
+            a["rslora"] = a["rslora"] or b.rslora
             a["ranks"].add(b.rank)
             a["alphas"].add(b.alpha)
     meta = {name: {**a, "ranks": sorted(a["ranks"]), "alphas": sorted(a["alphas"])} for name, a in adapters.items()}

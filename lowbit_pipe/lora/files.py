@@ -7,13 +7,19 @@ diffusers modules with their output rows: each part gets the rows of `up` and th
 which is exact (rows of B A x are rows of B times A x).
 
 Adapter kinds: "lora" (low rank, can be a residual), "dense" (a full delta `diff`) and "dora"
-(LoRA + `dora_scale` magnitude: the delta depends on the weight itself). Only "lora" can be a
-residual branch; the others are baked (with a warning naming the layer).
+(LoRA + `dora_scale` / peft `lora_magnitude_vector` magnitude: the delta depends on the weight
+itself). Only "lora" can be a residual branch; the others are baked (with a warning naming the layer).
+
+Scale. A layer's low-rank delta is `scale * up @ down` with peft's rule: scale = alpha / rank, or
+alpha / sqrt(rank) for rank-stabilized LoRA (`use_rslora`); `LayerFactors.scale` is the one place
+it is computed. alpha comes from, first to last: the caller's `alpha` override, the module's
+`.alpha` tensor (kohya), the adapter's peft LoraConfig (`alpha_pattern`, else `lora_alpha`; read by
+lowbit_pipe.lora.peft_config), else the rank (scale 1, diffusers' default for files without alphas).
 """
 
 from __future__ import annotations
 
-import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,23 +28,29 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from lowbit_pipe.errors import LowbitError
+from lowbit_pipe.errors import LoraError
+from lowbit_pipe.lora.peft_config import AdapterConfig, adapter_configs
 
 DOWN = ("lora_A.weight", "lora_A.default.weight", "lora_down.weight")
 UP = ("lora_B.weight", "lora_B.default.weight", "lora_up.weight")
-KNOWN = DOWN + UP + ("alpha", "dora_scale", "diff")
+MAGNITUDE = ("dora_scale", "lora_magnitude_vector", "lora_magnitude_vector.weight", "lora_magnitude_vector.default",
+             "lora_magnitude_vector.default.weight")
+KNOWN = DOWN + UP + MAGNITUDE + ("alpha", "diff")
 UNSUPPORTED = re.compile(r"(lora_mid|lokr_|hada_|diff_b|lora_[AB]\.bias|lora_(up|down)\.bias)")
 SUFFIX = re.compile(r"\.(lora_[AB](\.default)?\.(weight|bias)|lora_(down|up|mid)\.(weight|bias)|alpha|dora_scale|diff|diff_b|"
-                    r"lokr_w[12](_[ab])?|lokr_t2|hada_w[12]_[ab]|hada_t[12])$")
+                    r"lora_magnitude_vector(\.default)?(\.weight)?|lokr_w[12](_[ab])?|lokr_t2|hada_w[12]_[ab]|"
+                    r"hada_t[12])$")
 
 
-class LoraError(LowbitError):
-    """A LoRA file does not fit the model: names the file, the key and the layer."""
+def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
+    """peft's LoRA scaling: alpha / rank, or alpha / sqrt(rank) for rank-stabilized LoRA (use_rslora)."""
+    return alpha / (math.sqrt(rank) if rslora else rank)
 
 
 @dataclass(frozen=True)
 class LayerFactors:
-    """One adapter's contribution to one Linear: delta W = alpha / rank * up @ down (kind "lora")."""
+    """One adapter's contribution to one Linear: delta W = scale * up @ down (kind "lora"), scale =
+    alpha / rank, or alpha / sqrt(rank) with `rslora` (see `lora_scale`)."""
 
     module: str  # diffusers module name in the model
     kind: str  # "lora" | "dense" | "dora"
@@ -48,16 +60,22 @@ class LayerFactors:
     delta: torch.Tensor | None = None  # kind "dense": [out, in]
     magnitude: torch.Tensor | None = None  # kind "dora": dora_scale ([out, 1] or [1, in])
     keys: tuple[str, ...] = ()
+    rslora: bool = False  # rank-stabilized (peft use_rslora): scale = alpha / sqrt(rank)
 
     @property
     def rank(self) -> int:
         return int(self.down.shape[0]) if self.down is not None else 0
 
+    @property
+    def scale(self) -> float:
+        """What multiplies up @ down (strength aside); every consumer (branches, bakes, export) uses this."""
+        return lora_scale(self.alpha, self.rank, self.rslora)
+
     def delta_weight(self, weight: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
         """fp32 [out, in] delta at `strength` (DoRA needs the current `weight`)."""
         if self.kind == "dense":
             return self.delta.float() * strength
-        low = (self.up.float() @ self.down.float()) * (self.alpha / self.rank)
+        low = (self.up.float() @ self.down.float()) * self.scale
         if self.kind == "lora":
             return low * strength
         # DoRA (peft / ComfyUI): W' = m * (W + dW) / ||W + dW|| along the magnitude's axis; a
@@ -88,6 +106,10 @@ class LoraData:
     def alphas(self) -> list[float]:
         return sorted({f.alpha for f in self.layers if f.kind != "dense"})
 
+    @property
+    def rslora(self) -> bool:
+        return any(f.rslora for f in self.layers)
+
 
 def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
     """(tensors, safetensors metadata, where) of a file path or an in-memory state dict."""
@@ -106,19 +128,28 @@ def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor]) -> tuple[
     return load_tensors(path), metadata, path
 
 
-def metadata_alpha(metadata: Mapping[str, str]) -> float | None:
-    """lora_alpha diffusers writes in the `lora_adapter_metadata` JSON (peft files carry no alpha keys)."""
-    raw = metadata.get("lora_adapter_metadata")
-    if not raw:
-        return None
-    try:
-        data = json.loads(raw)
-    except json.JSONDecodeError:
-        return None
-    for key, value in data.items():
-        if key == "lora_alpha" or key.endswith(".lora_alpha"):
-            return float(value)
-    return None
+def _layer_scale(written: str, parts: Mapping[str, str], state: Mapping[str, torch.Tensor], rank: int,
+                 cfg: AdapterConfig | None, alpha: float | None, down_key: str) -> tuple[float, bool]:
+    """(alpha, rslora) of one module, in the order the module doc gives."""
+    from lowbit_pipe.arch.lora import strip_lora_prefixes
+
+    rslora = cfg.use_rslora if cfg is not None else False
+    name = strip_lora_prefixes(written)[0]  # the module name peft matched its patterns against
+    if cfg is not None:
+        want, source = cfg.rank_for(name)
+        if want is not None and want != rank:
+            raise cfg.error(source, f"gives module '{name}' rank {want}, but its factors have rank {rank} ({down_key})")
+    if alpha is not None:
+        return float(alpha), rslora
+    if "alpha" in parts:
+        return float(state[parts["alpha"]].float().reshape(-1)[0]), rslora
+    if cfg is not None:
+        a, source = cfg.alpha_for(name)
+        if a is None:
+            raise cfg.error("lora_alpha", f"is missing and no alpha_pattern matches module '{name}' (peft would take "
+                                          "its default of 8): pass alpha= to say which alpha the LoRA was trained with")
+        return a, rslora
+    return float(rank), rslora
 
 
 def _group(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict[str, str]], list[str]]:
@@ -160,15 +191,16 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     """Map a LoRA file onto `model`'s Linear / QuantLinear layers (diffusers module names).
 
     `arch` (an Arch, or None: generic names) resolves native / kohya / prefixed names; `config` (ArchConfig)
-    sizes fused splits; `alpha` overrides the file's alpha (peft files without alpha: alpha = rank).
+    sizes fused splits; `alpha` overrides every alpha of the file (`.alpha` tensors, `lora_alpha`,
+    `alpha_pattern`; a `use_rslora` adapter keeps its alpha / sqrt(rank)). Without any: alpha = rank.
     """
     from lowbit_pipe.nn import QuantLinear
 
     state, metadata, where = read_state(path_or_state)
+    configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
     if arch is not None and config is None:
         config = arch.config_from_model(model)
-    default_alpha = alpha if alpha is not None else metadata_alpha(metadata)
     groups, stray = _group(state)
     data = LoraData(where, [], unmatched=list(stray), metadata=metadata)
     for written, parts in groups.items():
@@ -178,10 +210,11 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
             continue
         down_key = next((parts[s] for s in DOWN if s in parts), None)
         up_key = next((parts[s] for s in UP if s in parts), None)
+        mag_key = next((parts[s] for s in MAGNITUDE if s in parts), None)
         if "diff" in parts:
             kind = "dense"
         elif down_key and up_key:
-            kind = "dora" if "dora_scale" in parts else "lora"
+            kind = "dora" if mag_key else "lora"
         else:
             raise LoraError(f"{where} [{keys[0]}]: module '{written}' has {sorted(parts)}; a LoRA needs both "
                             "lora_A/lora_down and lora_B/lora_up")
@@ -193,13 +226,20 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
         if kind == "dense":
             data.layers.extend(_dense(state[parts["diff"]], targets, linears, keys, where))
             continue
+        cfg = configs.for_module(written)
+        if cfg is not None and cfg.use_dora != (kind == "dora"):
+            raise cfg.error("use_dora", f"is {str(cfg.use_dora).lower()}, but module '{written}' "
+                                        + (f"has no DoRA magnitude (lora_magnitude_vector / dora_scale; {keys[0]})"
+                                           if cfg.use_dora else f"carries a DoRA magnitude ({mag_key})"))
         down = _matrix(state[down_key], down_key, where)
         up = _matrix(state[up_key], up_key, where)
         rank = down.shape[0]
         if up.shape[1] != rank:
             raise LoraError(f"{where} [{up_key}]: up {tuple(up.shape)} does not match down rank {rank} ({down_key})")
-        a = float(state[parts["alpha"]].float().reshape(-1)[0]) if "alpha" in parts and alpha is None else \
-            (default_alpha if default_alpha is not None else float(rank))
+        a, rslora = _layer_scale(written, parts, state, rank, cfg, alpha, down_key)
+        mag = state[mag_key] if kind == "dora" else None
+        if mag is not None and mag.dim() == 1:
+            mag = mag.reshape(-1, 1)  # peft's lora_magnitude_vector [out]: one magnitude per output row
         total = up.shape[0]
         for module, rows in targets:
             layer = linears[module]
@@ -207,10 +247,8 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
             if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
                 raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
                                 f"layer '{module}' ({layer.out_features}x{layer.in_features})")
-            mag = state[parts["dora_scale"]] if kind == "dora" else None
-            if mag is not None and rows is not None:
-                mag = mag[rows] if mag.shape[0] == total else mag
-            data.layers.append(LayerFactors(module, kind, down, part, a, None, mag, keys))
+            m = mag[rows] if mag is not None and rows is not None and mag.shape[0] == total else mag
+            data.layers.append(LayerFactors(module, kind, down, part, a, None, m, keys, rslora))
     return data
 
 

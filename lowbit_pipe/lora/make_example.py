@@ -101,13 +101,12 @@ def parse_spec(spec: str) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from importlib.resources import files
-
     from omegaconf import OmegaConf
 
     from lowbit_pipe.arch import get_arch
+    from lowbit_pipe.arch.tiny import build_tiny
     from lowbit_pipe.checkpoint import atomic_save
-    from lowbit_pipe.stages.load import build_tiny
+    from lowbit_pipe.paths import tiny_models
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="tiny_krea2", help="a model= config (tiny_krea2, tiny_flux1, ...)")
@@ -117,9 +116,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rel", type=float, default=0.004)
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    cfg = OmegaConf.to_container(OmegaConf.load(files("lowbit_pipe.conf").joinpath(f"model/{args.model}.yaml")))
-    model = build_tiny(cfg["arch"], cfg["tiny_config"], cfg.get("seed", 0), torch.float32)
-    tensors, metadata = example_lora(model, get_arch(cfg["arch"]), style=args.style, rank=args.rank, seed=args.seed,
+    cfg = OmegaConf.to_container(OmegaConf.load(tiny_models()[args.model]))
+    model = build_tiny(cfg["tiny_arch"], cfg["tiny_config"], cfg.get("seed", 0), torch.float32)
+    tensors, metadata = example_lora(model, get_arch(cfg["tiny_arch"]), style=args.style, rank=args.rank, seed=args.seed,
                                      rel=args.rel)
     nbytes = atomic_save(tensors, args.out, metadata)
     print(f"{args.out}: {len(tensors)} tensors, {nbytes} bytes ({args.style}, rank {args.rank}, seed {args.seed})")
