@@ -5,19 +5,23 @@ scales, optional bias and LoRA branch, one kernel.
     acc0 = (xa @ up_t)[m, n] / (a_scale[m] w_scale[n])     (0 without a branch)
 
 Why not cuBLAS alone (`torch._scaled_mm`): it has no hook for the branch, so a LoRA cost one more
-pass over y (`addmm_`: 15-24 % of the linear at Krea 2 shapes on the H200). Why the branch enters
-as the accumulator's initial value: as a dot after the K loop (the int8 GEMM's epilogue) it cost
-0.05-0.14 ms on the 128x256 tile, as the initial value 0.002-0.017 ms
+pass over y (`addmm_`; its share of the linear at Krea 2 shapes: bench/results/lora_overhead_h200.md
+and fp8_lora_gemm_h200.md). Why the branch enters as the accumulator's initial value: as a dot after
+the K loop (the int8 GEMM's epilogue) it needs its own operand tiles while the whole 128x256 fp32
+accumulator is live; as the initial value it is computed before the K loop, into the accumulator the
+loop needs anyway, and on the 128x256 tile it cost a small fraction of the epilogue dot's time
 (bench/results/fp8_lora_gemm_h200.md). Dividing by the scales first costs two fp32 roundings.
 
 Accumulation: the whole K in the Hopper tensor cores' reduced-precision fp8 accumulator (Triton's
 sm90 default; cuBLAS's "fast accumulation", what torchao and vLLM use for fp8 inference): 2.4e-3
 relative error at K=6144 and 3.5e-3 at K=16384 against a float64 oracle, where bf16 output
 rounding alone is 1.7e-3 and e4m3 quantization of x and w is ~4 %. `promote=P` adds the partial
-sum into an fp32 accumulator every P K tiles (P=4: 1.7e-3, ~18 % slower); not used by the linear.
+sum into an fp32 accumulator every P K tiles (P=4: 1.7e-3, but slower: the "promote/4" column of
+bench/results/fp8_lora_gemm_h200.md); not used by the linear.
 
 Operands come through TMA tensor descriptors: out-of-range rows, columns and K come back as zeros,
-so the K loop has no masks (masked pointer loads of fp8 ran 1.45x slower on the H200). Needs
+so the K loop has no masks (masked pointer loads of fp8 were much slower on the H200:
+bench/results/lora_kernel_tune_h200.md, last section). Needs
 K % 16 == 0 (16-byte rows) and sm90; the fp8 linear checks both (dispatch.fp8_linear).
 
 Layout: kernel -> launcher (`fp8_gemm`: checks, allocation, grid) -> custom op

@@ -3,8 +3,9 @@
     y[m, n] = (acc[m, n] * a_scale[m]) * b_scale[n or scalar] (+ bias[n]) (+ sum_r xa[m, r] * up_t[r, n]),
     acc = sum_k a[m, k] * w[n, k]
 
-Optional low-rank epilogue (LoRA residual, DESIGN.md 5): `xa` [M, R] = x @ down^T (activation dtype,
-the UNROTATED input) and `up_t` [R, N]; the tile's fp32 result is the accumulator of one more
+Optional low-rank epilogue (a LoRA residual y += (x @ down^T) @ up^T on the quantized linear): `xa`
+[M, R] = x @ down^T (activation dtype, the UNROTATED input; quantize_act computes it from its own read
+of x) and `up_t` [R, N]; the tile's fp32 result is the accumulator of one more
 tl.dot (R padded to a power of two >= 16, masked), so the branch costs no extra pass over y and
 the output is rounded once (the unfused path rounds y and the delta, then their sum).
 
@@ -20,8 +21,11 @@ The epilogue multiplies in the same order as the torch reference
 (`acc * xs * ws`, then `+ bias`, then the output cast), and the int32 accumulation
 is exact, so outputs match the reference to fp32 rounding of the scale products.
 
-Tiles: DESIGN.md 7 measured 256x128x128 / 128x256x128, 8 warps, 3 stages at 1.42-1.58x
-bf16 on the H200 at M=4608; smaller tiles cover M=256-ish calls. Autotune keys on
+Tiles: 256x128x128 / 128x256x128, 8 warps, 3 stages for M in the thousands (large tiles reuse
+each loaded operand tile across many outputs; the stage count from the H200 tile sweep in
+bench/results/lora_kernel_tune_h200.md); smaller tiles for M=256-ish calls, where large ones
+would leave SMs without a tile. Against bf16 on the H200: the GEMM column of
+bench/results/linear_speed_h200.md. Autotune keys on
 N, K and a bucketed M (so a new token count does not re-tune).
 """
 
@@ -46,9 +50,9 @@ def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -
     return triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": group_m}, num_warps=warps, num_stages=stages)
 
 
-# Short named list (Hopper): the two large tiles from DESIGN.md 7, two for small M / small N, and
-# 128x128x64 / 4 warps / 5 stages, which the H200 sweep found fastest WITH the low-rank epilogue
-# (bench/results/lora_kernel_tune_h200.md: 0.089 vs 0.095 ms at 4608 x 6144 -> 1536).
+# Short named list (Hopper): the two large tiles (module doc), two for small M / small N, and
+# 128x128x64 / 4 warps / 5 stages, which the H200 sweep found fastest WITH the low-rank epilogue at
+# the small-N shape 4608 x 6144 -> 1536 (timings: bench/results/lora_kernel_tune_h200.md, GEMM tiles).
 CONFIGS = {
     "256x128x128_w8_s3": _cfg(256, 128, 128, 8, 3),
     "128x256x128_w8_s3": _cfg(128, 256, 128, 8, 3),

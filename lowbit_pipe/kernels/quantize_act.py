@@ -6,9 +6,11 @@ Modes:
 - "int8": scale = max(amax, 1e-12) / 127, codes = clamp(rne(x / scale), +-127)   (reference.quantize_rows_int8)
 - "int4": scale = max(amax, 1e-10) / 7,   codes = clamp(rne(x / scale), +-7)     (reference.quantize_rows_int4)
 - "fp8":  scale = amax / 448 (1 where amax == 0), codes = e4m3(clamp(x * (1/scale), +-448))
-          (reference.fp8_quantize / positive_scale); or a static per-tensor `static_scale`.
+          (reference.fp8_quantize / positive_scale).
+Any mode takes a static per-tensor `static_scale` instead of the row amax: the same code rule with
+that one scale for every row (no amax pass at all).
 
-Rotation (`rot` = "convrot" / "quarot", group G): each program owns BLOCK_M rows and
+Rotation (`rot` = "convrot" / "quarot", group G): each program owns ROT_ROWS (16) rows and
 walks the row G columns at a time. Both kinds are Kronecker powers, so a group of
 G >= 256 rotates as H_16 kron H_{G/16} (two small dots on the [16, G/16] view of each
 row: 16x16 factors, ~18 KB of shared memory); smaller groups (quarot 128) use one dot
@@ -25,12 +27,22 @@ kernel's first pass) and xa (one tl.dot per chunk, fp32), each program a 64-row 
 K slice (the dot needs 16+ rows; every row block reads all of `down` from L2, so blocks are
 large and the slices widen the grid). Partial results go to per-slice slots, no atomics: the
 codes kernel reduces them in slice order (the same bits every run) and makes one pass over x.
-A first design put the dot into the codes kernel itself (16-row programs): 0.10 ms against
-0.033 + 0.016 ms for plain + cuBLAS at M=4608, K=6144 (90 launch shapes swept on the H200).
-This one breaks even with plain + cuBLAS at K=6144 and saves 8% at K=16384
+A first design put the dot into the codes kernel itself (16-row programs); it was slower than
+plain quantize + a cuBLAS x @ down^T, while this one breaks even at K=6144 and wins at K=16384
 (bench/results/lora_kernel_tune_h200.md): x comes from HBM twice either way (the plain kernel's
 second pass hits L2 because each program re-reads its own few rows at once; here the codes kernel
 runs after the whole slice kernel, and 56 MB of x does not stay in the 50 MB L2).
+
+Fused and plain give the same scales and codes bit for bit, by construction: the rotation is a
+dot whose fp32 sums depend on the tile's shape (the MMA instruction the compiler picks from the
+shape and warp count on the GPU, the BLAS kernel under the interpreter), so the row amax is
+computed by ONE function (`_row_amax`) on tiles of ROT_ROWS rows, with the same warp count, in
+both kernels: the slice kernel takes each 16-row sub-tile of its 64-row block out of registers
+(exactly: the sub-tile plus zeros) for the amax, and keeps the whole block for the xa dot, so x
+is still read once. Without rotation the amax is max |x|, exact in any chunking. The codes pass
+is the same kernel with the same tile in both paths. (Loading the sub-tiles again from memory
+instead needed more shared memory than the H200 has for fp32 x at the default 64-row block, and a
+separate amax loop after the xa loop ran slower for quarot.)
 
 Division is `div_rn` (Triton's `/` on fp32 is an approximate division on the GPU) and
 rounding is round-half-even through the 1.5*2^23 trick (torch.round's rule), so codes
@@ -105,7 +117,10 @@ def _rotated_chunk(x, h_ptr, hb_ptr, j, ROT: tl.constexpr, KRON_A: tl.constexpr,
 @triton.jit
 def _row_amax(x, h_ptr, hb_ptr, amax, ROT: tl.constexpr, KRON_A: tl.constexpr, H_SCALE: tl.constexpr,
               IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr):
-    """amax updated with the row-wise |max| of the rotated tile x [BLOCK_M, BLOCK_K]."""
+    """amax updated with the row-wise |max| of the rotated tile x [BLOCK_M, BLOCK_K]: the ONE place a
+    row amax is computed. Rotating, both kernels call it on [ROT_ROWS, G] tiles with the same
+    warps (the codes kernel's amax pass on its own rows, the slice kernel on each ROT_ROWS-row
+    sub-tile of its block), so a row's rotated values -- and its amax -- are the same bits in both."""
     for j in tl.static_range(BLOCK_K // HC):
         v = _rotated_chunk(x, h_ptr, hb_ptr, j, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
         amax = tl.maximum(amax, tl.max(tl.abs(v), axis=1))
@@ -116,12 +131,17 @@ def _row_amax(x, h_ptr, hb_ptr, amax, ROT: tl.constexpr, KRON_A: tl.constexpr, H
 def _amax_down_kernel(
     x_ptr, h_ptr, hb_ptr, down_ptr, amax_ptr, xa_ptr,
     M, K, SLICE, stride_xm, R, stride_dk, stride_dr,
-    ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, R_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr,
+    AMAX: tl.constexpr, ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, R_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr, ROT_ROWS: tl.constexpr,
 ):
-    # Program (row block, K slice): the slice's row amax (rotated x) and its partial x @ down^T
-    # (unrotated x, fp32), each written to its own slot [slice, row] -- no atomics, so the
-    # codes kernel reduces them in a fixed order and the result is the same every run.
+    # Program (row block, K slice): the slice's row amax (rotated x; AMAX=False with a static scale)
+    # and its partial x @ down^T (unrotated x, fp32), each written to its own slot [slice, row] -- no
+    # atomics, so the codes kernel reduces them in a fixed order and the result is the same every run.
+    # Rotating, the amax comes from `_row_amax` on each ROT_ROWS-row sub-tile of the loaded block (taken
+    # out of registers exactly: a sum of the sub-tile and zeros), the same call on the same tile shape
+    # as the codes kernel's amax pass: the rotation dot's fp32 sums depend on its shape, so equal
+    # shapes give equal bits. The xa dot keeps the whole block.
+    tl.static_assert(BLOCK_M % ROT_ROWS == 0)
     pid = tl.program_id(0)
     sl = tl.program_id(1)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -129,7 +149,8 @@ def _amax_down_kernel(
     offs_r = tl.arange(0, R_PAD)
     r_ok = rows < M
     x_row = x_ptr + rows[:, None] * stride_xm
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    sub = tl.arange(0, BLOCK_M // ROT_ROWS)
+    amax = tl.zeros((BLOCK_M // ROT_ROWS, ROT_ROWS), dtype=tl.float32)  # [sub-tile, row in it]
     xa = tl.zeros((BLOCK_M, R_PAD), dtype=tl.float32)
     for k0 in range(sl * SLICE, tl.minimum(sl * SLICE + SLICE, K), BLOCK_K):
         kk = k0 + cols
@@ -140,8 +161,19 @@ def _amax_down_kernel(
             xa = tl.dot(x, d, xa, input_precision="ieee")
         else:
             xa = tl.dot(x, d, xa)
-        amax = _row_amax(x, h_ptr, hb_ptr, amax, ROT, KRON_A, H_SCALE, IEEE, BLOCK_M, BLOCK_K, HC)
-    tl.store(amax_ptr + sl * M + rows, amax, mask=r_ok)
+        if AMAX:
+            if ROT:  # sub-tile t of the block, exactly (the other terms of the sum are zeros)
+                x3 = tl.reshape(x, (BLOCK_M // ROT_ROWS, ROT_ROWS, BLOCK_K))
+                for t in tl.static_range(BLOCK_M // ROT_ROWS):
+                    xt = tl.sum(tl.where(sub[:, None, None] == t, x3, 0.0), axis=0).to(x.dtype)
+                    a = _row_amax(xt, h_ptr, hb_ptr, tl.zeros((ROT_ROWS,), dtype=tl.float32), ROT, KRON_A,
+                                  H_SCALE, IEEE, ROT_ROWS, BLOCK_K, HC)
+                    amax = tl.maximum(amax, tl.where(sub[:, None] == t, a[None, :], 0.0))
+            else:  # max |x|: exact, so the chunking does not matter
+                amax = tl.maximum(amax, tl.reshape(tl.max(tl.abs(x.to(tl.float32)), axis=1),
+                                                   (BLOCK_M // ROT_ROWS, ROT_ROWS)))
+    if AMAX:
+        tl.store(amax_ptr + sl * M + rows, tl.reshape(amax, (BLOCK_M,)), mask=r_ok)
     tl.store(xa_ptr + (sl * M + rows)[:, None] * R_PAD + offs_r[None, :], xa, mask=r_ok[:, None])
 
 
@@ -151,13 +183,15 @@ def _quant_rows_kernel(
     M, K, stride_xm, stride_qm, R, stride_xam,
     QMAX: tl.constexpr, EPS: tl.constexpr, FP8: tl.constexpr, STATIC: tl.constexpr,
     ROT: tl.constexpr, H_SCALE: tl.constexpr, IEEE: tl.constexpr, PARTS: tl.constexpr, R_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, HC: tl.constexpr, KRON_A: tl.constexpr, ROT_ROWS: tl.constexpr,
 ):
     # BLOCK_K: the rotation group (ROT) or the column chunk; HC: output columns per step
     # (HC == BLOCK_K without rotation or with the Kronecker form). KRON_A > 0: rotate as
     # H_A kron H_B (h_ptr = H_A, hb_ptr = H_B, A * B = BLOCK_K); 0: one dot with H (h_ptr).
-    # PARTS > 0: `_amax_down_kernel` ran first; its PARTS slices give the amax (no amax pass
-    # over x here) and the LoRA xa, summed in slice order.
+    # Rotating, programs are ROT_ROWS rows (the amax pass is `_row_amax` on exactly the slice
+    # kernel's sub-tile shape). PARTS > 0: `_amax_down_kernel` ran first; its PARTS slices give the
+    # amax (no amax pass over x here) and the LoRA xa, summed in slice order.
+    tl.static_assert(not ROT or BLOCK_M == ROT_ROWS)
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_K)
@@ -170,7 +204,7 @@ def _quant_rows_kernel(
             xa += tl.load(xa_part_ptr + (sl * M + rows)[:, None] * R_PAD + offs_r[None, :], mask=r_ok[:, None], other=0.0)
         tl.store(xa_ptr + rows[:, None] * stride_xam + offs_r[None, :], xa.to(xa_ptr.dtype.element_ty),
                  mask=r_ok[:, None] & (offs_r[None, :] < R))
-    if STATIC:
+    if STATIC:  # one per-tensor scale for every row (fp8, int8, int4 alike); no amax
         scale = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(static_ptr)
     else:
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -203,6 +237,7 @@ def _quant_rows_kernel(
 
 
 KRON_OUTER = 16  # groups >= 256 rotate as H_16 kron H_{G/16} (both kinds are Kronecker powers)
+ROT_ROWS = 16  # rows of every rotated tile (the Hadamard dot needs 16): one shape for every kernel
 
 
 @functools.lru_cache(maxsize=32)
@@ -220,19 +255,28 @@ def clear_cache() -> None:
 
 
 def launch_config(k: int, rot: str, override: dict | None = None) -> dict:
-    """Launch shapes (H200 sweep, bench/results/lora_kernel_tune_h200.md).
+    """Launch shapes, from the H200 sweep in bench/results/lora_kernel_tune_h200.md (timings there).
 
-    Codes kernel: 2-row programs over 2048-column chunks, 8 warps (0.033 ms int8 / 0.024 ms fp8 at
-    4608 x 6144; 4-row, 4-warp programs took 0.042 / 0.036); 16 rows when rotating (the Hadamard
-    dot needs 16). LoRA slice kernel (DOWN_*): 64-row programs over 2048-column slices in 128-column
-    chunks (the dot wants 16+ rows, and every row block reads all of `down` from L2 once, so row
-    blocks are large and the slices give the grid its width). Slice + codes kernel, int8: 0.049 ms
-    at K=6144 (plain 0.033 + cuBLAS x @ down^T 0.016: even) and 0.131 at K=16384 (0.101 + 0.042)."""
-    cfg = {"BLOCK_M": 16 if rot != "none" else 2, "BLOCK_K": min(triton.next_power_of_2(k), 2048),
+    Codes kernel: 2-row programs over 2048-column chunks, 8 warps: the fastest of the 24 plain shapes
+    swept (more rows per program left too few programs per SM at M=4608). Rotating, programs are
+    ROT_ROWS (16) rows whatever `BLOCK_M` says, and the slice kernel runs with the codes kernel's
+    `num_warps` (its `down_warps` is for unrotated calls): the Hadamard dot needs 16 rows, and one
+    tile shape and warp count for every rotation dot -- the compiler picks the MMA instruction from
+    those -- keep the amax bit-equal with the LoRA slice kernel's. LoRA slice kernel
+    (DOWN_*): 64-row programs over 2048-column slices in 128-column chunks (the dot wants 16+ rows,
+    and every row block reads all of `down` from L2 once, so row blocks are large and the slices give
+    the grid its width); with the codes kernel after it, it breaks even with plain quantize + a cuBLAS
+    x @ down^T at K=6144 and is faster at K=16384 (same file)."""
+    cfg = {"BLOCK_M": ROT_ROWS if rot != "none" else 2, "BLOCK_K": min(triton.next_power_of_2(k), 2048),
            "num_warps": 4 if rot != "none" else 8,
            "DOWN_BLOCK_M": 64, "DOWN_BLOCK_K": 128, "DOWN_SLICE": 2048, "down_warps": 4, "down_stages": 3}
     cfg.update(override or {})
     return cfg
+
+
+# CPU tensors reach these kernels only under TRITON_INTERPRET (tests), which runs every program in
+# Python: 16-row codes programs there unless a config says otherwise (codes do not depend on it).
+INTERPRETER_CONFIG = {"BLOCK_M": 16}
 
 
 def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: int | None = None,
@@ -241,11 +285,13 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
     """x [M, K] (fp32/bf16/fp16) -> (codes [M, K] int8 or float8_e4m3fn, scale fp32 [M, 1]),
     plus xa = x @ down^T [M, R] in x's dtype when `down` [R, K] (R <= 128) is given.
 
-    `rot` rotates first (x @ H per group of `group`); `static_scale` (fp8 only) uses one
-    per-tensor scale instead of the per-token amax (the returned scale is then [M, 1] of it).
+    `rot` rotates first (x @ H per group of `group`). `static_scale` (one positive value, any mode)
+    uses one per-tensor scale s instead of the per-token amax: codes = clamp(rne(x_rot / s), +-qmax)
+    (int8 / int4) or e4m3(clamp(x_rot * (1/s), +-448)) (fp8); the returned scale is [M, 1] of it.
     With `down` (any strides; a transposed [K, R] copy reads in whole rows), a first kernel
     reads x once for both the row amax and the LoRA down projection, per K slice; the codes
-    kernel then needs one pass over x instead of two. Codes and scales equal the plain call's.
+    kernel then needs one pass over x instead of two. Codes and scales equal the plain call's
+    bit for bit: a row's amax comes from the same function on the same tile shape in both paths.
     `config` overrides `launch_config` (tests under the interpreter, the tuning bench).
     """
     if mode not in MODES:
@@ -254,8 +300,8 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
         raise ValueError(f"quantize_act: expected 2-D x, got {tuple(x.shape)}")
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"quantize_act: x must be fp32/bf16/fp16, got {x.dtype}")
-    if static_scale is not None and mode != "fp8":
-        raise ValueError("quantize_act: static_scale is for fp8 only")
+    if static_scale is not None and static_scale.numel() != 1:
+        raise ValueError(f"quantize_act: static_scale must hold one value, got {tuple(static_scale.shape)}")
     if rot not in ("none", "convrot", "quarot"):
         raise ValueError(f"quantize_act: rot must be none/convrot/quarot (hadanorm: rotate first), got '{rot}'")
     if x.stride(-1) != 1:
@@ -272,13 +318,13 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn if is_fp8 else torch.int8, device=x.device)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if static_scale is not None:
-        static = static_scale.float().reshape(1).contiguous()
+        static = static_scale.to(device=x.device, dtype=torch.float32).reshape(1).contiguous()
         scale.copy_(static.expand(m, 1))
     else:
         static = scale  # dummy pointer when STATIC=False
     if m == 0:
         return (q, scale) if down is None else (q, scale, xa)
-    cfg = launch_config(k, rot, config)
+    cfg = launch_config(k, rot, {**INTERPRETER_CONFIG, **(config or {})} if not x.is_cuda else config)
     if rot != "none":
         g = rotation.resolve_group(rot, group)
         if k % g:
@@ -292,25 +338,28 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: 
         else:  # small group (quarot 128: 32 KB in bf16): one dot, in 64-column slices
             kron_a, hc = 0, min(g, 64)
             h = hb = _unnormalized_hadamard(rot, g, x.dtype, x.device)
-        bm = max(cfg["BLOCK_M"], 16)  # the Hadamard dot needs 16 rows
+        bm = ROT_ROWS  # every rotated tile has ROT_ROWS rows (see _row_amax)
     else:
         h = hb = scale  # dummy pointers when ROT=False
         block_k, down_block_k, h_scale, kron_a = cfg["BLOCK_K"], cfg["DOWN_BLOCK_K"], 1.0, 0
         hc = block_k
         bm = cfg["BLOCK_M"]
     flags = {"ROT": rot != "none", "H_SCALE": h_scale, "IEEE": x.dtype == torch.float32, "KRON_A": kron_a,
-             "R_PAD": max(16, triton.next_power_of_2(r))}
+             "R_PAD": max(16, triton.next_power_of_2(r)), "ROT_ROWS": ROT_ROWS}
     parts, amax_part, xa_part = 0, scale, scale  # dummy pointers without down
     if down is not None:
-        dbm = max(cfg["DOWN_BLOCK_M"], 16)  # tl.dot needs 16 rows
+        dbm = cfg["DOWN_BLOCK_M"]
+        if dbm % ROT_ROWS or dbm & (dbm - 1):
+            raise ValueError(f"quantize_act: DOWN_BLOCK_M must be a power of two >= {ROT_ROWS}, got {dbm}")
         slice_k = triton.cdiv(cfg["DOWN_SLICE"], down_block_k) * down_block_k
         parts = triton.cdiv(k, slice_k)
-        amax_part = torch.empty((parts, m), dtype=torch.float32, device=x.device)
+        if static_scale is None:
+            amax_part = torch.empty((parts, m), dtype=torch.float32, device=x.device)
         xa_part = torch.empty((parts, m, flags["R_PAD"]), dtype=torch.float32, device=x.device)
         _amax_down_kernel[(triton.cdiv(m, dbm), parts)](
             x, h, hb, down, amax_part, xa_part, m, k, slice_k, x.stride(0), r, down.stride(1), down.stride(0),
-            BLOCK_M=dbm, BLOCK_K=down_block_k, HC=down_block_k if kron_a or rot == "none" else hc, **flags,
-            num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+            AMAX=static_scale is None, BLOCK_M=dbm, BLOCK_K=down_block_k, HC=hc if rot != "none" else down_block_k,
+            **flags, num_warps=cfg["num_warps"] if rot != "none" else cfg["down_warps"], num_stages=cfg["down_stages"])
     _quant_rows_kernel[(triton.cdiv(m, bm),)](
         x, h, hb, q, scale, static, amax_part, xa_part, xa if down is not None else scale,
         m, k, x.stride(0), q.stride(0), r, r,
@@ -352,16 +401,21 @@ def _(x, mode, rot, group, static_scale, down):
 
 def reference_quantize_act(x: torch.Tensor, mode: str = "int8", rot: str = "none", group: int | None = None,
                            static_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch oracle of `quantize_act` (the formats' own reference functions)."""
+    """Torch oracle of `quantize_act` (the formats' own reference functions; a static scale: one
+    scale s for every row, codes clamp(round(x_rot / s), +-qmax) for int8 / int4, fp8_quantize for fp8)."""
     from lowbit_pipe.kernels import reference
 
     v, _ = rotation.rotate_activation(x, rot, group)
+    if static_scale is not None:
+        s = static_scale.float().reshape(())
+        scale = s.expand(v.shape[0], 1).clone()
+        if mode == "fp8":
+            return reference.fp8_quantize(v, s), scale
+        qmax = MODES[mode][1]
+        return torch.clamp(torch.round(v / s), -qmax, qmax).to(torch.int8), scale
     if mode == "int8":
         return reference.quantize_rows_int8(v)
     if mode == "int4":
         return reference.quantize_rows_int4(v)
-    if static_scale is not None:
-        s = static_scale.float().reshape(())
-        return reference.fp8_quantize(v, s), s.expand(v.shape[0], 1).clone()
     s = reference.positive_scale(v.abs().amax(dim=-1, keepdim=True), reference.FP8_E4M3_MAX)
     return reference.fp8_quantize(v, s), s
