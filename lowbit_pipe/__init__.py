@@ -9,8 +9,7 @@ Public API (the CLI is a thin layer over it):
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from lowbit_pipe.api import export, quantize, run, teardown  # noqa: E402
+from lowbit_pipe.api import export, quantize, run, teardown
+from lowbit_pipe.version import __version__
 
 __all__ = ["__version__", "export", "quantize", "run", "teardown"]

@@ -6,16 +6,19 @@ import copy
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
-from lowbit_pipe.stages.load import build_tiny
+from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config as tiny_config
 
 
-def tiny_config(arch: str) -> dict:
-    from importlib.resources import files
+def has_module(name: str) -> bool:
+    """Whether `name` can be imported; False (not an error) when a parent package is missing, e.g.
+    `hydra_plugins.hydra_joblib_launcher` without any Hydra plugin installed."""
+    import importlib.util
 
-    data = OmegaConf.to_container(OmegaConf.load(files("lowbit_pipe.conf").joinpath(f"model/tiny_{arch}.yaml")))
-    return data["tiny_config"]
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 import warnings
-from importlib.resources import files
 
 import pytest
 import torch
@@ -13,9 +12,9 @@ from torch import nn
 
 import lowbit_pipe.arch as A
 from lowbit_pipe.arch.generic import Generic, arch_for_model, generic_policy
+from lowbit_pipe.paths import tiny_models
 
-TINY = sorted(p.name[len("tiny_"):-len(".yaml")] for p in files("lowbit_pipe.conf").joinpath("model").iterdir()
-              if p.name.startswith("tiny_") and p.name.endswith(".yaml"))
+TINY = sorted(name[len("tiny_"):] for name in tiny_models())
 # Converters without hard-coded real-size dims (FLUX.1 / Chroma's assume width 3072).
 GENERIC_CONVERTERS = {
     "krea2": "convert_krea2_transformer_checkpoint_to_diffusers",
@@ -27,7 +26,7 @@ GENERIC_CONVERTERS = {
 
 
 def load_yaml(aid: str) -> dict:
-    return yaml.safe_load(files("lowbit_pipe.conf").joinpath(f"model/tiny_{aid}.yaml").read_text())
+    return yaml.safe_load(tiny_models()[f"tiny_{aid}"].read_text())
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +38,7 @@ def tiny():
         for aid in TINY:
             data = load_yaml(aid)
             torch.manual_seed(data["seed"])
-            out[aid] = A.get_arch(data["arch"]).model_class()(**data["tiny_config"]).eval()
+            out[aid] = A.get_arch(data["tiny_arch"]).model_class()(**data["tiny_config"]).eval()
     return out
 
 
@@ -56,7 +55,9 @@ def test_every_arch_has_a_tiny_config():
     assert set(TINY) >= {"krea2", "flux1", "flux2", "qwen_image", "z_image", "sd3", "chroma", "wan"}
     for aid in TINY:
         data = load_yaml(aid)
-        assert data["arch"] == aid and set(data) == {"arch", "path", "seed", "dtype", "tiny_config"}
+        # A model group says which tiny model it is; it never sets model.arch (that forces a file's arch),
+        # model.dtype or model.device (a model passed in keeps its own).
+        assert data["tiny_arch"] == aid and set(data) == {"tiny_arch", "path", "seed", "tiny_config"}
 
 
 @pytest.mark.parametrize("aid", TINY)

@@ -14,21 +14,21 @@ def test_default_recipe_composes():
     r = compose_recipe("default")
     assert r.name == "default"
     assert r.quantize.default.format == "int8"
-    assert r.model.arch == "krea2"
+    assert r.model.tiny_arch == "krea2" and r.model.arch is None
     assert r.pipeline[0] == "load" and r.pipeline[-1] == "teardown"
 
 
 def test_packaged_recipes_pick_their_model():
-    assert compose_recipe("krea2_nvfp4").model.arch == "krea2"
+    assert compose_recipe("krea2_nvfp4").model.tiny_arch == "krea2"
     r = compose_recipe("krea2_nvfp4")
     assert (r.quantize.default.format, r.quantize.default.rotation, r.quantize.default.rotation_group) == ("nvfp4", "convrot", 256)
     assert r.quantize.sensitive.format == "int8"
-    assert compose_recipe("flux1_fp8").model.arch == "flux1"
+    assert compose_recipe("flux1_fp8").model.tiny_arch == "flux1"
 
 
 def test_override_and_model_group():
     r = compose_recipe("default", ["quantize.default.format=fp8", "model=tiny_flux1", "evaluate.samples=3"])
-    assert (r.quantize.default.format, r.model.arch, r.evaluate.samples) == ("fp8", "flux1", 3)
+    assert (r.quantize.default.format, r.model.tiny_arch, r.evaluate.samples) == ("fp8", "flux1", 3)
 
 
 @pytest.mark.parametrize("override, path", [
@@ -57,7 +57,7 @@ def test_recipe_file_and_dict(tmp_path):
     f = tmp_path / "mine.yaml"
     f.write_text("defaults:\n  - override /model: tiny_flux1\nname: mine\nquantize:\n  default:\n    format: fp8\n")
     r = compose_recipe(f, ["evaluate.samples=1"])
-    assert (r.name, r.model.arch, r.quantize.default.format, r.evaluate.samples) == ("mine", "flux1", "fp8", 1)
+    assert (r.name, r.model.tiny_arch, r.quantize.default.format, r.evaluate.samples) == ("mine", "flux1", "fp8", 1)
     # the command line wins over the file
     assert compose_recipe(f, ["quantize.default.format=int8"]).quantize.default.format == "int8"
     r = compose_recipe({"name": "d", "quantize": {"rules": [{"match": "re:transformer_blocks\\.0\\..*", "keep": True}]}})

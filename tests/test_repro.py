@@ -3,6 +3,8 @@ one process and across processes; `python -m lowbit_pipe recipe=<run dir>/recipe
 
 from __future__ import annotations
 
+import pytest
+
 import hashlib
 import json
 from pathlib import Path
@@ -36,6 +38,7 @@ def differing(x: dict, y: dict, prefix: str = "") -> list[str]:
     return [d for k in sorted(set(x) | set(y)) for d in differing(x.get(k), y.get(k), f"{prefix}.{k}" if prefix else k)]
 
 
+@pytest.mark.slow
 def test_same_recipe_same_figures_in_process_and_subprocess_and_rerun(tmp_path):
     name, overrides = OVERRIDES[0].split("=")[1], OVERRIDES[1:]
     a = lowbit_pipe.run(name, overrides, run_dir=tmp_path / "a")
@@ -57,11 +60,12 @@ def test_same_recipe_same_figures_in_process_and_subprocess_and_rerun(tmp_path):
 def test_rerun_of_a_non_default_model_replaces_the_model_group(tmp_path):
     """A run dir's recipe.yaml is complete: rerunning a FLUX.1 run must not merge in the default
     (Krea 2) model's tiny_config. Checked without running, through the same composition path."""
-    from hydra import compose, initialize_config_module
+    from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
     from lowbit_pipe.__main__ import recipe_file_args
     from lowbit_pipe.compose import compose_recipe, register_schema, to_recipe
+    from lowbit_pipe.paths import config_dir
 
     first = compose_recipe("flux1_fp8", ["evaluate.steps=3"])
     path = tmp_path / "recipe.yaml"
@@ -72,7 +76,7 @@ def test_rerun_of_a_non_default_model_replaces_the_model_group(tmp_path):
     register_schema()
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module="lowbit_pipe.conf", version_base=None):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             again = to_recipe(compose(config_name="config", overrides=args))
     finally:
         GlobalHydra.instance().clear()

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.arch.keymap import KeyMap
+from lowbit_pipe.arch.lora import resolve_lora_name
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,6 @@ class Arch(ABC):
 
     def lora_targets(self, name: str, config: ArchConfig | None = None) -> list[tuple[str, slice | None]]:
         """(diffusers module, output rows or None) for a LoRA module name in any common form; [] if unknown."""
-        from lowbit_pipe.arch.lora import resolve_lora_name
-
         return resolve_lora_name(self, name, config)
 
     def lora_target(self, name: str, config: ArchConfig | None = None) -> str | None:

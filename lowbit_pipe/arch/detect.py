@@ -16,7 +16,8 @@ import torch
 from lowbit_pipe.errors import FormatError, LowbitError
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "model.", "net.")
-# Tensors a quantized layer stores beside `weight` / `bias` (ComfyUI layouts; see DESIGN.md section 4).
+# Tensors a quantized layer stores beside `weight` / `bias`: those of the ComfyUI layouts in docs/formats.md,
+# plus side-tensor names other quantizers write.
 QUANT_AUX = ("comfy_quant", "weight_scale", "weight_scale_2", "input_scale", "weight_s_rel", "weight_s_channel",
              "weight_codebook", "weight_correction", "weight_zero", "scale_weight", "scale_input", "weight_global_scale")
 # Values per stored byte along in_features for packed formats, when `formats` does not know the format.
@@ -54,7 +55,7 @@ def records_from_state_dict(state: Mapping[str, Any]) -> dict[str, dict]:
 
 
 def packed_logical_shape(shape: tuple[int, ...], record: Mapping[str, Any]) -> tuple[int, int]:
-    """Fallback (out, in) of a packed weight from the DESIGN.md packing rules.
+    """Fallback (out, in) of a packed weight whose format `formats` does not know (packing: docs/formats.md).
 
     An explicit `shape` / `orig_shape` / `logical_shape` in the record wins: a padded
     nvfp4 weight (K rounded up) cannot be unpadded from its shape alone.
@@ -109,7 +110,7 @@ def detect_state_dict(state: Mapping[str, Any], records: Mapping[str, Mapping] |
     `records`: `.comfy_quant` records by layer name, for shape-only maps of quantized files (a
     state dict of tensors carries its own). Raises UnknownArchError when nothing matches.
     """
-    from lowbit_pipe.arch import ARCHS
+    from lowbit_pipe.arch.registry import ARCHS
 
     stripped, prefix = strip_prefix(state)
     shapes = logical_shapes(stripped, _strip_records(records, prefix))

@@ -87,6 +87,6 @@ class Generic(Arch):
 
 def arch_for_model(model: nn.Module) -> Arch:
     """The registered arch of a live module, else a `Generic` one (with a warning); never raises."""
-    from lowbit_pipe.arch import detect_model
+    from lowbit_pipe.arch.registry import detect_model
 
     return detect_model(model) or Generic.for_model(model)

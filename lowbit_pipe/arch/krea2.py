@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch import register
+from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
 from lowbit_pipe.arch.keymap import KeyMap, Rename, block_renames
 

@@ -33,11 +33,9 @@ def _templatize(name: str) -> str:
 
 
 @lru_cache(maxsize=None)
-def _kohya_table(arch_id: str) -> tuple[tuple[re.Pattern, str, str], ...]:
-    """(underscore regex, dotted template, layout) for every Linear module in diffusers and native names."""
-    from lowbit_pipe.arch import get_arch
-
-    arch = get_arch(arch_id)
+def _kohya_table(arch: Arch) -> tuple[tuple[re.Pattern, str, str], ...]:
+    """(underscore regex, dotted template, layout) for every Linear module in diffusers and native names
+    (cached per Arch: the registry's instances live as long as the process)."""
     names = arch.linear_names
     hidden = arch.config_from_dict({**arch.default_kwargs(), **arch.lora_template_kwargs()}).hidden_size
     rows: list[tuple[re.Pattern, str, str]] = []
@@ -80,7 +78,7 @@ def resolve_lora_name(arch: Arch, key: str, config: ArchConfig | None = None) ->
     name, kohya = strip_lora_prefixes(lora_module_name(key))
     diff_set = arch.linear_names_set
     if kohya:
-        for rx, template, layout in _kohya_table(arch.id):
+        for rx, template, layout in _kohya_table(arch):
             m = rx.fullmatch(name)
             if m:
                 name = _fill(template, m.groups())

@@ -7,7 +7,7 @@ least squared error through the int8 grid.
 
 from __future__ import annotations
 
-from lowbit_pipe.formats import register
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.w4a8 import W4A8
 
 

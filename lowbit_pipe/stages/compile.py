@@ -37,7 +37,7 @@ from torch import nn
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import CompileConfig
-from lowbit_pipe.stages import register
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 
 MODES = ("regional", "full")  # recipe.validate checks compile.mode against these

@@ -23,7 +23,7 @@ import torch
 
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import TeardownReport
-from lowbit_pipe.stages import register
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 
 

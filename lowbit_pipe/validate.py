@@ -1,0 +1,158 @@
+"""Recipe checks that need the registries (formats, rotations, stages, architectures) or value ranges.
+
+Composition (lowbit_pipe.compose) refuses unknown keys and wrong types; `validate()` refuses
+what types cannot say. Every error is a RecipeError naming the recipe path at fault. Nothing
+here reads weights or touches the filesystem (that is lowbit_pipe.preflight).
+"""
+
+from __future__ import annotations
+
+import re
+
+from lowbit_pipe.errors import RecipeError
+from lowbit_pipe.recipe import DTYPES, EvaluateConfig, FormatChoice, LayerRule, Recipe
+
+# The GPU kernels rotate with tl.dot, which needs 16 or more columns per group.
+MIN_ROTATION_GROUP = 16
+OBJECTIVES = ("psnr_db", "cosine", "sqnr_min_db", "rel_error", "trajectory_min_cosine")
+
+
+def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
+    from lowbit_pipe.formats import FORMATS, FormatSpec
+    from lowbit_pipe.formats.base import ACTIVATION_MODES, GRANULARITIES, ROTATIONS
+
+    if choice.format is not None and choice.format not in FORMATS:
+        raise RecipeError(f"{path}.format", f"unknown format '{choice.format}' (known: {', '.join(sorted(FORMATS))})")
+    if choice.rotation is not None and choice.rotation not in ROTATIONS:
+        raise RecipeError(f"{path}.rotation", f"unknown rotation '{choice.rotation}' (known: {', '.join(ROTATIONS)})")
+    if choice.granularity is not None and choice.granularity not in GRANULARITIES:
+        raise RecipeError(f"{path}.granularity", f"must be one of {list(GRANULARITIES)}, got '{choice.granularity}'")
+    if choice.activations is not None and choice.activations not in ACTIVATION_MODES:
+        raise RecipeError(f"{path}.activations", f"must be one of {list(ACTIVATION_MODES)}, got '{choice.activations}'")
+    group = choice.rotation_group
+    if group is not None and (group <= 0 or group & (group - 1)):
+        raise RecipeError(f"{path}.rotation_group", f"must be a power of two, got {group}")
+    if group is not None and group < MIN_ROTATION_GROUP:
+        raise RecipeError(f"{path}.rotation_group", f"must be at least {MIN_ROTATION_GROUP} (the GPU kernels rotate "
+                                                    f"with tensor-core dots of 16+ columns), got {group}")
+    if isinstance(choice, FormatChoice):
+        try:
+            FORMATS[choice.format].check_spec(FormatSpec(choice.format, choice.rotation, choice.rotation_group,
+                                                          choice.granularity, choice.activations))
+        except ValueError as err:
+            raise RecipeError(path, str(err)) from None
+
+
+def check_pattern(path: str, pattern: str) -> None:
+    if pattern.startswith("re:"):
+        try:
+            re.compile(pattern[3:])
+        except re.error as err:
+            raise RecipeError(path, f"invalid regex '{pattern[3:]}': {err}") from None
+
+
+def check_evaluate(cfg: EvaluateConfig) -> None:
+    for key in ("samples", "batch", "image_tokens", "text_tokens", "steps", "latency_iters"):
+        if getattr(cfg, key) < 1:
+            raise RecipeError(f"evaluate.{key}", "must be >= 1")
+    if cfg.trajectory_seeds < 0:
+        raise RecipeError("evaluate.trajectory_seeds", "must be >= 0")
+    if cfg.images and cfg.trajectory_seeds < 1:
+        raise RecipeError("evaluate.images", "needs evaluate.trajectory_seeds >= 1 (images decode the trajectories)")
+    if not -1.0 <= cfg.diverge_cosine <= 1.0:
+        raise RecipeError("evaluate.diverge_cosine", f"must be in [-1, 1], got {cfg.diverge_cosine}")
+    if cfg.objective not in OBJECTIVES:
+        raise RecipeError("evaluate.objective", f"must be one of {list(OBJECTIVES)}, got '{cfg.objective}'")
+    if cfg.budget_bytes is not None and cfg.budget_bytes <= 0:
+        raise RecipeError("evaluate.budget_bytes", "must be > 0")
+
+
+def _check_pipeline(recipe: Recipe) -> None:
+    from lowbit_pipe.stages import STAGES
+
+    for i, name in enumerate(recipe.pipeline):
+        if name not in STAGES:
+            raise RecipeError(f"pipeline[{i}]", f"unknown stage '{name}' (known: {', '.join(STAGES)})")
+    if len(set(recipe.pipeline)) != len(recipe.pipeline):
+        raise RecipeError("pipeline", f"a stage is listed twice: {recipe.pipeline}")
+    order = [n for n in ("load", "detect", "quantize") if n in recipe.pipeline]
+    if order != [n for n in recipe.pipeline if n in ("load", "detect", "quantize")]:
+        raise RecipeError("pipeline", "load, detect and quantize must run in that order")
+    if recipe.pipeline and recipe.pipeline[0] != "load":
+        raise RecipeError("pipeline[0]", f"the first stage must be 'load', got '{recipe.pipeline[0]}'")
+    if "teardown" in recipe.pipeline and recipe.pipeline[-1] != "teardown":
+        raise RecipeError("pipeline", "'teardown' must be the last stage")
+    if "lora" in recipe.pipeline and "quantize" in recipe.pipeline and \
+            recipe.pipeline.index("lora") < recipe.pipeline.index("quantize"):
+        raise RecipeError("pipeline", "'lora' must come after 'quantize' (branches attach to quantized layers)")
+
+
+def _check_model(recipe: Recipe) -> None:
+    from lowbit_pipe.arch import ARCHS
+
+    m = recipe.model
+    if m.dtype is not None and m.dtype not in DTYPES:
+        raise RecipeError("model.dtype", f"must be one of {list(DTYPES)}, got '{m.dtype}'")
+    if m.device is not None and not re.fullmatch(r"cpu|auto|cuda(:\d+)?", m.device):
+        raise RecipeError("model.device", f"must be cpu, cuda, cuda:N or auto, got '{m.device}'")
+    for key in ("arch", "tiny_arch"):
+        value = getattr(m, key)
+        if value is not None and value not in ARCHS and not (key == "arch" and value == "generic"):
+            raise RecipeError(f"model.{key}", f"unknown arch '{value}' (known: {', '.join(sorted(ARCHS))}"
+                                              f"{', generic' if key == 'arch' else ''})")
+    if m.path is None and m.arch is not None and m.tiny_arch is not None and m.arch != m.tiny_arch:
+        raise RecipeError("model.arch", f"'{m.arch}' does not match the embedded tiny model ({m.tiny_arch}); "
+                                        f"pick it with model=tiny_{m.arch}")
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Checks types cannot express; raises RecipeError naming the path."""
+    _check_pipeline(recipe)
+    _check_model(recipe)
+    if recipe.export.dtype not in DTYPES + ("auto",):
+        raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{recipe.export.dtype}'")
+    if recipe.export.layout not in ("comfy", "diffusers"):
+        raise RecipeError("export.layout", f"must be 'comfy' or 'diffusers', got '{recipe.export.layout}'")
+    if recipe.export.shard_bytes is not None and recipe.export.shard_bytes < 1 << 20:
+        raise RecipeError("export.shard_bytes", "must be at least 1 MiB (or null for one file)")
+    if recipe.export.residual_lora not in ("separate", "error"):
+        raise RecipeError("export.residual_lora", f"must be 'separate' or 'error', got '{recipe.export.residual_lora}'")
+    if "compile" in recipe.pipeline:
+        from lowbit_pipe.stages.compile import MODES as COMPILE_MODES
+
+        if recipe.compile.mode not in COMPILE_MODES:
+            raise RecipeError("compile.mode", f"must be one of {list(COMPILE_MODES)}, got '{recipe.compile.mode}'")
+        import torch._dynamo
+
+        backends = torch._dynamo.list_backends(exclude_tags=())
+        if recipe.compile.backend not in backends:
+            raise RecipeError("compile.backend", f"unknown backend '{recipe.compile.backend}' (known: {', '.join(backends)})")
+    from lowbit_pipe.stages.lora import MODES as LORA_MODES
+
+    if recipe.lora.mode not in LORA_MODES:
+        raise RecipeError("lora.mode", f"must be one of {list(LORA_MODES)}, got '{recipe.lora.mode}'")
+    q = recipe.quantize
+    if q.originals not in ("keep", "cpu", "drop"):
+        raise RecipeError("quantize.originals", f"must be keep, cpu or drop, got '{q.originals}'")
+    check_choice("quantize.default", q.default)
+    if q.sensitive is not None:
+        check_choice("quantize.sensitive", q.sensitive)
+    if q.fallback is not None:
+        check_choice("quantize.fallback", q.fallback)
+    for i, rule in enumerate(q.rules):
+        check_pattern(f"quantize.rules[{i}].match", rule.match)
+        check_choice(f"quantize.rules[{i}]", rule)
+    if q.budget_bytes is not None and q.budget_ratio is not None:
+        raise RecipeError("quantize.budget_ratio", "set budget_bytes or budget_ratio, not both")
+    if q.budget_bytes is not None and q.budget_bytes <= 0:
+        raise RecipeError("quantize.budget_bytes", "must be > 0")
+    if q.budget_ratio is not None and not 0 < q.budget_ratio <= 1:
+        raise RecipeError("quantize.budget_ratio", f"must be in (0, 1], got {q.budget_ratio}")
+    if q.calibration_samples < 1:
+        raise RecipeError("quantize.calibration_samples", "must be >= 1")
+    for i, choice in enumerate(q.budget_candidates):
+        check_choice(f"quantize.budget_candidates[{i}]", choice)
+    for i, pattern in enumerate(q.keep):
+        check_pattern(f"quantize.keep[{i}]", pattern)
+    check_evaluate(recipe.evaluate)
+    return recipe
