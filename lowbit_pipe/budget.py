@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.formats import FormatSpec, encode_record, get_format
+from lowbit_pipe.kernels import rotation
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan
@@ -67,8 +68,12 @@ def capture_inputs(model: nn.Module, names: list[str], rows: int, seed: int) -> 
 def _layer_error(linear: nn.Linear, spec: FormatSpec, x: torch.Tensor) -> tuple[float, int]:
     fmt = get_format(spec.format)
     w = linear.weight.detach()
-    q = fmt.quantize(w, spec)
     x = x.to(w.device, torch.float32)
+    amax = None
+    if spec.activations == "static":  # the scale a static layer would get from these calibration rows
+        kind, group = fmt.input_rotation(spec, x.shape[-1])
+        amax = float(rotation.rotate_activation(x, kind, group or None)[0].abs().amax())
+    q = fmt.with_activations(fmt.quantize(w, spec), spec.activations, amax)
     ref = x @ w.float().t()
     out = fmt.linear(x, q, None).float()
     record_bytes = encode_record(q.record).numel()  # the `.comfy_quant` buffer is stored too

@@ -31,10 +31,13 @@ class QuantLinear(nn.Module):
             self.register_parameter("bias", None)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, spec: FormatSpec) -> QuantLinear:
+    def from_linear(cls, linear: nn.Linear, spec: FormatSpec, input_amax: float | None = None,
+                    where: str = "") -> QuantLinear:
+        """Quantize `linear` per `spec`; `input_amax` (of the rotated input) is needed for static activations."""
         fmt = get_format(spec.format)
         with torch.no_grad():
-            qweight = fmt.quantize(linear.weight.detach(), spec)
+            qweight = fmt.with_activations(fmt.quantize(linear.weight.detach(), spec), spec.activations, input_amax,
+                                           where)
         return cls(qweight, linear.bias)
 
     @property

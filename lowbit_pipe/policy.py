@@ -24,6 +24,8 @@ class LayerPlan:
     shape: tuple[int, int]  # (out_features, in_features)
     spec: FormatSpec | None  # None: stays float
     reason: str
+    unfit: str | None = None  # why the format first chosen could not store this layer (then float or fallback)
+    unrotated: bool = False  # the spec's rotation does not fit in_features: quantized unrotated
 
     @property
     def quantized(self) -> bool:
@@ -38,8 +40,22 @@ def _spec(choice: FormatChoice, rule: LayerRule | None = None) -> FormatSpec:
     return FormatSpec(pick("format"), pick("rotation"), pick("rotation_group"), pick("granularity"), pick("activations"))
 
 
+def rotation_note(spec: FormatSpec, in_features: int) -> str:
+    """Why a layer's rotation is not applied ("" when it is, or none was asked for)."""
+    if spec.rotation == "none" or spec.format in ("convrot_w4a4", "w4a8", "w6a8"):
+        return ""
+    from lowbit_pipe.kernels.rotation import resolve_group
+
+    group = resolve_group(spec.rotation, spec.rotation_group)
+    if in_features % group:
+        return f"; {spec.rotation} skipped: in_features {in_features} is not a multiple of its group {group}"
+    return ""
+
+
 def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy: LayerPolicy) -> list[LayerPlan]:
-    """Decide every Linear's fate: recipe rules, then recipe keep list, then arch keep-float, then sensitive, then default."""
+    """Decide every Linear's fate: recipe rules, then recipe keep list, then arch keep-float, then sensitive,
+    then default. A format that cannot store a layer's shape hands it to `quantize.fallback` (or it stays
+    float); either way the reason names the problem."""
     plans = []
     for name, shape in linears.items():
         spec, reason = None, ""
@@ -56,7 +72,25 @@ def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy
                 spec, reason = _spec(cfg.sensitive), "arch sensitive"
             else:
                 spec, reason = _spec(cfg.default), "default"
-        if spec is not None and not get_format(spec.format).supports_shape(*shape):
-            spec, reason = None, f"{spec.format} cannot store shape {shape[0]}x{shape[1]}"
-        plans.append(LayerPlan(name, shape, spec, reason))
+        problem = get_format(spec.format).shape_problem(*shape) if spec is not None else None
+        if problem is not None:
+            fallback = _spec(cfg.fallback) if cfg.fallback is not None else None
+            if fallback is not None and get_format(fallback.format).supports_shape(*shape):
+                spec, reason = fallback, f"quantize.fallback: {spec.format} cannot store it ({problem})"
+            else:
+                spec, reason = None, f"{spec.format} cannot store it ({problem})"
+        note = rotation_note(spec, shape[1]) if spec is not None else ""
+        plans.append(LayerPlan(name, shape, spec, reason + note, unfit=problem, unrotated=bool(note)))
     return plans
+
+
+def unfit(plans: list[LayerPlan]) -> dict[str, list[str]]:
+    """Layers the asked format could not take, by outcome: "float" (stayed float), "fallback" (another
+    format), "unrotated" (quantized without its rotation)."""
+    out: dict[str, list[str]] = {"float": [], "fallback": [], "unrotated": []}
+    for p in plans:
+        if p.unfit is not None:
+            out["float" if p.spec is None else "fallback"].append(p.name)
+        if p.unrotated:
+            out["unrotated"].append(p.name)
+    return out

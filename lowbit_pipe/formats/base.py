@@ -14,12 +14,21 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
+from torch.nn import functional as F
 
 from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats.common import spec_rotation
+from lowbit_pipe.kernels.reference import low_rank_delta, positive_scale
 
 ROTATIONS = ("none", "convrot", "quarot", "hadanorm")
+# What a quantized layer does with its input: "dynamic" quantizes it per token (per tensor for nvfp4)
+# at run time; "static" with one calibrated per-tensor scale, stored as the layer's `input_scale`;
+# "none" not at all (weight-only: the dequantized weight times the input, in the input's dtype).
 ACTIVATION_MODES = ("dynamic", "static", "none")
 GRANULARITIES = ("row", "tensor")
+# The record key stock ComfyUI reads for weight-only layers (it then dequantizes the weight and
+# runs the matmul in the compute dtype): how activations "none" is stored.
+WEIGHT_ONLY_KEY = "full_precision_matrix_mult"
 
 
 @dataclass(frozen=True)
@@ -73,8 +82,9 @@ class Format(ABC):
     comfy_name: ClassVar[str]  # the "format" string in `.comfy_quant`
     bits_per_weight: ClassVar[float]  # storage cost including scales, for planning
     rotations: ClassVar[tuple[str, ...]] = ("none",)  # rotations this format can carry
-    weight_only_on_cpu: ClassVar[bool] = False  # CPU reference skips activation quantization
     fused_lora_on_cuda: ClassVar[bool] = False  # `linear(..., lora=(down, up))` fuses the LoRA branch on CUDA
+    act_qmax: ClassVar[float]  # activation code range: a static input_scale is input amax / act_qmax
+    stock_input_scale: ClassVar[bool] = False  # stock ComfyUI reads `input_scale` for this format
 
     @abstractmethod
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
@@ -99,14 +109,62 @@ class Format(ABC):
         """Raise ValueError if this format cannot honour `spec` (checked at recipe validation)."""
         if spec.rotation not in self.rotations:
             raise ValueError(f"format '{self.name}' does not support rotation '{spec.rotation}' (supports {list(self.rotations)})")
+        if spec.activations not in ACTIVATION_MODES:
+            raise ValueError(f"format '{self.name}': activations must be one of {list(ACTIVATION_MODES)}, "
+                             f"got '{spec.activations}'")
+
+    # ---- activations ------------------------------------------------------------------------
+    def activation_mode(self, q: QuantizedWeight) -> str:
+        """"none" (the record's weight-only key), "static" (an input_scale is stored) or "dynamic"."""
+        if q.record.get(WEIGHT_ONLY_KEY):
+            return "none"
+        return "static" if "input_scale" in q.tensors else "dynamic"
+
+    def input_rotation(self, spec: FormatSpec, in_features: int) -> tuple[str, int]:
+        """(kind, group) the layer applies to its input before quantizing it: a static input_scale is
+        calibrated on the input after this rotation."""
+        return spec_rotation(spec, in_features)
+
+    def with_activations(self, q: QuantizedWeight, mode: str, input_amax: float | torch.Tensor | None = None,
+                         where: str = "") -> QuantizedWeight:
+        """`q` set up for activation `mode`: "none" writes the weight-only record key, "static" stores
+        input_scale = input_amax / act_qmax (`input_amax`: of the rotated input), "dynamic" neither."""
+        record = {k: v for k, v in q.record.items() if k != WEIGHT_ONLY_KEY}
+        tensors = {k: v for k, v in q.tensors.items() if k != "input_scale"}
+        if mode == "none":
+            record[WEIGHT_ONLY_KEY] = True
+        elif mode == "static":
+            if input_amax is None:
+                raise FormatError(f"{where or self.name}: static activations need the calibrated input amax")
+            amax = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
+            tensors["input_scale"] = positive_scale(amax, self.act_qmax)
+        elif mode != "dynamic":
+            raise FormatError(f"{where or self.name}: unknown activation mode '{mode}' (known: {list(ACTIVATION_MODES)})")
+        return QuantizedWeight(q.format, q.shape, tensors, record)
+
+    def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
+        """Static activations: input_scale = input_amax / act_qmax (amax of the ROTATED input if rotated)."""
+        return self.with_activations(q, "static", input_amax)
+
+    def weight_only_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
+                           lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Activations "none": x @ dequantize(W)^T in x's dtype (what stock ComfyUI computes for a
+        weight-only layer), on any device; a LoRA branch is added after."""
+        w = self.dequantize(q).to(device=x.device, dtype=x.dtype)
+        y = F.linear(x, w, bias.to(x.dtype) if bias is not None else None)
+        return y + low_rank_delta(x, *lora) if lora is not None else y
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
         """Logical (out, in) of a layer from its stored `weight` shape (packed formats override)."""
         return (int(weight_shape[0]), int(weight_shape[1]))
 
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        """Why a layer of this shape cannot be stored in this format, or None when it can."""
+        return None
+
     def supports_shape(self, out_features: int, in_features: int) -> bool:
-        """Whether a layer of this shape can be stored in this format (else it stays float)."""
-        return True
+        """Whether a layer of this shape can be stored in this format (else it stays float or falls back)."""
+        return self.shape_problem(out_features, in_features) is None
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
         """Bytes the stored tensors of one layer take (formats override with the exact count)."""

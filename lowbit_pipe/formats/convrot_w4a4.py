@@ -7,7 +7,9 @@ Tensors (comfy-kitchen `TensorCoreConvRotW4A4Layout`):
 Record: {"format": "convrot_w4a4", "convrot_groupsize": 256}. The rotation is part
 of the format (ConvRot group 256, K % 256 == 0 required, which also satisfies
 ComfyUI's fixed quant_group_size 64). Activations: x @ H per group, then dynamic
-per-token int4 with the same rule. Bit-exact with comfy-kitchen for fp32 input.
+per-token int4 with the same rule (bit-exact with comfy-kitchen for fp32 input); or
+static (a calibrated per-tensor `input_scale`, ours: stock ComfyUI ignores it); or none
+(weight-only, the record's stock `full_precision_matrix_mult`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats import common
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
@@ -30,14 +33,20 @@ class ConvRotW4A4(Format):
     comfy_name = "convrot_w4a4"
     bits_per_weight = 4.0
     rotations = ("convrot", "none")  # "none" in a spec means "the format's own ConvRot"
+    act_qmax = float(reference.INT4_MAX)
 
     def check_spec(self, spec: FormatSpec) -> None:
         super().check_spec(spec)
         if spec.rotation_group not in (None, GROUP):
             raise ValueError(f"convrot_w4a4: rotation_group must be {GROUP} (ComfyUI's loader), got {spec.rotation_group}")
 
-    def supports_shape(self, out_features: int, in_features: int) -> bool:
-        return in_features % GROUP == 0
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if in_features % GROUP:
+            return f"in_features {in_features} is not a multiple of the ConvRot group {GROUP}"
+        return None
+
+    def input_rotation(self, spec: FormatSpec, in_features: int) -> tuple[str, int]:
+        return "convrot", GROUP
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec, generator: torch.Generator | None = None) -> QuantizedWeight:
         w = common.check_finite_weight(weight)
@@ -65,11 +74,14 @@ class ConvRotW4A4(Format):
         return rotation.unrotate_weight(w_rot, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.activation_mode(q) == "none":
+            return self.weight_only_linear(x, q, bias)
+        group, static = int(q.record.get("convrot_groupsize", GROUP)), q.tensors.get("input_scale")
         if dispatch.int8_supported(x, "convrot"):  # GPU: Triton int4 quant (+ConvRot), GEMM unpacks int4
-            return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, "convrot",
-                                        int(q.record.get("convrot_groupsize", GROUP)), int4=True)
-        x_rot, _ = rotation.rotate_activation(x, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
-        y = reference.int4_linear(x_rot, self.codes(q), q.tensors["weight_scale"])
+            return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, "convrot", group,
+                                        int4=True, input_scale=static)
+        x_rot, _ = rotation.rotate_activation(x, "convrot", group)
+        y = reference.int4_linear(x_rot, self.codes(q), q.tensors["weight_scale"], static)
         return common.out_dtype_result(y, bias, x.dtype)
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
@@ -77,7 +89,7 @@ class ConvRotW4A4(Format):
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name
-        common.check_no_unknown(tensors, ("weight", "weight_scale"), where, fmt)
+        common.check_no_unknown(tensors, ("weight", "weight_scale", "input_scale"), where, fmt)
         w = common.require(tensors, "weight", where, fmt)
         s = common.require(tensors, "weight_scale", where, fmt)
         common.check_dtype(w, "weight", where, (torch.int8, torch.uint8))
@@ -95,7 +107,8 @@ class ConvRotW4A4(Format):
         if s.numel() != n or s.dim() not in (1, 2) or (s.dim() == 2 and s.shape[1] != 1):
             raise FormatError(f"{where}.weight_scale: shape {tuple(s.shape)}, expected [{n}] (one per row)")
         common.check_finite_scale(s, "weight_scale", where)
-        tensors_out = {"weight": w.view(torch.int8), "weight_scale": s.float().reshape(n)}
+        tensors_out = {"weight": w.view(torch.int8), "weight_scale": s.float().reshape(n),
+                       **common.optional_input_scale(tensors, where)}
         return QuantizedWeight(self.name, (n, k), tensors_out, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:

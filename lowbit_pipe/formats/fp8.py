@@ -12,7 +12,8 @@ rotation (quarot / hadanorm / convrot) is ours only: the record gets
 `lowbit_*` markers.
 
 Activations (reference `linear`): static per-tensor x * (1/input_scale) when
-input_scale is stored, else dynamic per-token scale amax_row / 448.
+input_scale is stored, weight-only when the record has `full_precision_matrix_mult`,
+else dynamic per-token scale amax_row / 448.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from typing import Any
 import torch
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats import common
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
@@ -46,6 +48,8 @@ class FP8(Format):
     bits_per_weight = 8.0
     fused_lora_on_cuda = True
     rotations = ("none", "convrot", "quarot", "hadanorm")
+    act_qmax = reference.FP8_E4M3_MAX
+    stock_input_scale = True
 
     def check_spec(self, spec: FormatSpec) -> None:
         super().check_spec(spec)
@@ -65,12 +69,6 @@ class FP8(Format):
         record = common.rotation_record({"format": self.comfy_name}, self.name, kind, group, stock_convrot=False)
         return QuantizedWeight(self.name, (n, k), {"weight": q, "weight_scale": scale}, record)
 
-    def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
-        """Static activations: store input_scale = amax / 448 (amax of the ROTATED input if rotated)."""
-        amax = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
-        tensors = dict(q.tensors, input_scale=reference.positive_scale(amax, reference.FP8_E4M3_MAX))
-        return QuantizedWeight(q.format, q.shape, tensors, dict(q.record))
-
     def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         w_rot = q.tensors["weight"].float() * q.tensors["weight_scale"].float()
         kind, group = common.record_rotation(q.record, q.format)
@@ -81,6 +79,8 @@ class FP8(Format):
         """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (on Hopper the
         fp8 GEMM's initial accumulator, else an in-place addmm_ into cuBLAS's output); on the CPU
         added after the reference as (x @ down^T) @ up^T."""
+        if self.activation_mode(q) == "none":
+            return self.weight_only_linear(x, q, bias, lora)
         kind, group = common.record_rotation(q.record, q.format)
         if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + fp8 GEMM
             down, up = lora if lora is not None else (None, None)

@@ -1,5 +1,7 @@
-"""int8_tensorwise: int8 weight, fp32 per-row [N, 1] or per-tensor scalar scale;
-dynamic per-token int8 activations.
+"""int8_tensorwise: int8 weight, fp32 per-row [N, 1] or per-tensor scalar scale; int8 activations,
+dynamic per token (scale amax_row / 127), static (a calibrated per-tensor `input_scale`, ours: stock
+ComfyUI ignores it and quantizes per token) or none (weight-only, the record's stock
+`full_precision_matrix_mult`).
 
 Quantization is comfy-kitchen's: scale = max(amax / 127, 1e-30), codes =
 clamp(round_half_even(w / scale), -128, 127) (never below -127 in practice).
@@ -17,7 +19,8 @@ from typing import Any
 import torch
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats import common
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
@@ -44,6 +47,7 @@ class Int8(Format):
     bits_per_weight = 8.0
     fused_lora_on_cuda = True
     rotations = ("none", "convrot", "quarot", "hadanorm")
+    act_qmax = 127.0
 
     def check_spec(self, spec: FormatSpec) -> None:
         super().check_spec(spec)
@@ -69,24 +73,25 @@ class Int8(Format):
                lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (GEMM epilogue);
         elsewhere added after the reference as (x @ down^T) @ up^T."""
+        if self.activation_mode(q) == "none":
+            return self.weight_only_linear(x, q, bias, lora)
         kind, group = common.record_rotation(q.record, q.format)
+        static = q.tensors.get("input_scale")
         if dispatch.int8_supported(x, kind):  # GPU: Triton quant (+rotation) and INT8 GEMM
             down, up = lora if lora is not None else (None, None)
             return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, kind, group,
-                                        lora_down=down, lora_up=up)
+                                        lora_down=down, lora_up=up, input_scale=static)
         if lora is not None:
             return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
-        if kind == "none":
-            return reference.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
-        y = reference.int8_linear_fp32(x_rot, q.tensors["weight"], q.tensors["weight_scale"])
+        y = reference.int8_linear_fp32(x_rot, q.tensors["weight"], q.tensors["weight_scale"], static)
         if mu is not None:
             y = y + rotation.mean_correction(mu, self.dequantize(q), group)
         return common.out_dtype_result(y, bias, x.dtype)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name
-        common.check_no_unknown(tensors, ("weight", "weight_scale"), where, fmt)
+        common.check_no_unknown(tensors, ("weight", "weight_scale", "input_scale"), where, fmt)
         w = common.require(tensors, "weight", where, fmt)
         s = common.require(tensors, "weight_scale", where, fmt)
         common.check_dtype(w, "weight", where, (torch.int8,))
@@ -95,7 +100,8 @@ class Int8(Format):
         common.check_dtype(s, "weight_scale", where, (torch.float32, torch.bfloat16, torch.float16))
         s = common.scalar_or_row_scale(s, w.shape[0], "weight_scale", where)
         common.check_rotation_fits(record, w.shape[1], where)
-        return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), {"weight": w, "weight_scale": s}, dict(record))
+        out = {"weight": w, "weight_scale": s, **common.optional_input_scale(tensors, where)}
+        return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
         per_row = spec is None or spec.granularity == "row"

@@ -29,7 +29,8 @@ from typing import Any
 import torch
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats import common
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
@@ -46,12 +47,15 @@ class NVFP4(Format):
     comfy_name = "nvfp4"
     bits_per_weight = 4.5
     rotations = ("none", "convrot", "quarot", "hadanorm")
-    weight_only_on_cpu = True
+    act_qmax = GLOBAL_DIV  # a static input_scale is the activations' NVFP4 global scale
+    stock_input_scale = True
 
-    def supports_shape(self, out_features: int, in_features: int) -> bool:
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
         # Padding works in our reference and in comfy-kitchen's fast path, but ComfyUI's
         # dequantize fallback returns the padded shape, so only unpadded layers are safe.
-        return out_features % 16 == 0 and in_features % 16 == 0
+        if out_features % 16 or in_features % 16:
+            return f"{out_features}x{in_features} is not a multiple of 16 on both sides (NVFP4 blocks of 16)"
+        return None
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
         w = common.check_finite_weight(weight)
@@ -72,12 +76,6 @@ class NVFP4(Format):
         tensors = {"weight": packed, "weight_scale": swizzled, "weight_scale_2": global_scale}
         return QuantizedWeight(self.name, (n, k), tensors, record)
 
-    def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
-        """Static activations: input_scale = amax / (6*448) (amax of the ROTATED input if rotated)."""
-        amax = torch.as_tensor(input_amax, dtype=torch.float32).reshape(())
-        tensors = dict(q.tensors, input_scale=reference.positive_scale(amax, GLOBAL_DIV))
-        return QuantizedWeight(q.format, q.shape, tensors, dict(q.record))
-
     def _dequantize_rotated(self, q: QuantizedWeight) -> torch.Tensor:
         """fp32 [N, K] in the stored (rotated) basis, padding cropped."""
         packed = q.tensors["weight"]
@@ -93,11 +91,10 @@ class NVFP4(Format):
         return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """Weight-only on CPU (dequantize, matmul in fp32); elsewhere NVFP4 activations are
-        emulated too (dynamic per-tensor global scale, or the stored input_scale)."""
-        if x.device.type == "cpu":
-            y = x.float() @ self.dequantize(q).t()
-            return common.out_dtype_result(y, bias, x.dtype)
+        """NVFP4 activations emulated (dynamic per-tensor global scale, or the stored input_scale),
+        or weight-only (record `full_precision_matrix_mult`): the same math on every device."""
+        if self.activation_mode(q) == "none":
+            return self.weight_only_linear(x, q, bias)
         kind, group = common.record_rotation(q.record, q.format)
         if dispatch.nvfp4_supported(x, kind):  # GPU: Triton act emulation + register-decoded NVFP4 GEMM
             t = q.tensors

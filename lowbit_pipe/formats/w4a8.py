@@ -39,7 +39,8 @@ from typing import Any, ClassVar
 import torch
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats import common, register
+from lowbit_pipe.formats import common
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
@@ -188,14 +189,20 @@ class W4A8(Format):
     bits_per_weight = 4.5
     bits: ClassVar[int] = 4
     rotations = ("convrot", "none")  # "none" in a spec means "the format's own ConvRot"
+    act_qmax = 127.0
 
     def check_spec(self, spec: FormatSpec) -> None:
         super().check_spec(spec)
         if spec.rotation_group not in (None, CONVROT_GROUP):
             raise ValueError(f"{self.name}: rotation_group must be {CONVROT_GROUP}, got {spec.rotation_group}")
 
-    def supports_shape(self, out_features: int, in_features: int) -> bool:
-        return in_features % CONVROT_GROUP == 0
+    def shape_problem(self, out_features: int, in_features: int) -> str | None:
+        if in_features % CONVROT_GROUP:
+            return f"in_features {in_features} is not a multiple of the ConvRot group {CONVROT_GROUP}"
+        return None
+
+    def input_rotation(self, spec: FormatSpec, in_features: int) -> tuple[str, int]:
+        return "convrot", CONVROT_GROUP
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
         w = common.check_finite_weight(weight)
@@ -230,15 +237,19 @@ class W4A8(Format):
         return rotation.unrotate_weight(self._rotated(q), "convrot", self._geometry(q)[3])
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.activation_mode(q) == "none":
+            return self.weight_only_linear(x, q, bias)
         k, bits, group_size, cgroup = self._geometry(q)
         if "weight_correction" in q.tensors:  # asymmetric: comfy-kitchen runs it as a float linear
             y = x.float() @ self.dequantize(q).t()
             return common.out_dtype_result(y, bias, x.dtype)
         w8 = decode_int8_grid(q.tensors, k, bits, group_size)
+        static = q.tensors.get("input_scale")
         if dispatch.int8_supported(x, "convrot"):  # GPU: int8 path on the per-call decoded int8 grid
-            return dispatch.int8_linear(x, w8, q.tensors["weight_s_channel"], bias, "convrot", cgroup)
+            return dispatch.int8_linear(x, w8, q.tensors["weight_s_channel"], bias, "convrot", cgroup,
+                                        input_scale=static)
         x_rot, _ = rotation.rotate_activation(x, "convrot", cgroup)
-        y = reference.int8_linear_fp32(x_rot, w8, q.tensors["weight_s_channel"])
+        y = reference.int8_linear_fp32(x_rot, w8, q.tensors["weight_s_channel"], static)
         return common.out_dtype_result(y, bias, x.dtype)
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
@@ -247,7 +258,7 @@ class W4A8(Format):
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name
-        keys = ("weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction")
+        keys = ("weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction", "input_scale")
         common.check_no_unknown(tensors, keys, where, fmt)
         w = common.require(tensors, "weight", where, fmt)
         s_rel = common.require(tensors, "weight_s_rel", where, fmt)
@@ -293,6 +304,7 @@ class W4A8(Format):
             common.check_shape(corr, "weight_correction", where, (k // group_size, n), "[groups, out]")
             common.check_finite_scale(corr, "weight_correction", where)
             out["weight_correction"] = corr
+        out.update(common.optional_input_scale(tensors, where))
         return QuantizedWeight("w4a8" if bits == 4 else "w6a8", (n, k), out, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:

@@ -17,12 +17,14 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 |                                       | decodes e2m1/e4m3 in registers, bf16 tensor cores                |
 | hadanorm rotation (any format)        | torch reference (its mean correction needs the whole weight)    |
 
+Activations: "dynamic" and "static" (one calibrated `input_scale` for every row) run the paths
+above (the quantize kernel takes the static scale); "none" (weight-only) never reaches this
+module: Format.weight_only_linear dequantizes and calls F.linear, the same on every device.
 No module state, no environment switches: each call decides from its arguments.
 
 LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
 `int8_linear` / `fp8_linear` add `(x @ down^T) @ up^T` (x unrotated) inside the linear. A branch
-must read x once more (56 MB at M=4608, K=6144: 17 us as its own cuBLAS call on the H200), so
-xa = x @ down^T rides the quantize's read of x: one kernel reads x for the row amax and the down
+must read x once more (as large as the layer's whole input), so xa = x @ down^T rides the quantize's read of x: one kernel reads x for the row amax and the down
 projection together (per K slice), and the codes kernel then needs one pass over x, not two
 (quantize_act with `down`). int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
 cast). fp8 on Hopper: the Triton fp8 GEMM starts its accumulator at xa @ up^T (in the
@@ -41,8 +43,8 @@ from lowbit_pipe.kernels import rotation
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FUSED_ROTATIONS = ("none", "convrot", "quarot")
 # cuBLASLt fp8 (torch._scaled_mm): K and N must be multiples of 16. Very short M (the
-# time-embedding linears, M = batch) crashed cuBLAS in DESIGN.md 7's runs: those go to the
-# reference, which costs nothing at that size.
+# time-embedding linears, M = batch) crashed cuBLAS on the H200 (torchao fp8-row on every
+# Linear of Krea 2): those go to the reference, which costs nothing at that size.
 FP8_MIN_M = 16
 
 
@@ -92,8 +94,10 @@ FUSED_DOWN_MAX_R = 128
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                 rot: str = "none", group: int | None = None, int4: bool = False,
-                lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None) -> torch.Tensor:
-    """y = quant(rotate(x)) @ w^T with per-token activation scales; returns x.dtype [..., N].
+                lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
+                input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """y = quant(rotate(x)) @ w^T with per-token activation scales (or one static `input_scale`);
+    returns x.dtype [..., N].
 
     int4=False: int8 activations, w int8 [N, K]; int4=True: int4 activations (+-7), w packed
     int4 [N, K/2] (low nibble first), both through the same int8 tensor-core GEMM.
@@ -107,10 +111,10 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     mode = "int4" if int4 else "int8"
     pair = _lora_pair(x, lora_down, lora_up)
     if pair is None:
-        q, s = quantize_act_op(x2, mode, rot, g, None)
+        q, s = quantize_act_op(x2, mode, rot, g, input_scale)
         y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0)
     else:  # xa = x @ down^T (unrotated x) from the quantize's read of x; xa @ up^T in the GEMM epilogue
-        q, s, xa = _quantize_with_down(x2, mode, rot, g, None, pair[0])
+        q, s, xa = _quantize_with_down(x2, mode, rot, g, input_scale, pair[0])
         y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0, xa, pair[1].t())
     return y.reshape(*x.shape[:-1], y.shape[-1])
 

@@ -6,28 +6,21 @@ import torch
 from torch.nn import functional as F
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token (per-row) symmetric int8: returns (codes int8, scale fp32 [rows, 1])."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
-    scale = amax / 127.0
-    codes = torch.clamp(torch.round(x.float() / scale), -127, 127).to(torch.int8)
-    return codes, scale
+def quantize_rows_int(x: torch.Tensor, qmax: float, eps: float,
+                      static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric integer codes in [-qmax, qmax]: per row (scale max(amax, eps) / qmax), or with one
+    static per-tensor scale. Returns (codes int8, scale fp32 [rows, 1])."""
+    xf = x.float()
+    if static is not None:
+        scale = static.float().reshape(1, 1).expand(xf.shape[0], 1).clone()
+    else:
+        scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(eps) / qmax
+    return torch.clamp(torch.round(xf / scale), -qmax, qmax).to(torch.int8), scale
 
 
-def int8_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """W8A8: dynamic per-token int8 activations times int8 weight, int32-exact accumulate in fp64-free math.
-
-    Products of int8 codes summed in float32 are exact while |sum| < 2^24, which
-    holds for K <= 1040 worst case; beyond that we accumulate in int64 on CPU.
-    """
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    xq, xs = quantize_rows_int8(x2)
-    acc = (xq.to(torch.int64) @ w_codes.to(torch.int64).t()).to(torch.float32)
-    y = acc * xs * w_scale.reshape(1, -1) if w_scale.numel() > 1 else acc * xs * w_scale
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).reshape(*shape[:-1], w_codes.shape[0])
+def quantize_rows_int8(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token (per-row) symmetric int8, or a static per-tensor scale: (codes int8, scale fp32 [rows, 1])."""
+    return quantize_rows_int(x, 127.0, 1e-12, static)
 
 
 # ---------------------------------------------------------------------------
@@ -167,33 +160,36 @@ def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor | None = None) 
 INT4_MAX = 7
 
 
-def quantize_rows_int4(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric int4 in [-7, 7] (comfy-kitchen's): scale = max(amax, 1e-10) / 7.
-
-    Returns (codes int8 [rows, K], scale fp32 [rows, 1]).
-    """
-    amax = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-10)
-    scale = amax / INT4_MAX
-    codes = torch.round(x.float() / scale).clamp(-INT4_MAX, INT4_MAX).to(torch.int8)
-    return codes, scale
+def quantize_rows_int4(x: torch.Tensor, static: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int4 in [-7, 7] (comfy-kitchen's: scale = max(amax, 1e-10) / 7), or a static
+    per-tensor scale. Returns (codes int8 [rows, K], scale fp32 [rows, 1])."""
+    return quantize_rows_int(x, float(INT4_MAX), 1e-10, static)
 
 
-def int4_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """W4A4: x [..., K] (already rotated) with dynamic per-token int4, times int4 codes [N, K]
-    (unpacked, int8 storage) with per-row scale; exact integer accumulate; fp32 [..., N]."""
-    shape = x.shape
-    xq, xs = quantize_rows_int4(x.reshape(-1, shape[-1]))
-    acc = (xq.to(torch.int64) @ w_codes.to(torch.int64).t()).to(torch.float32)
-    return (acc * xs * w_scale.float().reshape(1, -1)).reshape(*shape[:-1], w_codes.shape[0])
-
-
-def int8_linear_fp32(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
-    """`int8_linear` without bias or output cast: x [..., K] (already rotated) -> fp32 [..., N]."""
-    shape = x.shape
-    xq, xs = quantize_rows_int8(x.reshape(-1, shape[-1]))
+def int_linear_fp32(xq: torch.Tensor, xs: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Integer codes [M, K] (scales [M, 1]) times integer weight codes [N, K] (scale scalar, [N] or [N, 1]):
+    exact integer accumulation (int64 on the CPU), then the scales in fp32: [M, N]."""
     acc = (xq.to(torch.int64) @ w_codes.to(torch.int64).t()).to(torch.float32)
     ws = w_scale.float().reshape(1, -1) if w_scale.numel() > 1 else w_scale.float().reshape(())
-    return (acc * xs * ws).reshape(*shape[:-1], w_codes.shape[0])
+    return acc * xs * ws
+
+
+def int4_linear(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+                static: torch.Tensor | None = None) -> torch.Tensor:
+    """W4A4: x [..., K] (already rotated) with per-token (or static) int4, times int4 codes [N, K]
+    (unpacked, int8 storage) with per-row scale; exact integer accumulate; fp32 [..., N]."""
+    shape = x.shape
+    xq, xs = quantize_rows_int4(x.reshape(-1, shape[-1]), static)
+    return int_linear_fp32(xq, xs, w_codes, w_scale).reshape(*shape[:-1], w_codes.shape[0])
+
+
+def int8_linear_fp32(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tensor,
+                     static: torch.Tensor | None = None) -> torch.Tensor:
+    """W8A8: x [..., K] (already rotated) with per-token (or static) int8, times int8 codes [N, K];
+    no bias, no output cast: fp32 [..., N]."""
+    shape = x.shape
+    xq, xs = quantize_rows_int8(x.reshape(-1, shape[-1]), static)
+    return int_linear_fp32(xq, xs, w_codes, w_scale).reshape(*shape[:-1], w_codes.shape[0])
 
 
 def low_rank_delta(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
