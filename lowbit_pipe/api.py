@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from omegaconf import OmegaConf
 from torch import nn
@@ -13,7 +13,8 @@ from torch import nn
 from lowbit_pipe.arch import detect_model
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.recipe import QuantizeConfig, Recipe, validate
+from lowbit_pipe.recipe import QuantizeConfig, Recipe
+from lowbit_pipe.validate import validate
 from lowbit_pipe.runner import RunResult, Runner
 
 
@@ -22,21 +23,29 @@ def run(recipe: str | Path | dict | None = "default", overrides: list[str] | tup
     """Run a recipe (packaged name, YAML path or dict) with CLI-style overrides.
 
     `model`: a diffusers model or pipeline, or an nn.Module, used instead of `model.path`; the caller keeps
-    ownership (teardown restores it rather than dropping it). Raises StageError on failure (the run dir still
+    ownership (teardown restores it rather than dropping it) and its device and dtype (unless model.device /
+    model.dtype say otherwise; a move is undone by teardown). Raises RecipeError before any work for a bad
+    recipe or inputs that cannot work (no run dir is made), StageError when a stage fails (the run dir then
     holds report.json with status "failed").
     """
     from lowbit_pipe.compose import compose_recipe
+    from lowbit_pipe.preflight import preflight
 
     rec = compose_recipe(recipe, list(overrides))
+    preflight(rec, model_given=model is not None)
     run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{time.time_ns() % 10**9}"
     return Runner(rec, run_dir, model=model).run()
 
 
-def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledger: Ledger | None = None) -> dict[str, Any]:
+def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledger: Ledger | None = None,
+             calibrate: Callable[[], None] | None = None) -> dict[str, Any]:
     """Quantize `module` in place per a `quantize:` config (dict or QuantizeConfig); no recipe, no run dir.
 
-    Pass a Ledger to be able to undo it (`ledger.unwind()`); returns the counts and bytes.
+    Pass a Ledger to be able to undo it (`ledger.unwind()`); returns the counts and bytes. `calibrate`:
+    a function that runs `module` on representative inputs, needed by layers with activations=static
+    (their input_scale is the amax of the input it sees, after the layer's rotation).
     """
+    from lowbit_pipe.calibration import static_input_amax
     from lowbit_pipe.compose import register_schema
     from lowbit_pipe.policy import plan_layers
     from lowbit_pipe.arch import generic_policy
@@ -57,8 +66,13 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     plans = plan_layers(linear_shapes(module), config, policy)
     # Layers ComfyUI's native layout fuses (FLUX qkv, linear1) are quantized as one weight, so export is exact.
     groups = native_groups(arch, arch.config_from_model(module), plans) if arch else []
+    if calibrate is None and any(p.spec is not None and p.spec.activations == "static" for p in plans):
+        first = next(p.name for p in plans if p.spec is not None and p.spec.activations == "static")
+        raise ValueError(f"layer '{first}' asks for activations=static: pass calibrate= (a function that runs the "
+                         "module on representative inputs) so its input_scale can be measured")
+    amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
     return quantize_module(module, plans, ledger if ledger is not None else Ledger(), originals=config.originals,
-                           fused=groups)
+                           fused=groups, input_amax=amax)
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,

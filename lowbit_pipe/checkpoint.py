@@ -42,9 +42,12 @@ def read_header(path: str | Path) -> Header:
             if len(head) < 8:
                 raise CheckpointError(path, f"truncated: {size} bytes, not even a header length")
             (n,) = struct.unpack("<Q", head)
+            first = f.read(1)
+            if first != b"{":  # a safetensors header is a JSON object right after its 8-byte length
+                raise CheckpointError(path, "not a safetensors file (no JSON header after the 8-byte length)")
             if n > size - 8:
                 raise CheckpointError(path, f"truncated or corrupt: header claims {n} bytes, file has {size - 8} after the length")
-            raw = f.read(n)
+            raw = first + f.read(n - 1)
     except OSError as err:
         raise CheckpointError(path, f"cannot read: {err.strerror}") from err
     try:
@@ -84,6 +87,29 @@ def load_tensors(path: str | Path, keys: list[str] | None = None) -> dict[str, t
     return out
 
 
+def _umask() -> int:
+    """The process umask, read without changing it where Linux shows it (else set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _publish(tmp: Path, path: Path) -> None:
+    """Give a finished temp file the permissions a new file gets (safetensors creates it 0600), fsync it,
+    rename it into place."""
+    os.chmod(tmp, 0o666 & ~_umask())
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
                 *, inputs: tuple[str | Path, ...] = ()) -> int:
     """Write `path` via a temp file + rename; never overwrites one of `inputs`. Returns bytes written."""
@@ -95,9 +121,7 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _publish(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -119,7 +143,19 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         tmp.write_text(text)
-        os.replace(tmp, path)
+        _publish(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def shard_files(path: str) -> list[str]:
+    """The files of a (possibly sharded) export: a .safetensors file, or an index .json naming shards."""
+    if not path.endswith(".json"):
+        return [path]
+    try:
+        index = json.loads(Path(path).read_text())
+        files = sorted(set(index["weight_map"].values()))
+    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        raise CheckpointError(path, f"not a valid safetensors index ({err})") from err
+    return [str(Path(path).parent / f) for f in files]

@@ -1,27 +1,104 @@
-"""Compose a Recipe from the packaged configs plus overrides, with one-line errors naming the key path."""
+"""Compose a Recipe from the packaged configs plus overrides, with one-line errors naming the key path.
+
+Sources, in Hydra's search path: the primary config folder `conf/` (config.yaml, the `model/` and
+`hydra/` groups) and the packaged recipes of `recipes/`, served as the `recipe=` group from Hydra's
+ConfigStore (they live in their own top-level folder, not inside `conf/`). A team adds its own recipe
+folder with Hydra's search path: `hydra.searchpath=[file:///team/conf]` finds `/team/conf/recipe/*.yaml`
+as more `recipe=` options; or it passes a file: `recipe=/team/mine.yaml`.
+"""
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
-from hydra import compose, initialize_config_module
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
-from hydra.errors import HydraException
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.recipe import Recipe, validate
+from lowbit_pipe.paths import config_dir, packaged_recipes
+from lowbit_pipe.recipe import Recipe
+from lowbit_pipe.validate import validate
 
-CONFIG_MODULE = "lowbit_pipe.conf"
 CONFIG_NAME = "config"
+FILE_RECIPE = "_lowbit_file"  # group option a recipe file or dict is served under
+
+
+def _yaml(path: Path, source: str) -> dict[str, Any]:
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
+    except Exception as err:  # YAML parse errors: name the file, in one line
+        raise RecipeError(source, f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise RecipeError(source, f"a recipe is a mapping of stage keys, got {type(data).__name__}")
+    return data
+
+
+def _store_recipe(name: str, data: dict[str, Any], source: str) -> None:
+    """Serve a recipe mapping as the `recipe=<name>` option (package _global_: its keys are top-level)."""
+    data = dict(data)
+    defaults = list(data.pop("defaults", None) or [])
+    for item in defaults:
+        ok = item == "_self_" or isinstance(item, str) or (
+            isinstance(item, dict) and len(item) == 1 and next(iter(item)).startswith("override /"))
+        if not ok:
+            raise RecipeError(f"{source}: defaults", "entries are another recipe's name or "
+                                                     f"'override /<group>: <name>', got {item!r}")
+    defaults = [d for d in defaults if d != "_self_"] + ["_self_"]
+    ConfigStore.instance().store(group="recipe", name=name, node={"defaults": defaults, **data}, package="_global_")
 
 
 def register_schema() -> None:
-    """Register the Recipe dataclass as the schema node `lowbit_schema` (idempotent)."""
+    """Register the Recipe schema (`lowbit_schema`), the help template and every packaged recipe (idempotent)."""
+    from lowbit_pipe.help import register_help
+
     ConfigStore.instance().store(name="lowbit_schema", node=Recipe)
+    register_help()
+    for name, path in packaged_recipes().items():
+        _store_recipe(name, _yaml(path, str(path)), str(path))
+
+
+def register_recipe(data: dict[str, Any], source: str) -> str:
+    """Serve a recipe file's (or dict's) content as the `recipe=` option FILE_RECIPE; returns that override.
+
+    A complete recipe (a run dir's recipe.yaml: its `model:` has `tiny_config`) also replaces the model
+    group, so nothing of the packaged default model is merged into it and a rerun is exact. Command-line
+    overrides still apply on top.
+    """
+    data = dict(data)
+    defaults = list(data.pop("defaults", None) or [])
+    model = data.get("model")
+    if isinstance(model, dict) and "tiny_config" in model:
+        ConfigStore.instance().store(group="model", name=FILE_RECIPE, node=data.pop("model"))
+        defaults = [d for d in defaults if not (isinstance(d, dict) and "override /model" in d)]
+        defaults.append({"override /model": FILE_RECIPE})
+    _store_recipe(FILE_RECIPE, {"defaults": defaults, **data}, source)
+    return f"recipe={FILE_RECIPE}"
+
+
+def load_recipe_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError("recipe", f"no recipe file at {path}")
+    return _yaml(path, str(path))
+
+
+def _is_file_recipe(value: str) -> bool:
+    return value.endswith((".yaml", ".yml")) or Path(value).is_file()
+
+
+def recipe_file_args(args: list[str]) -> list[str]:
+    """CLI: `recipe=<path.yaml>` -> `recipe=_lowbit_file` with the file registered (see register_recipe)."""
+    out = []
+    for arg in args:
+        key, _, value = arg.partition("=")
+        out.append(register_recipe(load_recipe_file(value), value) if key == "recipe" and _is_file_recipe(value) else arg)
+    return out
 
 
 def _full_key(err: BaseException) -> str | None:
@@ -35,6 +112,11 @@ def _full_key(err: BaseException) -> str | None:
 
 def _one_line(err: BaseException) -> RecipeError:
     """Hydra/OmegaConf errors span lines; keep the key path and the first sentence."""
+    missing = getattr(err, "missing_cfg_file", None) or ""
+    if isinstance(err, MissingConfigException) and missing.startswith("recipe/"):
+        name = missing.rsplit("/", 1)[-1]
+        known = sorted(o for o in (err.options or []) if o != FILE_RECIPE) or sorted(packaged_recipes())
+        return RecipeError("recipe", f"unknown recipe '{name}' (known: {', '.join(known)}; or a .yaml file path)")
     key = _full_key(err)
     cause = err
     while cause.__cause__ is not None:
@@ -64,63 +146,14 @@ def to_recipe(cfg: DictConfig) -> Recipe:
     return validate(recipe)
 
 
-FILE_RECIPE = "_lowbit_file"  # group option a recipe file or dict is served under
-
-
-def register_recipe(data: dict[str, Any], source: str) -> str:
-    """Serve a recipe file's (or dict's) content as the `recipe=` option FILE_RECIPE; returns that override.
-
-    Hydra groups take names, not paths, so the content goes into Hydra's ConfigStore (seen by compose,
-    hydra.main and in-process launchers). A complete recipe (a run dir's recipe.yaml: its `model:` has
-    `tiny_config`) also replaces the model group, so nothing of the packaged default model is merged
-    into it and a rerun is exact. Command-line overrides still apply on top.
-    """
-    data = dict(data)
-    defaults = list(data.pop("defaults", None) or [])
-    for item in defaults:
-        ok = item == "_self_" or (isinstance(item, dict) and len(item) == 1 and next(iter(item)).startswith("override /"))
-        if not ok:
-            raise RecipeError(f"{source}: defaults", f"only 'override /<group>: <name>' entries are supported, got {item!r}")
-    store = ConfigStore.instance()
-    model = data.get("model")
-    if isinstance(model, dict) and "tiny_config" in model:
-        store.store(group="model", name=FILE_RECIPE, node=data.pop("model"))
-        defaults = [d for d in defaults if not (isinstance(d, dict) and "override /model" in d)]
-        defaults.append({"override /model": FILE_RECIPE})
-    defaults = [d for d in defaults if d != "_self_"] + ["_self_"]
-    store.store(group="recipe", name=FILE_RECIPE, node={"defaults": defaults, **data}, package="_global_")
-    return f"recipe={FILE_RECIPE}"
-
-
-def load_recipe_file(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
-    if not path.is_file():
-        raise RecipeError("recipe", f"no recipe file at {path}")
-    try:
-        return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
-    except Exception as err:  # YAML parse errors: name the file, in one line
-        raise RecipeError(str(path), f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
-
-
-def recipe_file_args(args: list[str]) -> list[str]:
-    """CLI: `recipe=<path.yaml>` -> `recipe=_lowbit_file` with the file registered (see register_recipe)."""
-    out = []
-    for arg in args:
-        key, _, value = arg.partition("=")
-        if key == "recipe" and (value.endswith((".yaml", ".yml")) or Path(value).is_file()):
-            out.append(register_recipe(load_recipe_file(value), value))
-        else:
-            out.append(arg)
-    return out
-
-
 def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Recipe by packaged name ("krea2_nvfp4"), YAML path, or dict, then CLI-style overrides."""
+    """Recipe by packaged name ("krea2_nvfp4"), YAML path, or dict, then CLI-style overrides
+    (`hydra.searchpath=[...]` adds a team's recipe folder)."""
     register_schema()
     overrides = list(overrides)
     if isinstance(recipe, dict):
         choice = register_recipe(recipe, "<dict recipe>")
-    elif recipe is not None and (str(recipe).endswith((".yaml", ".yml")) or Path(str(recipe)).is_file()):
+    elif recipe is not None and _is_file_recipe(str(recipe)):
         choice = register_recipe(load_recipe_file(recipe), str(recipe))
     else:
         choice = f"recipe={recipe or 'default'}"
@@ -128,7 +161,7 @@ def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list
         overrides = [choice] + overrides
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_module(config_module=CONFIG_MODULE, version_base=None):
+        with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
     except (HydraException, OmegaConfBaseException) as err:
         raise _one_line(err) from None
@@ -137,11 +170,25 @@ def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list
     return to_recipe(cfg)
 
 
-def check_cli(args: list[str]) -> None:
-    """Validate CLI overrides before Hydra runs anything: each sweep value is checked too."""
+def split_cli(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    """Hydra's own argument parser: (its flags, the overrides). Two-word flags (`--cfg job`, `-cn x`,
+    `--info config`) keep their values out of the overrides."""
+    from hydra._internal.utils import get_args_parser
+
+    try:
+        flags = get_args_parser().parse_args(args)
+    except SystemExit:
+        raise RecipeError("<command line>", f"cannot parse the arguments {args}") from None
+    return flags, list(flags.overrides)
+
+
+def cli_recipes(overrides: list[str]) -> list[Recipe]:
+    """Every recipe a command line asks for, composed and validated before Hydra runs anything: each sweep
+    value once, the other sweeps at their first value (enough to catch any bad value)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    plain = [a for a in args if not a.startswith("-") and not a.split("=", 1)[0].lstrip("+~").startswith("hydra")]
+    hydra_args = [a for a in overrides if a.split("=", 1)[0].lstrip("+~").startswith("hydra.searchpath")]
+    plain = [a for a in overrides if not a.split("=", 1)[0].lstrip("+~").startswith("hydra")]
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
     except HydraException as err:
@@ -149,16 +196,15 @@ def check_cli(args: list[str]) -> None:
     fixed, sweeps = [], []
     for o in parsed:
         if o.is_sweep_override():
-            values = list(o.sweep_string_iterator())
-            sweeps.append([f"{o.get_key_element()}={v}" for v in values])
+            sweeps.append([f"{o.get_key_element()}={v}" for v in o.sweep_string_iterator()])
         else:
             fixed.append(o.input_line)
     recipe = next((o.split("=", 1)[1] for o in fixed if o.split("=", 1)[0] == "recipe"), "default")
-    rest = [o for o in fixed if o.split("=", 1)[0] != "recipe"]
-    # Every sweep value once, the others at their first value: enough to catch any bad value.
+    rest = [o for o in fixed if o.split("=", 1)[0] != "recipe"] + hydra_args
     combos = [[s[0] for s in sweeps]] + [[s[j] if k == i else s[0] for k, s in enumerate(sweeps)]
                                         for i, sweep in enumerate(sweeps) for j in range(1, len(sweep))]
+    out = []
     for combo in combos if sweeps else [[]]:
-        chosen = rest + combo
         rec = next((c.split("=", 1)[1] for c in combo if c.split("=", 1)[0] == "recipe"), recipe)
-        compose_recipe(rec, [c for c in chosen if c.split("=", 1)[0] != "recipe"])
+        out.append(compose_recipe(rec, [c for c in rest + combo if c.split("=", 1)[0] != "recipe"]))
+    return out

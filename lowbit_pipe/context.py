@@ -12,6 +12,7 @@ from torch import nn
 from lowbit_pipe.adapters import Adapter, adapter_for
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy
 from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import Recipe
 
 
@@ -30,6 +31,7 @@ class Context:
     source: dict[str, Any] = field(default_factory=dict)  # where the weights came from (path, layout, quantized)
     report: dict[str, Any] = field(default_factory=dict)  # stage results, merged into report.json
     fused_groups: list[list[str]] = field(default_factory=list)  # layers quantized as one native fused weight
+    console: Console = field(default_factory=Console)  # messages, one-line warnings, progress
 
     def set_model(self, model: Any, *, owned: bool) -> None:
         self.model = model
@@ -50,4 +52,9 @@ class Context:
 
     @property
     def dtype(self) -> torch.dtype:
-        return getattr(torch, self.recipe.model.dtype)
+        """The compute dtype: model.dtype; unset, a passed-in model's own floating dtype, else float32."""
+        if self.recipe.model.dtype is not None:
+            return getattr(torch, self.recipe.model.dtype)
+        if self.model is not None and not self.owns_model:
+            return next((p.dtype for p in self.transformer.parameters() if p.is_floating_point()), torch.float32)
+        return torch.float32

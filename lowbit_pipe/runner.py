@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from omegaconf import OmegaConf
 
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import StageError
+from lowbit_pipe.progress import Console
+from lowbit_pipe.summary import format_summary
 from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.teardown import teardown
@@ -76,7 +79,7 @@ def environment(seed: int) -> dict[str, Any]:
     import hydra
     import safetensors
 
-    from lowbit_pipe import __version__
+    from lowbit_pipe.version import __version__
 
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
@@ -99,40 +102,46 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 class Runner:
-    def __init__(self, recipe: Recipe, run_dir: str | Path, model: Any = None):
+    def __init__(self, recipe: Recipe, run_dir: str | Path, model: Any = None, console: Console | None = None):
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.model = model
+        self.console = console or Console()
 
     def run(self) -> RunResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ctx = Context(recipe=self.recipe, run_dir=self.run_dir)
+        ctx = Context(recipe=self.recipe, run_dir=self.run_dir, console=self.console)
         if self.model is not None:
             ctx.set_model(self.model, owned=False)
         ctx.ledger.capture_baseline()  # device memory before load: teardown proves it returns here
         recipe_dict = OmegaConf.to_container(OmegaConf.structured(self.recipe), resolve=True)
         (self.run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(recipe_dict))
         _write_json(self.run_dir / "environment.json", environment(self.recipe.seed))
-        report: dict[str, Any] = {"status": "running", "recipe": recipe_dict, "stages": {}}
+        report: dict[str, Any] = {"status": "running", "recipe": recipe_dict, "stages": {}, "warnings": []}
         ctx.report = report
-        failure: StageError | None = None
+        failure: BaseException | None = None
         torch.manual_seed(self.recipe.seed)
         for name in self.recipe.pipeline:
             try:
                 report["stages"][name] = self._run_stage(name, ctx)
+            except KeyboardInterrupt as err:  # Ctrl-C: tear down like any failure, then let it stop the program
+                failure = err
+                report["stages"].setdefault(name, {})["error"] = "interrupted (KeyboardInterrupt)"
+                break
             except Exception as err:  # any failure: name the stage, tear down, record, re-raise as StageError
                 failure = err if isinstance(err, StageError) else StageError(name, err)
                 report["stages"].setdefault(name, {})["error"] = str(failure)
                 break
         if failure is not None and "teardown" not in report["stages"]:
-            _drop_frame_locals(failure)  # the traceback's frames would keep the failed stage's tensors alive
+            report["traceback"] = release_traceback(failure)  # its frames would keep the stage's tensors alive
             try:
                 report["stages"]["teardown"] = self._run_stage("teardown", ctx)
             except Exception as err:  # teardown's own failure is reported beside the stage's
                 report["stages"]["teardown"] = {"error": f"{type(err).__name__}: {err}"}
-        report["status"] = "failed" if failure else "ok"
+        interrupted = isinstance(failure, KeyboardInterrupt)
+        report["status"] = "interrupted" if interrupted else "failed" if failure else "ok"
         if failure:
-            report["error"] = str(failure)
+            report["error"] = report["stages"][name]["error"]
         _write_json(self.run_dir / "report.json", report)
         summary = format_summary(report)
         (self.run_dir / "summary.txt").write_text(summary + "\n")
@@ -148,8 +157,14 @@ class Runner:
         if cuda:
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        with PeakHostMemory() as mem:
-            figures = teardown(ctx) if name == "teardown" else stage.run(ctx)
+        with PeakHostMemory() as mem, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                figures = teardown(ctx) if name == "teardown" else stage.run(ctx)
+            finally:  # warnings of a failing stage are shown too
+                for w in caught:
+                    ctx.console.warn(str(w.message))
+                    ctx.report.setdefault("warnings", []).append({"stage": name, "message": str(w.message)})
         entry = {"seconds": round(time.perf_counter() - start, 4), "peak_host_bytes": mem.peak}
         if cuda:
             entry["peak_device_bytes"] = torch.cuda.max_memory_allocated()
@@ -157,11 +172,16 @@ class Runner:
         return entry
 
 
-def _drop_frame_locals(err: BaseException) -> None:
-    """Clear the local variables of the finished frames in an exception's tracebacks (and its causes),
-    so teardown can free what the failed stage held. Line numbers and messages are kept."""
+def release_traceback(err: BaseException) -> str:
+    """The formatted traceback of `err` (and its causes), then the live tracebacks dropped.
+
+    A traceback keeps its frames alive, and a frame keeps its function, whose closure can hold the model
+    (clearing the frames' locals is not enough), so teardown could not free what the failed stage held.
+    The text goes to report.json instead: the same lines, no objects."""
     import traceback
 
+    root = getattr(err, "cause", None) or err
+    text = "".join(traceback.format_exception(root))
     seen: set[int] = set()
     stack: list[BaseException | None] = [err]
     while stack:
@@ -170,46 +190,6 @@ def _drop_frame_locals(err: BaseException) -> None:
             continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
+        e.__traceback__ = None
         stack.extend([e.__cause__, e.__context__, getattr(e, "cause", None)])
-
-
-def _fmt_bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
-
-
-def format_summary(report: dict[str, Any]) -> str:
-    """Short human summary: stage times and memory, quality, export path, size and compression."""
-    lines = [f"lowbit_pipe run: {report['status']}  recipe={report['recipe'].get('name')}"]
-    lines.append(f"{'stage':<10} {'seconds':>8} {'peak host':>11} {'peak device':>12}")
-    for name, s in report["stages"].items():
-        lines.append(f"{name:<10} {s.get('seconds', float('nan')):>8.3f} {_fmt_bytes(s.get('peak_host_bytes')):>11} "
-                     f"{_fmt_bytes(s.get('peak_device_bytes')):>12}" + (f"  ERROR: {s['error']}" if "error" in s else ""))
-    det = report.get("detect")
-    if det:
-        lines.append(f"arch: {det['arch']}  layers: {det['plan']['layers']}")
-    ev = report.get("evaluate")
-    if ev and "rel_error" in ev:
-        lines.append(f"quality: rel_error={ev['rel_error']:.5f}  cosine={ev['cosine']:.6f}")
-    elif ev:
-        lines.append(f"quality: skipped ({ev.get('skipped')})")
-    ex = report.get("export")
-    q = report.get("quantize")
-    if ex:
-        ratio = ""
-        if q and q.get("bytes_after"):
-            ratio = f"  quantized layers {_fmt_bytes(q['bytes_before'])} -> {_fmt_bytes(q['bytes_after'])} " \
-                    f"({q['bytes_before'] / q['bytes_after']:.2f}x)"
-        lines.append(f"export: {ex['path']}  {_fmt_bytes(ex['bytes'])}{ratio}")
-    td = report.get("teardown")
-    if td:
-        lines.append(f"teardown: freed {_fmt_bytes(td['bytes_freed'])}, retained {_fmt_bytes(td['retained_bytes'])}, "
-                     f"unfreed {td['unfreed'] or 'none'}")
-    if report.get("error"):
-        lines.append(f"error: {report['error']}")
-    return "\n".join(lines)
+    return text

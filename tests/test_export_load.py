@@ -11,7 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import lowbit_pipe
-from lowbit_pipe.errors import StageError
+from lowbit_pipe.errors import RecipeError, StageError
 
 
 def _export(tmp_path, recipe, *overrides):
@@ -101,9 +101,9 @@ def test_truncated_file_is_named(tmp_path):
     data = Path(first.export_path).read_bytes()
     bad = tmp_path / "truncated.safetensors"
     bad.write_bytes(data[: len(data) // 2])
-    with pytest.raises(StageError) as info:
+    with pytest.raises(RecipeError) as info:  # the header is checked before any weight is read
         lowbit_pipe.run("default", [f"model.path={bad}"], run_dir=tmp_path / "run")
-    assert str(bad) in str(info.value) and "truncated" in str(info.value)
+    assert str(bad) in str(info.value) and "truncated" in str(info.value) and info.value.path == "model.path"
 
 
 FORMATS = ["fp8", "int8", "nvfp4", "convrot_w4a4", "w4a8", "w6a8"]
@@ -123,8 +123,10 @@ def test_every_format_exports_and_reloads_with_identical_outputs(tmp_path, fmt):
 
 
 def test_kinds_stock_comfy_cannot_run_are_marked_and_warned(tmp_path):
-    with pytest.warns(UserWarning, match="stock ComfyUI cannot run"):
-        first = _export(tmp_path, "default", "quantize.default.rotation=quarot")
+    first = _export(tmp_path, "default", "quantize.default.rotation=quarot")
+    # A run's warnings go to report.json and one line on stderr.
+    assert any("stock ComfyUI refuses the whole file" in w["message"] and w["stage"] == "export"
+               for w in first.report["warnings"])
     assert first.report["export"]["not_stock_comfy"]
     with safe_open(first.export_path, "pt") as f:
         record = json.loads(bytes(f.get_tensor("blocks.0.attn.wq.comfy_quant").tolist()))
@@ -137,7 +139,7 @@ def test_api_quantize_then_export_without_a_recipe(tmp_path, tiny_model):
     stats = lowbit_pipe.quantize(model, {"default": {"format": "nvfp4"}})
     assert stats["layers"] == {"nvfp4": 22}
     out = lowbit_pipe.export(model, tmp_path / "flux_nvfp4.safetensors")
-    assert out["layout"] == "native" and out["quantized_layers"] == 22
+    assert out["layout"] == "comfy" and out["quantized_layers"] == 22
     again = lowbit_pipe.run("flux1_fp8", [f"model.path={out['path']}", "pipeline=[load,detect]"], run_dir=tmp_path / "r")
     a, b = model.state_dict(), again.model.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -8,10 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 import lowbit_pipe
 from conftest import cli
-from lowbit_pipe.errors import StageError
+from lowbit_pipe.errors import RecipeError, StageError
 from lowbit_pipe.nn import QuantLinear
 
 
@@ -52,7 +53,7 @@ def test_export_header_and_layout(tmp_path):
     assert json.loads(record) == {"format": "int8_tensorwise"}
     assert meta["arch"] == "krea2" and meta["layout"] == "native" and meta["transformer_config"]["num_layers"] == 2
     assert meta["recipe"]["name"] == "default"
-    assert meta["layers"]["transformer_blocks.0.attn.to_q"] == {"format": "int8", "shape": [256, 256]}
+    assert meta["layers"]["transformer_blocks.0.attn.to_q"] == {"format": "int8", "shape": [256, 256], "activations": "dynamic"}
     assert "blocks.0.attn.wq.weight_scale" in keys and not any(k.startswith("transformer_blocks") for k in keys)
 
 
@@ -90,18 +91,26 @@ def test_export_refuses_to_overwrite_its_input(tmp_path):
     first = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,export]"], run_dir=tmp_path / "a")
     path = first.export_path
     before = Path(path).read_bytes()
-    with pytest.raises(StageError) as info:
+    with pytest.raises(RecipeError) as info:  # refused before any work: no run dir, no weight read
         lowbit_pipe.run("default", [f"model.path={path}", f"export.path={path}", "pipeline=[load,export,teardown]"],
                         run_dir=tmp_path / "b")
-    assert "overwrite" in str(info.value) and info.value.stage == "export"
+    assert "overwrite" in str(info.value) and info.value.path == "export.path"
+    assert not (tmp_path / "b").exists()
     assert Path(path).read_bytes() == before
     assert not list(Path(path).parent.glob(".*tmp*"))
 
 
+def _unknown_arch_file(tmp_path: Path) -> Path:
+    path = tmp_path / "unknown.safetensors"
+    save_file({"encoder.layer.weight": torch.zeros(4, 4)}, str(path))
+    return path
+
+
 def test_failing_stage_is_recorded_and_torn_down(tmp_path):
+    path = _unknown_arch_file(tmp_path)
     with pytest.raises(StageError) as info:
-        lowbit_pipe.run("default", ["model.path=/nonexistent/weights.safetensors"], run_dir=tmp_path / "run")
-    assert info.value.stage == "load" and "/nonexistent/weights.safetensors" in str(info.value)
+        lowbit_pipe.run("default", [f"model.path={path}"], run_dir=tmp_path / "run")
+    assert info.value.stage == "load" and str(path) in str(info.value)
     report = _report(tmp_path / "run")
     assert report["status"] == "failed"
     assert "load" in report["error"]
@@ -111,9 +120,10 @@ def test_failing_stage_is_recorded_and_torn_down(tmp_path):
 def test_corrupt_file_names_the_file(tmp_path):
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
-    with pytest.raises(StageError) as info:
+    with pytest.raises(RecipeError) as info:
         lowbit_pipe.run("default", [f"model.path={bad}"], run_dir=tmp_path / "run")
-    assert str(bad) in str(info.value) and "JSON" in str(info.value)
+    assert str(bad) in str(info.value) and "JSON" in str(info.value) and info.value.path == "model.path"
+    assert not (tmp_path / "run").exists()
 
 
 def test_api_model_is_restored_not_dropped(tiny_model, tmp_path):
@@ -127,13 +137,16 @@ def test_api_model_is_restored_not_dropped(tiny_model, tmp_path):
     assert all(dict(model.named_modules())[n] is m for n, m in modules.items())
 
 
-def test_cli_default_run_and_sweep(tmp_path):
+def test_cli_default_run(tmp_path):
     proc = cli([], tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "rel_error" in proc.stdout and "export:" in proc.stdout
     reports = list((tmp_path / "runs").rglob("report.json"))
     assert len(reports) == 1 and json.loads(reports[0].read_text())["status"] == "ok"
 
+
+@pytest.mark.slow
+def test_cli_sweep(tmp_path):
     proc = cli(["-m", "quantize.default.format=int8,fp8,nvfp4"], tmp_path)
     assert proc.returncode == 0, proc.stderr
     sweep = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "multirun").rglob("report.json")]
@@ -142,8 +155,8 @@ def test_cli_default_run_and_sweep(tmp_path):
 
 
 def test_cli_failure_exit_code(tmp_path):
-    proc = cli(["model.path=missing.safetensors"], tmp_path)
+    proc = cli([f"model.path={_unknown_arch_file(tmp_path)}"], tmp_path)
     assert proc.returncode == 1
-    assert "stage 'load' failed" in proc.stderr and "missing.safetensors" in proc.stderr
+    assert "stage 'load' failed" in proc.stderr and "unknown.safetensors" in proc.stderr
     report = json.loads(next((tmp_path / "runs").rglob("report.json")).read_text())
     assert report["status"] == "failed"

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import csv
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import cli
+from conftest import cli, has_module
 from lowbit_pipe import report
 
-JOBLIB = importlib.util.find_spec("hydra_plugins.hydra_joblib_launcher") is not None
+JOBLIB = has_module("hydra_plugins.hydra_joblib_launcher")
 
 
 def test_pareto_front():
@@ -25,6 +24,7 @@ def test_pareto_front():
     assert report.pareto([(1, 0.5), (2, 0.1), (3, 0.3)], higher_is_better=False) == [0, 1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not JOBLIB, reason="hydra-joblib-launcher not installed (pip install '.[sweep]')")
 def test_six_job_local_sweep_and_report(tmp_path):
     proc = cli(["-m", "hydra/launcher=local", "hydra.launcher.n_jobs=2", "evaluate.samples=1", "evaluate.steps=2",
@@ -78,7 +78,7 @@ def test_report_without_hydra_dirs_uses_differing_recipe_keys(tmp_path):
     assert report.main([str(tmp_path / "none")]) == 2
 
 
-OPTUNA = importlib.util.find_spec("hydra_plugins.hydra_optuna_sweeper") is not None
+OPTUNA = has_module("hydra_plugins.hydra_optuna_sweeper")
 
 
 @pytest.mark.skipif(not OPTUNA, reason="hydra-optuna-sweeper not installed (pip install '.[optuna]')")

@@ -71,6 +71,7 @@ def _ours(stat: tracemalloc.StatisticDiff) -> bool:
     return any(part in name for part in ("lowbit_pipe", "diffusers", "safetensors", "omegaconf", "hydra"))
 
 
+@pytest.mark.slow
 def test_twenty_cycles_free_everything_with_zero_growth(tmp_path, tiny_model):
     stages = ["load", "detect", "quantize"] + (["lora"] if HAS_LORA else []) + ["export", "compile"]
     rec = _recipe("krea2", stages, ("model.tiny_config.num_layers=1",))  # one block: the cycle cost is compile
@@ -142,6 +143,7 @@ def model_output(arch: str, run_dir: str) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow
 def test_no_cross_model_contamination(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = {}

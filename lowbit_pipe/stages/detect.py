@@ -12,8 +12,9 @@ from lowbit_pipe.arch import Generic, detect_model, generic_policy, get_arch
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import get_format
 from lowbit_pipe.policy import LayerPlan, plan_layers
-from lowbit_pipe.stages import register
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.summary import fmt_bytes
 
 
 def linear_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
@@ -26,10 +27,6 @@ def plan_bytes(plans: list[LayerPlan], float_itemsize: int) -> tuple[int, int]:
     after = sum(get_format(p.spec.format).storage_bytes(*p.shape, p.spec) if p.spec else p.shape[0] * p.shape[1] * float_itemsize
                 for p in plans)
     return before, after
-
-
-def _mb(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 @register
@@ -60,9 +57,10 @@ class Detect(Stage):
                   "plan": {"layers": dict(counts), "linear_bytes_before": before, "linear_bytes_after": after}}
         ctx.report["detect"] = result
         ctx.report["plan"] = [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
-                               "reason": p.reason} for p in plans]
+                               "activations": p.spec.activations if p.spec else None, "reason": p.reason}
+                              for p in plans]
         shape = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("arch", "extra") and v is not None)
-        print(f"detect: {arch_id} ({shape})\n"
-              f"plan:   {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} layers; "
-              f"linear weights {_mb(before)} -> {_mb(after)}")
+        ctx.console.say(f"detect: {arch_id} ({shape})\n"
+                        f"plan:   {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} layers; "
+                        f"linear weights {fmt_bytes(before)} -> {fmt_bytes(after)}")
         return {"arch": arch_id, **{f"layers_{k}": v for k, v in counts.items()}}

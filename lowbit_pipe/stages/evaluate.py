@@ -19,7 +19,7 @@ from lowbit_pipe import metrics, sampler
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.ledger import tensor_bytes
-from lowbit_pipe.stages import register
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 
 TRAJECTORY_SEED_OFFSET = 10_000  # trajectory seeds differ from the output-sample seeds
@@ -126,7 +126,7 @@ class Evaluate(Stage):
         refs, outs = [], []
         sums: dict[str, list[float]] = {}
         with torch.inference_mode():
-            for i in range(cfg.samples):
+            for i in ctx.console.progress(range(cfg.samples), "evaluate: output samples"):
                 inputs = self._inputs(ctx, cfg.seed + i, cfg.batch)
                 if cuda and i == 0:  # peak of one quantized forward (the runner reset the stats at stage start)
                     torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -168,7 +168,7 @@ class Evaluate(Stage):
         scale = sampler.TIME_SCALE.get(ctx.arch.id, 1.0)
         seeds = [cfg.seed + TRAJECTORY_SEED_OFFSET + k for k in range(cfg.trajectory_seeds)]
         cosines, finals = [], []
-        for seed in seeds:
+        for seed in ctx.console.progress(seeds, "evaluate: trajectories"):
             inputs = self._inputs(ctx, seed, 1)
             quant = sampler.euler_sample(forward, inputs, cfg.steps, scale)
             with float_reference(ctx):

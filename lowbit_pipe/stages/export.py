@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from lowbit_pipe import __version__, layout
+from lowbit_pipe import layout
+from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
 from lowbit_pipe.checkpoint import atomic_save, atomic_write_text
 from lowbit_pipe.context import Context
@@ -18,7 +19,7 @@ from lowbit_pipe.formats import is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, save_residual_lora
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.recipe import ExportConfig
-from lowbit_pipe.stages import register
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.load import METADATA_KEY
 
@@ -29,8 +30,10 @@ def export_state_dict(model: torch.nn.Module, float_dtype: torch.dtype) -> tuple
     layers: dict[str, dict] = {}
     for name, module in model.named_modules():
         if isinstance(module, QuantLinear):
+            mode = module.format.activation_mode(module.qweight)
             layers[name] = {"format": module.format.name, "shape": [module.out_features, module.in_features],
-                            "record": module.record}
+                            "record": module.record, "activations": mode,
+                            "static_ignored": mode == "static" and not module.format.stock_input_scale}
             quant_keys.update(f"{name}.{k}" for k in module._quant_names + ("comfy_quant",))
     state = {}
     for key, tensor in model.state_dict().items():
@@ -74,15 +77,24 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
         state = layout.to_native(state, arch, arch_config, rows)
     foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
     if foreign:
-        warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI cannot run (e.g. {foreign[0]}: "
-                      f"{layers[foreign[0]]['record']}); they load with lowbit_pipe only", stacklevel=2)
+        record = layers[foreign[0]]["record"]
+        kind = record.get("lowbit_format", record.get("format"))
+        rotated = f" + {record['lowbit_rotation']}" if "lowbit_rotation" in record else ""
+        warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI does not know (e.g. {foreign[0]}: "
+                      f"{kind}{rotated}): stock ComfyUI refuses the whole file; lowbit_pipe loads it", stacklevel=2)
+    ignored = sorted(n for n, info in layers.items() if info["static_ignored"])
+    if ignored:
+        warnings.warn(f"{len(ignored)} layers store a static input_scale that stock ComfyUI ignores for their format "
+                      f"(e.g. {ignored[0]}, {layers[ignored[0]]['format']}): it quantizes their activations per token",
+                      stacklevel=2)
     header = {
         "version": __version__,
         "arch": arch.id if arch else None,
         "layout": "native" if key_layout == "comfy" else "diffusers",
         "transformer_config": model_config,
         "recipe": recipe,
-        "layers": {n: {"format": i["format"], "shape": i["shape"]} for n, i in layers.items()},
+        "layers": {n: {"format": i["format"], "shape": i["shape"], "activations": i["activations"]}
+                   for n, i in layers.items()},
     }
     metadata = {METADATA_KEY: json.dumps(header, default=str)}
     total = sum(t.numel() * t.element_size() for t in state.values())
@@ -101,12 +113,13 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
         index = path.with_name(f"{stem}.safetensors.index.json")
         atomic_write_text(index, json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}))
         written = str(index)
-    result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": header["layout"],
+    result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": key_layout,
               "quantized_layers": len(layers), "not_stock_comfy": foreign}
     if residual:
         lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
         result["lora_path"] = str(lora_path)
         result["lora_bytes"] = save_residual_lora(model, lora_path)
+        result["files"] += 1
     return result
 
 

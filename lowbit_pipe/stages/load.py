@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -10,31 +11,17 @@ import torch
 from torch import nn
 
 from lowbit_pipe.arch import ARCHS, get_arch
-from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header
+from lowbit_pipe.arch.tiny import build_tiny
+from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import decode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
-from lowbit_pipe.stages import register
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
-
-
-def build_tiny(arch_id: str, config: dict[str, Any], seed: int, dtype: torch.dtype) -> nn.Module:
-    """The real diffusers class at a tiny config, with seeded random weights."""
-    cls = get_arch(arch_id).model_class()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(**config)
-        # Constant-initialised tensors (norm gains, modulation tables) get seeded noise, so
-        # every path carries signal as in a trained model and quantization error shows.
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
-                    param.add_(torch.randn_like(param) * 0.1)
-    return (model if dtype == torch.float32 else model.to(dtype)).eval()
 
 
 def _build_empty(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
@@ -111,18 +98,6 @@ def _read_records(path: str, keys: list[str]) -> dict[str, dict]:
     return {k[: -len(".comfy_quant")]: decode_record(t, f"{path} [{k}]") for k, t in tensors.items()}
 
 
-def shard_files(path: str) -> list[str]:
-    """The files of a (possibly sharded) export: a .safetensors file, or an index .json naming shards."""
-    if not path.endswith(".json"):
-        return [path]
-    try:
-        index = json.loads(Path(path).read_text())
-        files = sorted(set(index["weight_map"].values()))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
-        raise CheckpointError(path, f"not a valid safetensors index ({err})") from err
-    return [str(Path(path).parent / f) for f in files]
-
-
 def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
     """Validate every layer under the keys the FILE uses (before any renaming), so errors name them."""
     quantized = {k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant")}
@@ -140,7 +115,12 @@ def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
 
 
 def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized."""
+    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized.
+
+    The architecture: `arch_id` (model.arch) when given, else the file's own header, else key detection.
+    "generic" only changes how detect plans the layers; the model is still built as the file's class."""
+    if arch_id == "generic":
+        arch_id = None
     from lowbit_pipe import layout
     from lowbit_pipe.arch.detect import UnknownArchError, detect_state_dict, strip_prefix
 
@@ -207,29 +187,61 @@ class Load(Stage):
 
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.model
-        dtype = ctx.dtype
         if ctx.model is not None:  # handed in through the Python API: the caller owns it
             ctx.source = {"path": None, "layout": "object"}
+            _check_given_dtype(ctx)
         elif cfg.path is None:
-            if cfg.arch is None:
-                raise ValueError("model.arch is required for the embedded tiny model (e.g. model=tiny_krea2)")
-            ctx.set_model(build_tiny(cfg.arch, dict(cfg.tiny_config), cfg.seed, dtype), owned=True)
-            ctx.source = {"path": None, "layout": "tiny", "arch": cfg.arch}
+            arch_id = cfg.arch or cfg.tiny_arch
+            if arch_id is None or arch_id == "generic":
+                raise ValueError("model.tiny_arch is required for the embedded tiny model (pick one with model=tiny_krea2)")
+            ctx.set_model(build_tiny(arch_id, dict(cfg.tiny_config), cfg.seed, ctx.dtype), owned=True)
+            ctx.source = {"path": None, "layout": "tiny", "arch": arch_id}
         elif Path(cfg.path).is_dir():
-            model, ctx.source = load_diffusers_dir(cfg.path, dtype)
+            model, ctx.source = load_diffusers_dir(cfg.path, ctx.dtype)
             ctx.set_model(model, owned=True)
         elif Path(cfg.path).is_file():
-            model, ctx.source = load_single_file(cfg.path, cfg.arch, dict(cfg.config), dtype)
+            model, ctx.source = load_single_file(cfg.path, cfg.arch, dict(cfg.config), ctx.dtype)
             ctx.set_model(model, owned=True)
         else:
             raise CheckpointError(cfg.path, "no such file or directory (model.path)")
-        if ctx.model is not None and ctx.adapter is None:
-            ctx.set_model(ctx.model, owned=False)
-        device = _resolve_device(cfg.device)
-        if device != ctx.device:
-            ctx.transformer.to(device)
+        if cfg.device is not None:
+            device = _resolve_device(cfg.device)
+            if device != ctx.device:
+                _move(ctx, device)
         params = sum(p.numel() for p in ctx.transformer.parameters())
-        return {"params": params, "source": ctx.source.get("layout"), "device": str(ctx.device)}
+        return {"params": params, "source": ctx.source.get("layout"), "device": str(ctx.device), "dtype": str(ctx.dtype)}
+
+
+def _check_given_dtype(ctx: Context) -> None:
+    """A passed-in model is computed in its own dtype; casting the caller's weights is not undoable
+    exactly (fp32 -> bf16 loses bits), so a different model.dtype is refused, not applied."""
+    want = ctx.recipe.model.dtype
+    have = next((p.dtype for p in ctx.transformer.parameters() if p.is_floating_point()), None)
+    if want is not None and have is not None and getattr(torch, want) != have:
+        raise ValueError(f"model.dtype={want}, but the model passed in is {str(have).removeprefix('torch.')}; "
+                         "cast it yourself or leave model.dtype unset")
+
+
+def _move(ctx: Context, device: torch.device) -> None:
+    """Move the transformer to `device`; a passed-in model's move is a ledger entry (teardown moves it back)."""
+    transformer = ctx.transformer
+    before = ctx.device
+    transformer.to(device)
+    if ctx.owns_model:
+        return
+    ref = weakref.ref(transformer)
+
+    def undo() -> None:
+        module = ref()
+        if module is not None:
+            module.to(before)
+
+    def check() -> Any:
+        module = ref()
+        p = next(module.parameters(), None) if module is not None else None
+        return True if p is None or p.device == before else f"still on {p.device}"
+
+    ctx.ledger.record("device_move", f"{type(transformer).__name__}: {before} -> {device}", undo, check)
 
 
 def _resolve_device(name: str) -> torch.device:

@@ -1,0 +1,56 @@
+"""`python -m lowbit_pipe --help`: what the tool does, example commands, and what a recipe can name
+(recipes and models from the config groups; formats, rotations and architectures from the registries).
+
+Served as Hydra's help template (the `hydra/help` group option `lowbit`, selected in conf/config.yaml).
+"""
+
+from __future__ import annotations
+
+from hydra.core.config_store import ConfigStore
+
+EXAMPLES = """\
+  python -m lowbit_pipe                                  # embedded tiny Krea 2, INT8 W8A8, CPU, seconds
+  python -m lowbit_pipe recipe=krea2_nvfp4               # tiny Krea 2, NVFP4 + ConvRot, sensitive layers INT8
+  python -m lowbit_pipe recipe=flux1_fp8                 # tiny FLUX.1, FP8
+  python -m lowbit_pipe recipe=krea2_nvfp4 model.path=/models/krea2.safetensors model.dtype=bfloat16 model.device=cuda
+  python -m lowbit_pipe -m quantize.default.format=int8,fp8,nvfp4   # a sweep: one run dir per job
+  python -m lowbit_pipe recipe=runs/<date>/<time>/recipe.yaml       # rerun a run from its run dir
+  python -m lowbit_pipe --cfg job                        # print the composed recipe, run nothing"""
+
+
+def help_template() -> str:
+    from lowbit_pipe.arch import ARCHS
+    from lowbit_pipe.formats import FORMATS
+    from lowbit_pipe.formats.base import ACTIVATION_MODES, ROTATIONS
+
+    formats = ", ".join(f"{n} ({f.comfy_name})" for n, f in sorted(FORMATS.items()))
+    return f"""\
+lowbit_pipe: quantize a diffusion transformer (Krea 2, FLUX, Qwen-Image, ...) to low-bit formats from one
+YAML recipe, measure it against the float model, export a .safetensors file ComfyUI loads, tear it all down.
+
+== Examples ==
+{EXAMPLES}
+
+== What a recipe can name ==
+  formats:        {formats}
+  rotations:      {", ".join(ROTATIONS)}
+  activations:    {", ".join(ACTIVATION_MODES)}
+  architectures:  {", ".join(sorted(ARCHS))}, generic
+
+== Recipes and models (group=option) ==
+$APP_CONFIG_GROUPS
+A recipe is also a YAML file: recipe=path/to/mine.yaml. A team's recipe folder joins with
+hydra.searchpath=[file:///path/to/conf] (its recipe/*.yaml become recipe= options).
+
+== Flags ==
+$FLAGS_HELP
+Override any key of the recipe (quantize.default.format=fp8); the schema and every key are in
+lowbit_pipe/recipe.py and the README. Exit codes: 0 done, 1 a stage failed, 2 refused before any work.
+"""
+
+
+def register_help() -> None:
+    """Store the help template as the `hydra/help` option `lowbit` (idempotent)."""
+    ConfigStore.instance().store(group="hydra/help", name="lowbit",
+                                 node={"app_name": "lowbit_pipe", "header": "", "footer": "",
+                                       "template": help_template()})

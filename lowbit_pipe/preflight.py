@@ -1,0 +1,103 @@
+"""Checks that need no weights, run before `load` (and before any run dir exists).
+
+On a 12B model a late failure costs minutes: a missing LoRA file, a CUDA device that is not
+there or an export path that cannot be written is refused here in one line naming the recipe
+key and the path. The CLI exits with code 2; `lowbit_pipe.run` raises before creating the run dir.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from lowbit_pipe.checkpoint import read_header, shard_files
+from lowbit_pipe.errors import CheckpointError, RecipeError
+from lowbit_pipe.recipe import Recipe
+
+
+def _check_model_path(path: str) -> None:
+    p = Path(path)
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise RecipeError("model.path", f"{path}: a directory without config.json is not a diffusers model folder")
+        return
+    if not p.exists():
+        raise RecipeError("model.path", f"{path}: no such file or directory")
+    if p.suffix == ".json":  # a shard index: its shards must be there and readable
+        try:
+            files = shard_files(path)
+        except CheckpointError as err:
+            raise RecipeError("model.path", str(err)) from None
+        for f in files:
+            _check_safetensors("model.path", f)
+        return
+    _check_safetensors("model.path", path)
+
+
+def _check_safetensors(key: str, path: str) -> None:
+    if not Path(path).is_file():
+        raise RecipeError(key, f"{path}: no such file")
+    try:
+        read_header(path)
+    except CheckpointError as err:
+        raise RecipeError(key, str(err)) from None
+
+
+def _check_device(device: str | None) -> None:
+    if device is None or not device.startswith("cuda"):
+        return
+    if not torch.cuda.is_available():
+        raise RecipeError("model.device", f"'{device}' asked for, but this machine has no CUDA device "
+                                          "(use model.device=cpu or auto)")
+    index = int(device.split(":", 1)[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise RecipeError("model.device", f"'{device}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
+
+
+def _writable_dir(path: Path) -> Path | None:
+    """The nearest existing ancestor of `path` (the folder mkdir would start from), if it is not writable."""
+    p = path
+    while not p.exists():
+        if p.parent == p:
+            break
+        p = p.parent
+    if not p.is_dir():
+        return p
+    return None if os.access(p, os.W_OK | os.X_OK) else p
+
+
+def _check_export(recipe: Recipe) -> None:
+    if "export" not in recipe.pipeline or recipe.export.path is None:
+        return
+    out = Path(recipe.export.path)
+    if out.is_dir():
+        raise RecipeError("export.path", f"{out} is a directory; name the .safetensors file to write")
+    blocked = _writable_dir(out.parent)
+    if blocked is not None:
+        raise RecipeError("export.path", f"{out}: cannot write there ({blocked} is not a writable directory)")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise RecipeError("export.path", f"{out}: exists and is not writable")
+    src = recipe.model.path
+    if src is not None and out.exists() and Path(src).exists() and out.resolve() == Path(src).resolve():
+        raise RecipeError("export.path", f"{out} is the input model.path; an export never overwrites its input")
+
+
+def _check_loras(recipe: Recipe) -> None:
+    if "lora" not in recipe.pipeline:
+        return
+    for i, spec in enumerate(recipe.lora.files):
+        if spec.path.startswith("example:"):
+            continue
+        _check_safetensors(f"lora.files[{i}].path", spec.path)
+
+
+def preflight(recipe: Recipe, *, model_given: bool = False) -> None:
+    """Raise RecipeError (one line, naming the key and the path) for what can be refused without weights.
+    `model_given`: a model object is passed in (model.path is then not read)."""
+    if recipe.model.path is not None and not model_given:
+        _check_model_path(recipe.model.path)
+    _check_device(recipe.model.device)
+    _check_export(recipe)
+    _check_loras(recipe)

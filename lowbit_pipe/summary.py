@@ -1,0 +1,80 @@
+"""The short human summary of a run (summary.txt, printed at the end): small tables, binary units."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+
+def fmt_bytes(n: float | None) -> str:
+    """Bytes in binary units (KiB, MiB, GiB, TiB): one unit style everywhere a run prints sizes."""
+    if n is None:
+        return "-"
+    if abs(n) < 1024:
+        return f"{int(n)} B"
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        n /= 1024
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}"
+    return str(n)
+
+
+def table(header: list[str], rows: list[list[Any]]) -> list[str]:
+    """Left-aligned first column, right-aligned others."""
+    cells = [header] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
+    return ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+            for r in cells]
+
+
+def plan_counts(plan: list[dict[str, Any]]) -> list[list[Any]]:
+    """Rows (format or 'float', layers, why): quantized layers per format, float layers per reason (the
+    reason's head: "w4a8 cannot store it", not each layer's width; report.json has every detail)."""
+    counts = Counter((p["format"] or "float", "" if p["format"] else p["reason"].split(" (")[0]) for p in plan)
+    return [[fmt, n, why] for (fmt, why), n in sorted(counts.items(), key=lambda kv: (kv[0][0] == "float", kv[0]))]
+
+
+def format_summary(report: dict[str, Any]) -> str:
+    """Stage times and memory, the layer plan, quality, export path and size, teardown."""
+    lines = [f"lowbit_pipe run: {report['status']}  recipe={report['recipe'].get('name')}"]
+    rows = [[name, f"{s['seconds']:.3f}" if "seconds" in s else "-", fmt_bytes(s.get("peak_host_bytes")),
+             fmt_bytes(s.get("peak_device_bytes"))] for name, s in report["stages"].items()]
+    lines += table(["stage", "seconds", "peak host", "peak device"], rows)
+    for name, s in report["stages"].items():
+        if "error" in s:
+            lines.append(f"error in {name}: {s['error']}")
+    det = report.get("detect")
+    if det:
+        lines.append(f"arch: {det['arch']}")
+    plan = report.get("plan")
+    if plan:
+        lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])
+    ev = report.get("evaluate")
+    if ev and "rel_error" in ev:
+        extra = ""
+        if ev.get("sqnr_min_db") is not None:
+            extra += f"  worst layer SQNR {ev['sqnr_min_db']:.1f} dB ({ev['sqnr_worst_layer']})"
+        traj = ev.get("trajectory") or {}
+        if traj.get("min_cosine") is not None:
+            extra += f"  trajectory cosine min {traj['min_cosine']:.5f}"
+        lines.append(f"quality: rel_error {ev['rel_error']:.5f}  cosine {ev['cosine']:.6f}{extra}")
+    elif ev:
+        lines.append(f"quality: skipped ({ev.get('skipped')})")
+    ex, q = report.get("export"), report.get("quantize")
+    if ex:
+        ratio = ""
+        if q and q.get("bytes_after"):
+            ratio = (f"  (quantized layers {fmt_bytes(q['bytes_before'])} -> {fmt_bytes(q['bytes_after'])}, "
+                     f"{q['bytes_before'] / q['bytes_after']:.2f}x)")
+        lines.append(f"export: {ex['path']}  {fmt_bytes(ex['bytes'])}{ratio}")
+        if ex.get("lora_path"):
+            lines.append(f"export: {ex['lora_path']}  {fmt_bytes(ex['lora_bytes'])}  (LoRA residual branches)")
+    td = report.get("teardown")
+    if td and "bytes_freed" in td:
+        lines.append(f"teardown: freed {fmt_bytes(td['bytes_freed'])}, retained {fmt_bytes(td['retained_bytes'])}, "
+                     f"{'proven' if td.get('proven') else 'not proven'}")
+        for what in td.get("unfreed") or []:
+            lines.append(f"  not freed: {what}")
+    for w in report.get("warnings") or []:
+        lines.append(f"warning ({w['stage']}): {w['message']}")
+    return "\n".join(lines)
