@@ -37,7 +37,7 @@ class FormatChoice:
     format: str = "int8"
     rotation: str = "none"
     rotation_group: Optional[int] = None
-    granularity: str = "row"
+    granularity: Optional[str] = None  # "row" or "tensor" weight scales (int8, fp8); None: the format's default
     activations: str = "dynamic"
 
 

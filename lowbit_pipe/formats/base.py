@@ -38,7 +38,7 @@ class FormatSpec:
     format: str
     rotation: str = "none"  # one of ROTATIONS
     rotation_group: int | None = None  # None: the rotation's default (convrot 256, quarot 128)
-    granularity: str = "row"  # weight scale granularity for int8 / fp8: "row" or "tensor"
+    granularity: str | None = None  # int8 / fp8 weight scales: "row", "tensor", None = the format's default
     activations: str = "dynamic"  # "dynamic" per-token, "static" (calibrated input_scale), "none" (weight-only)
 
 

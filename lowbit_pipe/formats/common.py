@@ -12,7 +12,7 @@ from lowbit_pipe.kernels import rotation
 # Record keys we add. Any of MARKER_KEYS means stock ComfyUI cannot run the layer
 # (the "format" field is then also set to an unknown name so ComfyUI refuses it
 # loudly instead of computing with a rotated weight). INFO_KEYS are harmless hints.
-MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group")
+MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group", "lowbit_granularity")
 INFO_KEYS = ("lowbit_shape", "lowbit_bits")
 
 
@@ -41,6 +41,12 @@ def spec_rotation(spec: Any, in_features: int) -> tuple[str, int]:
     return kind, group
 
 
+def lowbit_kind(record: dict[str, Any], fmt_name: str) -> dict[str, Any]:
+    """`record` renamed to our kind `lowbit_<fmt_name>`: a format name stock ComfyUI does not know, so it
+    refuses the file instead of computing something else; `lowbit_format` says which format reads it."""
+    return {**record, "format": f"lowbit_{fmt_name}", "lowbit_format": fmt_name}
+
+
 def rotation_record(base: dict[str, Any], fmt_name: str, kind: str, group: int, stock_convrot: bool) -> dict[str, Any]:
     """Add rotation fields to a record.
 
@@ -55,8 +61,7 @@ def rotation_record(base: dict[str, Any], fmt_name: str, kind: str, group: int, 
         record["convrot"] = True
         record["convrot_groupsize"] = int(group)
         return record
-    record["format"] = f"lowbit_{fmt_name}"
-    record["lowbit_format"] = fmt_name
+    record = lowbit_kind(record, fmt_name)
     record["lowbit_rotation"] = kind
     record["lowbit_rotation_group"] = int(group)
     return record

@@ -1,10 +1,12 @@
 """float8_e4m3fn: fp8 e4m3 weight with an fp32 scale; fp8 activations.
 
-Tensors: weight fp8 e4m3 [N, K]; weight_scale fp32 scalar (granularity "tensor",
-what ComfyUI's fast path takes: cuBLAS TensorWise scaling) or [N, 1]
-(granularity "row": ComfyUI loads it and runs it through its dequantize
-fallback, correct but slower); input_scale fp32 scalar, optional (static
-activations, set by `attach_input_scale`).
+Tensors: weight fp8 e4m3 [N, K]; weight_scale fp32 scalar (granularity "tensor", the
+default: what stock ComfyUI's fp8 matmul takes) or [N, 1] (granularity "row": more
+accurate, but stock ComfyUI's fp8 GPU matmul raises on it, so the record is our kind
+`lowbit_fp8` with `lowbit_granularity: row`, refused by stock ComfyUI as a whole, run by
+lowbit_pipe and its ComfyUI node pack); input_scale fp32 scalar, optional (static
+activations, set by `attach_input_scale`). Files of other tools with a per-row scale under
+`float8_e4m3fn` load too.
 
 Quantization is comfy-kitchen's `quantize_per_tensor_fp8`: q = fp8(clamp(w *
 (1/scale), ±448)) with scale = amax / 448 (bit-exact for fp32 input). Weight
@@ -53,7 +55,7 @@ class FP8(Format):
 
     def check_spec(self, spec: FormatSpec) -> None:
         super().check_spec(spec)
-        if spec.granularity not in ("row", "tensor"):
+        if spec.granularity not in (None, "row", "tensor"):
             raise ValueError(f"fp8: granularity must be 'row' or 'tensor', got '{spec.granularity}'")
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
@@ -61,12 +63,14 @@ class FP8(Format):
         n, k = w.shape
         kind, group = common.spec_rotation(spec, k)
         w_rot = rotation.rotate_weight(w, kind, group)
-        if spec.granularity == "tensor":
+        if spec.granularity != "row":  # one scale per tensor by default: what stock ComfyUI's fp8 matmul takes
             scale = reference.positive_scale(w_rot.abs().amax(), reference.FP8_E4M3_MAX)
         else:
             scale = reference.positive_scale(w_rot.abs().amax(dim=1, keepdim=True), reference.FP8_E4M3_MAX)
         q = reference.fp8_quantize(w_rot, scale)
         record = common.rotation_record({"format": self.comfy_name}, self.name, kind, group, stock_convrot=False)
+        if scale.numel() > 1:  # stock ComfyUI's fp8 GPU matmul takes one weight scale: per row is our kind
+            record = {**common.lowbit_kind(record, self.name), "lowbit_granularity": "row"}
         return QuantizedWeight(self.name, (n, k), {"weight": q, "weight_scale": scale}, record)
 
     def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
@@ -109,5 +113,5 @@ class FP8(Format):
         return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
-        per_row = spec is None or spec.granularity == "row"
+        per_row = spec is not None and spec.granularity == "row"
         return out_features * in_features + 4 * (out_features if per_row else 1)

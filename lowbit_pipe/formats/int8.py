@@ -51,7 +51,7 @@ class Int8(Format):
 
     def check_spec(self, spec: FormatSpec) -> None:
         super().check_spec(spec)
-        if spec.granularity not in ("row", "tensor"):
+        if spec.granularity not in (None, "row", "tensor"):
             raise ValueError(f"int8: granularity must be 'row' or 'tensor', got '{spec.granularity}'")
         if spec.rotation != "none":
             rotation.resolve_group(spec.rotation, spec.rotation_group)
@@ -104,5 +104,5 @@ class Int8(Format):
         return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
-        per_row = spec is None or spec.granularity == "row"
+        per_row = spec is None or spec.granularity != "tensor"  # per row by default (stock ComfyUI takes both)
         return out_features * in_features + 4 * (out_features if per_row else 1)

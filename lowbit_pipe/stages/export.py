@@ -15,13 +15,13 @@ from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
 from lowbit_pipe.checkpoint import atomic_save, atomic_write_text
 from lowbit_pipe.context import Context
-from lowbit_pipe.formats import is_stock_loadable
+from lowbit_pipe.formats import decode_record, is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, save_residual_lora
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.recipe import ExportConfig
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
-from lowbit_pipe.stages.load import METADATA_KEY
+from lowbit_pipe.stages.load import METADATA_KEY, QUANT_METADATA_KEY
 
 
 def export_state_dict(model: torch.nn.Module, float_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
@@ -82,6 +82,11 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
         rotated = f" + {record['lowbit_rotation']}" if "lowbit_rotation" in record else ""
         warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI does not know (e.g. {foreign[0]}: "
                       f"{kind}{rotated}): stock ComfyUI refuses the whole file; lowbit_pipe loads it", stacklevel=2)
+    unscaled = sorted(n for n, info in layers.items() if info["format"] == "fp8" and info["activations"] == "dynamic")
+    if unscaled:
+        warnings.warn(f"{len(unscaled)} fp8 layers quantize their activations per token (e.g. {unscaled[0]}); stock "
+                      "ComfyUI reads no such mode and uses an input scale of 1 for them: set activations=static "
+                      "(a calibrated input_scale) to have it compute what lowbit_pipe computes", stacklevel=2)
     ignored = sorted(n for n, info in layers.items() if info["static_ignored"])
     if ignored:
         warnings.warn(f"{len(ignored)} layers store a static input_scale that stock ComfyUI ignores for their format "
@@ -96,7 +101,11 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
         "layers": {n: {"format": i["format"], "shape": i["shape"], "activations": i["activations"]}
                    for n, i in layers.items()},
     }
-    metadata = {METADATA_KEY: json.dumps(header, default=str)}
+    # ComfyUI's own description of the quantized layers (its loader reads it; the header wins over the
+    # layers' `.comfy_quant` tensors there, so both say the same).
+    quant = {k[: -len(".comfy_quant")]: decode_record(t, k) for k, t in state.items() if k.endswith(".comfy_quant")}
+    metadata = {METADATA_KEY: json.dumps(header, default=str),
+                QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
     total = sum(t.numel() * t.element_size() for t in state.values())
     if cfg.shard_bytes is None or total <= cfg.shard_bytes:
         nbytes, files = atomic_save(state, path, metadata, inputs=inputs), [str(path)]

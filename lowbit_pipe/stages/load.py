@@ -15,13 +15,14 @@ from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
-from lowbit_pipe.formats import decode_record, format_for_record
+from lowbit_pipe.formats import decode_record, encode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
+QUANT_METADATA_KEY = "_quantization_metadata"  # ComfyUI's header description of the quantized layers
 
 
 def _build_empty(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
@@ -92,6 +93,29 @@ def _is_quant_key(model: nn.Module, key: str) -> bool:
     return isinstance(owner, QuantLinear)  # built whole from the file's tensors, bias included
 
 
+def quantization_metadata(metadata: dict[str, str], shapes: dict[str, Any], where: str) -> dict[str, dict]:
+    """Records of the `_quantization_metadata` header ({"layers": {name: record}}), by layer name as the
+    file spells it: how ComfyUI's tools describe quantized layers (some files carry no `.comfy_quant`
+    tensors, only this). A name may be written with or without the `model.diffusion_model.` prefix."""
+    data = metadata_json(metadata, QUANT_METADATA_KEY, where)
+    if data is None:
+        return {}
+    layers = data.get("layers") if isinstance(data, dict) else None
+    if not isinstance(layers, dict):
+        raise CheckpointError(where, f"metadata '{QUANT_METADATA_KEY}' has no 'layers' mapping")
+    out = {}
+    for name, record in layers.items():
+        if not isinstance(record, dict) or "format" not in record:
+            raise CheckpointError(where, f"metadata '{QUANT_METADATA_KEY}': layer record without 'format'", name)
+        hits = [p + name for p in ("", "model.diffusion_model.") if f"{p}{name}.weight" in shapes]
+        hits += [k[: -len(".weight")] for k in shapes if k.endswith(f".{name}.weight")] if not hits else []
+        if not hits:
+            raise CheckpointError(where, f"metadata '{QUANT_METADATA_KEY}' describes a layer the file does not hold",
+                                  name)
+        out[hits[0]] = record
+    return out
+
+
 def _read_records(path: str, keys: list[str]) -> dict[str, dict]:
     """`.comfy_quant` records of a file, by layer name (small tensors: cheap to read before the weights)."""
     tensors = load_tensors(path, keys)
@@ -131,6 +155,12 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
     records = {}
     for f, h in zip(files, headers):
         records.update(_read_records(f, [k for k in h.tensors if k.endswith(".comfy_quant")]))
+    header_records = quantization_metadata(headers[0].metadata, shapes, files[0])
+    for name, record in header_records.items():  # ComfyUI lets the header win; two stories is a broken file
+        if name in records and records[name] != record:
+            raise CheckpointError(path, f"its .comfy_quant record {json.dumps(records[name])} contradicts the "
+                                        f"'{QUANT_METADATA_KEY}' header's {json.dumps(record)}", name)
+    records.update(header_records)
     try:
         detected, arch_config, file_layout = detect_state_dict(shapes, records)
     except UnknownArchError as err:
@@ -146,6 +176,7 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_tensors(f))
+    state.update({f"{name}.comfy_quant": encode_record(record) for name, record in header_records.items()})
     check_file_tensors(state, path)
     state, prefix = strip_prefix(state)
     if file_layout == "native":
