@@ -10,7 +10,7 @@ from typing import Any, Callable
 from omegaconf import OmegaConf
 from torch import nn
 
-from lowbit_pipe.arch import detect_model
+from lowbit_pipe.arch import detect_module
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import QuantizeConfig, Recipe
@@ -61,11 +61,12 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
             raise RecipeError(f"quantize.{sorted(unknown)[0]}", "no such key")
         config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantizeConfig), config))
     validate(Recipe(pipeline=["load"], quantize=config))
-    arch = detect_model(module)
-    policy = arch.policy if arch else generic_policy(module)
-    plans = plan_layers(linear_shapes(module), config, policy)
-    # Layers ComfyUI's native layout fuses (FLUX qkv, linear1) are quantized as one weight, so export is exact.
-    groups = native_groups(arch, arch.config_from_model(module), plans) if arch else []
+    found = detect_module(module)
+    policy = found.arch.policy if found else generic_policy(module)
+    plans = plan_layers(linear_shapes(module), config, policy, found.policy_name if found else None)
+    # Layers ComfyUI's native layout fuses (FLUX qkv, linear1) are quantized as one weight, so export is exact
+    # (a natively named module has them fused already).
+    groups = native_groups(found.arch, found.config, plans) if found and not found.native else []
     if calibrate is None and any(p.spec is not None and p.spec.activations == "static" for p in plans):
         first = next(p.name for p in plans if p.spec is not None and p.spec.activations == "static")
         raise ValueError(f"layer '{first}' asks for activations=static: pass calibrate= (a function that runs the "
@@ -92,12 +93,12 @@ def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = 
     transformer = adapter.transformer(model)
     cfg = ExportConfig(path=str(path), layout=layout, shard_bytes=shard_bytes, residual_lora=residual_lora)
     validate(Recipe(pipeline=["load"], export=cfg))
-    arch = detect_model(transformer)
+    found = detect_module(transformer)
     if dtype is None:
         dtype = next((p.dtype for p in transformer.parameters() if p.is_floating_point()), torch.float32)
-    return write_export(transformer, Path(path), cfg, float_dtype=dtype, arch=arch,
-                        arch_config=arch.config_from_model(transformer) if arch else None,
-                        model_config=adapter.model_config(model))
+    return write_export(transformer, Path(path), cfg, float_dtype=dtype, arch=found.arch if found else None,
+                        arch_config=found.config if found else None, model_config=adapter.model_config(model),
+                        native=bool(found and found.native))
 
 
 def teardown(ctx_or_result: Context | RunResult | Ledger) -> dict[str, Any]:

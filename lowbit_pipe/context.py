@@ -30,6 +30,7 @@ class Context:
     model_config: dict[str, Any] = field(default_factory=dict)  # the transformer's constructor config
     source: dict[str, Any] = field(default_factory=dict)  # where the weights came from (path, layout, quantized)
     report: dict[str, Any] = field(default_factory=dict)  # stage results, merged into report.json
+    native: bool = False  # the transformer's modules carry native (ComfyUI / BFL) names, e.g. a ComfyUI model
     fused_groups: list[list[str]] = field(default_factory=list)  # layers quantized as one native fused weight
     console: Console = field(default_factory=Console)  # messages, one-line warnings, progress
 
@@ -44,6 +45,12 @@ class Context:
         if self.model is None or self.adapter is None:
             raise RuntimeError("no model loaded: the pipeline must start with the 'load' stage")
         return self.adapter.transformer(self.model)
+
+    def policy_name(self, name: str) -> str:
+        """The name the arch's layer lists know a module by (its diffusers name on a native tree)."""
+        if self.native and self.arch is not None:
+            return self.arch.from_native_name(name, self.arch_config)[0][0]
+        return name
 
     @property
     def device(self) -> torch.device:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import Callable
 
 from lowbit_pipe.arch.base import LayerPolicy
 from lowbit_pipe.formats import FormatSpec, get_format
@@ -52,23 +53,29 @@ def rotation_note(spec: FormatSpec, in_features: int) -> str:
     return ""
 
 
-def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy: LayerPolicy) -> list[LayerPlan]:
+def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy: LayerPolicy,
+                policy_name: Callable[[str], str] | None = None) -> list[LayerPlan]:
     """Decide every Linear's fate: recipe rules, then recipe keep list, then arch keep-float, then sensitive,
     then default. A format that cannot store a layer's shape hands it to `quantize.fallback` (or it stays
-    float); either way the reason names the problem."""
+    float); either way the reason names the problem.
+
+    `policy_name`: the diffusers name of a module of a natively named tree (a ComfyUI model), which the
+    arch's lists use; the recipe's rules and keep patterns match either name."""
     plans = []
     for name, shape in linears.items():
+        known = policy_name(name) if policy_name is not None else name
+        names = (name,) if known == name else (name, known)
         spec, reason = None, ""
         for i, rule in enumerate(cfg.rules):
-            if matches(rule.match, name):
+            if any(matches(rule.match, n) for n in names):
                 spec, reason = (None, f"rule {i} keep") if rule.keep else (_spec(cfg.default, rule), f"rule {i}")
                 break
         else:
-            if any(matches(p, name) for p in cfg.keep):
+            if any(matches(p, n) for p in cfg.keep for n in names):
                 reason = "quantize.keep"
-            elif cfg.arch_keep_float and any(matches(p, name) for p in policy.keep_float):
+            elif cfg.arch_keep_float and any(matches(p, known) for p in policy.keep_float):
                 reason = "arch keep-float"
-            elif cfg.sensitive is not None and any(matches(p, name) for p in policy.sensitive):
+            elif cfg.sensitive is not None and any(matches(p, known) for p in policy.sensitive):
                 spec, reason = _spec(cfg.sensitive), "arch sensitive"
             else:
                 spec, reason = _spec(cfg.default), "default"

@@ -51,3 +51,35 @@ def cli(args: list[str], cwd, timeout: int = 600):
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return subprocess.run([sys.executable, "-m", "lowbit_pipe", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)
+
+
+def native_module(state: dict) -> torch.nn.Module:
+    """A module tree named as a native (ComfyUI / BFL) state dict, as ComfyUI's diffusion models are:
+    every 2-D `<name>.weight` is an nn.Linear (with its bias), other tensors plain parameters. No forward
+    of its own: what ComfyUI's model classes give the pipeline is their module names and Linears."""
+    root = torch.nn.Module()
+
+    def owner(path: str) -> torch.nn.Module:
+        mod = root
+        for part in path.split(".") if path else []:
+            if part not in mod._modules:
+                mod.add_module(part, torch.nn.Module())
+            mod = mod._modules[part]
+        return mod
+
+    linears = {k[: -len(".weight")] for k, v in state.items() if k.endswith(".weight") and v.dim() == 2}
+    for name in sorted(linears):
+        w = state[f"{name}.weight"]
+        parent, _, attr = name.rpartition(".")
+        lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=f"{name}.bias" in state)
+        with torch.no_grad():
+            lin.weight.copy_(w)
+            if lin.bias is not None:
+                lin.bias.copy_(state[f"{name}.bias"])
+        owner(parent).add_module(attr, lin)
+    for key, value in state.items():
+        if key.rsplit(".", 1)[0] in linears:
+            continue
+        parent, _, attr = key.rpartition(".")
+        owner(parent).register_parameter(attr, torch.nn.Parameter(value.clone(), requires_grad=False))
+    return root.eval()

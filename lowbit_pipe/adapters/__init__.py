@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any
 
 from lowbit_pipe.adapters.base import Adapter
+from lowbit_pipe.adapters.comfy import ComfyModelAdapter
 from lowbit_pipe.adapters.diffusers import DiffusersModelAdapter, DiffusersPipelineAdapter
 from lowbit_pipe.adapters.module import ModuleAdapter
 
-ADAPTERS: tuple[type[Adapter], ...] = (DiffusersPipelineAdapter, DiffusersModelAdapter, ModuleAdapter)
+ADAPTERS: tuple[type[Adapter], ...] = (ComfyModelAdapter, DiffusersPipelineAdapter, DiffusersModelAdapter, ModuleAdapter)
 
 
 def adapter_for(obj: Any) -> Adapter:
@@ -16,7 +17,7 @@ def adapter_for(obj: Any) -> Adapter:
         if cls.accepts(obj):
             return cls()
     raise TypeError(f"lowbit_pipe cannot work on a {type(obj).__name__}: expected a diffusers pipeline or model, "
-                    "or a torch.nn.Module")
+                    "a ComfyUI MODEL, or a torch.nn.Module")
 
 
-__all__ = ["ADAPTERS", "Adapter", "adapter_for"]
+__all__ = ["ADAPTERS", "Adapter", "ComfyModelAdapter", "adapter_for"]

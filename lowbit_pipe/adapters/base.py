@@ -22,3 +22,6 @@ class Adapter:
     def model_config(self, obj: Any) -> dict[str, Any]:
         """The transformer's constructor config (diffusers config), {} if unknown."""
         return {}
+
+    def prepare(self, obj: Any) -> None:
+        """Make the object ready for the pipeline to work on its modules (or refuse it, saying why)."""

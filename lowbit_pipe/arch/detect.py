@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lowbit_pipe.errors import FormatError, LowbitError
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from lowbit_pipe.arch.base import Arch, ArchConfig
 
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "transformer.", "model.", "net.")
 # Tensors a quantized layer stores beside `weight` / `bias`: those of the ComfyUI layouts in docs/formats.md,
@@ -134,3 +140,36 @@ def detect_or_none(state: Mapping[str, Any], records: Mapping[str, Mapping] | No
     except UnknownArchError as err:
         warnings.warn(str(err), stacklevel=2)
         return None
+
+
+@dataclass(frozen=True)
+class ModuleArch:
+    """The architecture of a live module, and how its modules are named: the diffusers class's names,
+    or the native (ComfyUI / BFL) ones, as in a ComfyUI diffusion model."""
+
+    arch: Arch
+    config: ArchConfig
+    native: bool
+
+    def policy_name(self, name: str) -> str:
+        """The diffusers name a layer policy (keep-float, sensitive lists) knows this module by; a fused
+        native module (FLUX `qkv`, `linear1`) goes by its first part, which shares its policy."""
+        return self.arch.from_native_name(name, self.config)[0][0] if self.native else name
+
+
+def detect_module(model: nn.Module) -> ModuleArch | None:
+    """A live module's architecture: by its diffusers class, else by its state dict's keys (a ComfyUI
+    model's diffusion_model has native names and its own class); None when nothing matches."""
+    from lowbit_pipe.arch.registry import detect_model
+
+    arch = detect_model(model)
+    if arch is not None:
+        return ModuleArch(arch, arch.config_from_model(model), native=False)
+    state = model.state_dict()
+    try:
+        arch, config, layout = detect_state_dict({k: tuple(v.shape) for k, v in state.items()
+                                                  if not k.endswith(".comfy_quant")},
+                                                 records_from_state_dict(state))
+    except UnknownArchError:
+        return None
+    return ModuleArch(arch, config, native=layout == "native")

@@ -125,11 +125,16 @@ def registry(model: nn.Module, ledger=None, create: bool = False) -> dict[str, L
 
 
 def resolve_arch(model: nn.Module, arch: Any) -> Any:
-    from lowbit_pipe.arch import detect_model, get_arch
+    """The Arch to map LoRA names with: given, by id, or detected (by class, or by keys for a natively named
+    model such as a ComfyUI diffusion model); None: generic names."""
+    from lowbit_pipe.arch import detect_module, get_arch
 
     if isinstance(arch, str):
         return None if arch == "generic" else get_arch(arch)
-    return arch if arch is not None else detect_model(model)
+    if arch is not None:
+        return arch
+    found = detect_module(model)
+    return found.arch if found is not None else None
 
 
 def model_dtype(model: nn.Module) -> torch.dtype:

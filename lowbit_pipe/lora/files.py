@@ -19,6 +19,7 @@ lowbit_pipe.lora.peft_config), else the rank (scale 1, diffusers' default for fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
@@ -199,8 +200,22 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     state, metadata, where = read_state(path_or_state)
     configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    # A model of the arch that is not its diffusers class carries native names (a ComfyUI model): names are
+    # resolved to diffusers modules as usual, then the factors are put back together per native module.
+    native = arch is not None and arch.keymap is not None and not arch.detect_model(model)
     if arch is not None and config is None:
-        config = arch.config_from_model(model)
+        if native:
+            from lowbit_pipe.arch.detect import detect_module
+
+            found = detect_module(model)
+            if found is None or found.arch is not arch:
+                raise LoraError(f"{where}: the model is not a {arch.id} model (its keys do not match)")
+            config = found.config
+        else:
+            config = arch.config_from_model(model)
+    native_linears = linears
+    if native:
+        linears = _diffusers_view(linears, arch, config)
     groups, stray = _group(state)
     data = LoraData(where, [], unmatched=list(stray), metadata=metadata)
     for written, parts in groups.items():
@@ -249,7 +264,71 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
                                 f"layer '{module}' ({layer.out_features}x{layer.in_features})")
             m = mag[rows] if mag is not None and rows is not None and mag.shape[0] == total else mag
             data.layers.append(LayerFactors(module, kind, down, part, a, None, m, keys, rslora))
+    if native:
+        data.layers = _fuse_native(data.layers, arch, config, native_linears, where)
     return data
+
+
+@dataclass(frozen=True)
+class _Shape:
+    in_features: int
+    out_features: int
+
+
+def _diffusers_view(linears: Mapping[str, nn.Module], arch: Any, config: Any) -> dict[str, Any]:
+    """Diffusers module name -> its (in, out) shape, for the Linears of a natively named model (a fused
+    native module gives each part its rows)."""
+    out: dict[str, Any] = {}
+    for name, layer in linears.items():
+        for module, rows in arch.from_native_name(name, config):
+            n = len(range(*rows.indices(layer.out_features))) if rows is not None else layer.out_features
+            out[module] = _Shape(layer.in_features, n)
+    return out
+
+
+def _fuse_native(layers: list[LayerFactors], arch: Any, config: Any, linears: Mapping[str, nn.Module],
+                 where: str) -> list[LayerFactors]:
+    """Factors on diffusers modules -> factors on the native modules of the model. A fused native module
+    (FLUX qkv) gets one low-rank pair whose up rows hold each part's up at the part's rows: exact, rows of
+    B A x being rows of B times A x. Parts with one shared down (a native-named file) keep that down once;
+    otherwise the downs stack along the rank and each part's up sits in its own rank columns (scales
+    folded into up)."""
+    groups: dict[str, list[tuple[slice | None, LayerFactors]]] = {}
+    for f in layers:
+        native, rows = arch.to_native(f.module, config)
+        groups.setdefault(native, []).append((rows, f))
+    out = []
+    for native, parts in groups.items():
+        if len(parts) == 1 and parts[0][0] is None:
+            out.append(dataclasses.replace(parts[0][1], module=native))
+            continue
+        layer = linears[native]
+        kinds = {f.kind for _, f in parts}
+        keys = tuple(k for _, f in parts for k in f.keys)
+        if kinds == {"dense"}:
+            delta = torch.zeros(layer.out_features, layer.in_features)
+            for rows, f in parts:
+                delta[rows] = f.delta.float()
+            out.append(LayerFactors(native, "dense", delta=delta, keys=keys))
+            continue
+        if kinds != {"lora"}:
+            raise LoraError(f"{where} [{keys[0]}]: a {'/'.join(sorted(k.upper() for k in kinds))} adapter on parts of "
+                            f"the fused native layer '{native}' cannot be applied to it")
+        shared = all(f.down is parts[0][1].down and f.scale == parts[0][1].scale for _, f in parts)
+        downs = [parts[0][1].down] if shared else [f.down for _, f in parts]
+        rank = sum(d.shape[0] for d in downs)
+        up = torch.zeros(layer.out_features, rank, dtype=torch.float32)
+        col = 0
+        for rows, f in parts:
+            width = f.rank
+            up[rows, col:col + width] = f.up.float() * (1.0 if shared else f.scale)
+            col += 0 if shared else width
+        if shared:
+            f0 = parts[0][1]
+            out.append(LayerFactors(native, "lora", f0.down, up, f0.alpha, keys=keys, rslora=f0.rslora))
+        else:
+            out.append(LayerFactors(native, "lora", torch.cat([d.float() for d in downs]), up, float(rank), keys=keys))
+    return out
 
 
 def _dense(delta: torch.Tensor, targets: list, linears: Mapping[str, nn.Module], keys: tuple[str, ...],

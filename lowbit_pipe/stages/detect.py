@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import nn
 
-from lowbit_pipe.arch import Generic, detect_model, generic_policy, get_arch
+from lowbit_pipe.arch import Generic, ModuleArch, detect_module, generic_policy, get_arch
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import get_format
 from lowbit_pipe.policy import LayerPlan, plan_layers
@@ -35,32 +35,35 @@ class Detect(Stage):
 
     def run(self, ctx: Context) -> dict[str, Any]:
         # model.arch forces the architecture of a weights FILE; tiny models and live objects are detected
-        # by class (the default recipe's model.arch belongs to its tiny model, not to a model passed in).
+        # by class, or by their keys when they carry native names (a ComfyUI model's diffusion_model).
         forced = ctx.recipe.model.arch if ctx.recipe.model.path is not None else None
         if forced == "generic":
-            arch = None
+            found = None
+        elif forced is not None:
+            arch = get_arch(forced)
+            found = ModuleArch(arch, arch.config_from_model(ctx.transformer), native=False)
         else:
-            arch = get_arch(forced) if forced is not None else detect_model(ctx.transformer)
-        if arch is None:
+            found = detect_module(ctx.transformer)
+        if found is None:
             ctx.arch = None  # no example inputs: evaluate is skipped, budget refused
             ctx.arch_config = None
             ctx.policy = Generic.for_model(ctx.transformer).policy if forced != "generic" else generic_policy(ctx.transformer)
         else:
-            ctx.arch, ctx.policy = arch, arch.policy
-            ctx.arch_config = arch.config_from_model(ctx.transformer)
-        plans = plan_layers(linear_shapes(ctx.transformer), ctx.recipe.quantize, ctx.policy)
+            ctx.arch, ctx.arch_config, ctx.native, ctx.policy = found.arch, found.config, found.native, found.arch.policy
+        arch = ctx.arch
+        plans = plan_layers(linear_shapes(ctx.transformer), ctx.recipe.quantize, ctx.policy, ctx.policy_name)
         counts = Counter(p.spec.format if p.spec else "float" for p in plans)
         before, after = plan_bytes(plans, ctx.dtype.itemsize)
         arch_id = arch.id if arch else "generic"
         config = asdict(ctx.arch_config) if ctx.arch_config else {}
-        result = {"arch": arch_id, "config": config,
+        result = {"arch": arch_id, "config": config, "names": "native" if ctx.native else "diffusers",
                   "plan": {"layers": dict(counts), "linear_bytes_before": before, "linear_bytes_after": after}}
         ctx.report["detect"] = result
         ctx.report["plan"] = [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
                                "activations": p.spec.activations if p.spec else None, "reason": p.reason}
                               for p in plans]
         shape = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("arch", "extra") and v is not None)
-        ctx.console.say(f"detect: {arch_id} ({shape})\n"
+        ctx.console.say(f"detect: {arch_id} ({shape}){', native module names' if ctx.native else ''}\n"
                         f"plan:   {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} layers; "
                         f"linear weights {fmt_bytes(before)} -> {fmt_bytes(after)}")
         return {"arch": arch_id, **{f"layers_{k}": v for k, v in counts.items()}}

@@ -101,6 +101,9 @@ class Evaluate(Stage):
     def run(self, ctx: Context) -> dict[str, Any]:
         if ctx.arch is None:
             result = {"skipped": "no example inputs for an unknown architecture"}
+        elif ctx.native:
+            result = {"skipped": "the model has native (ComfyUI) module names: the arch's example inputs fit its "
+                                 "diffusers class, not this model's forward"}
         elif not ctx.ledger.swapped():
             result = {"skipped": "nothing was quantized in this run (no float reference to compare against)"}
         else:

@@ -63,8 +63,10 @@ def shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torc
 
 def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float_dtype: torch.dtype,
                  arch: Arch | None, arch_config: ArchConfig | None, model_config: dict[str, Any],
-                 recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = ()) -> dict[str, Any]:
-    """Write `model` (quantized layers as they are, float tensors in `float_dtype`) per `cfg`; returns figures."""
+                 recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = (),
+                 native: bool = False) -> dict[str, Any]:
+    """Write `model` (quantized layers as they are, float tensors in `float_dtype`) per `cfg`; returns figures.
+    `native`: the model's modules already carry native names (a ComfyUI model)."""
     residual = has_residual_lora(model)
     if residual and cfg.residual_lora == "error":
         # Residual branches are runtime state the model file cannot hold: never drop them silently.
@@ -72,16 +74,19 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
                          "set export.residual_lora=separate to write them as a LoRA file, or bake them (lora.mode)")
     state, layers = export_state_dict(model, float_dtype)
     key_layout = cfg.layout if arch is not None and arch.keymap is not None else "diffusers"
-    if key_layout == "comfy":
-        rows = {name: info["shape"][0] for name, info in layers.items()}
+    rows = {name: info["shape"][0] for name, info in layers.items()}
+    if key_layout == "comfy" and not native:
         state = layout.to_native(state, arch, arch_config, rows)
+    elif key_layout == "diffusers" and native:
+        state = layout.from_native(state, arch, arch_config, rows)
     foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
     if foreign:
         record = layers[foreign[0]]["record"]
         kind = record.get("lowbit_format", record.get("format"))
         rotated = f" + {record['lowbit_rotation']}" if "lowbit_rotation" in record else ""
         warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI does not know (e.g. {foreign[0]}: "
-                      f"{kind}{rotated}): stock ComfyUI refuses the whole file; lowbit_pipe loads it", stacklevel=2)
+                      f"{kind}{rotated}): stock ComfyUI refuses the whole file; ComfyUI with lowbit_pipe's node pack "
+                      "(python -m lowbit_pipe.comfy install <ComfyUI>) and lowbit_pipe load it", stacklevel=2)
     unscaled = sorted(n for n, info in layers.items() if info["format"] == "fp8" and info["activations"] == "dynamic")
     if unscaled:
         warnings.warn(f"{len(unscaled)} fp8 layers quantize their activations per token (e.g. {unscaled[0]}); stock "
@@ -142,6 +147,7 @@ class Export(Stage):
         dtype = ctx.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
         result = write_export(ctx.transformer, path, cfg, float_dtype=dtype, arch=ctx.arch, arch_config=ctx.arch_config,
-                              model_config=ctx.model_config, recipe=recipe, inputs=(ctx.recipe.model.path,))
+                              model_config=ctx.model_config, recipe=recipe, inputs=(ctx.recipe.model.path,),
+                              native=ctx.native)
         ctx.report["export"] = result
         return {k: v for k, v in result.items() if k != "not_stock_comfy"}

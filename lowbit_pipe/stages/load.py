@@ -219,7 +219,8 @@ class Load(Stage):
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.model
         if ctx.model is not None:  # handed in through the Python API: the caller owns it
-            ctx.source = {"path": None, "layout": "object"}
+            ctx.source = {"path": None, "layout": "object", "object": ctx.adapter.name}
+            ctx.adapter.prepare(ctx.model)
             _check_given_dtype(ctx)
         elif cfg.path is None:
             arch_id = cfg.arch or cfg.tiny_arch

@@ -95,6 +95,10 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
 def example_runner(ctx: Context) -> Callable[[], None]:
     """Run the transformer on `quantize.calibration_samples` seeded example input sets (the arch's own)."""
     cfg, ev = ctx.recipe.quantize, ctx.recipe.evaluate
+    if ctx.native:
+        raise ValueError("calibration (activations=static, quantize.budget_*) runs the arch's example inputs, which "
+                         "fit its diffusers class, not this natively named model (a ComfyUI model); use activations "
+                         "dynamic or none, or lowbit_pipe.quantize(..., calibrate=...) with your own inputs")
 
     def run() -> None:
         for i in range(cfg.calibration_samples):
@@ -140,7 +144,7 @@ class Quantize(Stage):
 
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.quantize
-        plans = plan_layers(linear_shapes(ctx.transformer), cfg, ctx.policy)
+        plans = plan_layers(linear_shapes(ctx.transformer), cfg, ctx.policy, ctx.policy_name)
         budget = None
         if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
             plans, budget = _budget_plans(ctx, plans)
@@ -150,7 +154,9 @@ class Quantize(Stage):
                 raise ValueError("activations=static needs calibration inputs, which only a known architecture "
                                  "provides (model.arch); use activations=dynamic or none")
             amax = static_input_amax(ctx.transformer, plans, example_runner(ctx))
-        groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" else []
+        # Native fused modules (FLUX qkv) are one weight already on a native tree.
+        groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" and \
+            not ctx.native else []
         ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
                                  fused=groups, input_amax=amax)
