@@ -19,6 +19,7 @@ Recording API (all return nothing useful unless said):
     original(name) / swapped()                       what evaluate needs
     patch_attr(obj, attr, value, name=)              setattr with undo
     patch_function(owner, attr, new)                 a function on another library (module or class)
+    set_item(mapping, key, value, name)              an entry in another library's table (registry dict)
     hook(handle, name)                               a torch RemovableHandle
     cache(name, clear, nbytes=, is_empty=)           a cache the pipeline filled
     cuda_graph(graph, name, tensors=)                a captured torch.cuda.CUDAGraph (+ its static tensors)
@@ -304,6 +305,25 @@ class Ledger:
 
         self.entries.append(Entry(kind, label, undo, 0, _restore_check(obj_ref, attr, original, in_dict),
                                   {"original": original}))
+
+    def set_item(self, mapping: dict, key: Any, value: Any, name: str) -> None:
+        """`mapping[key] = value` in another library's table (a registry dict), with an undo restoring what
+        was there, or removing the key; if someone else changed the entry since, it is left and reported."""
+        before = mapping.get(key, _MISSING)
+        mapping[key] = value
+
+        def undo() -> None:
+            if mapping.get(key, _MISSING) is not value:
+                raise RuntimeError(f"{name} was changed by someone else after our entry; left as is")
+            if before is _MISSING:
+                del mapping[key]
+            else:
+                mapping[key] = before
+
+        def check() -> Any:
+            return True if mapping.get(key, _MISSING) is before else "not restored"
+
+        self.entries.append(Entry("dict_entry", name, undo, 0, check, {"before": before}))
 
     def patch_function(self, owner: Any, attr: str, new: Callable[..., Any]) -> Callable[..., Any]:
         """Replace a function on another library (a module or class) with a recorded undo.

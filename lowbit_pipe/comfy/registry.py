@@ -1,0 +1,288 @@
+"""Teach a running ComfyUI to load and run lowbit_pipe's own kinds (the node pack's registration).
+
+Stock ComfyUI refuses a file holding any `lowbit_<name>` record as a whole: `comfy/ops.py`
+`_load_quantized_module` looks the record's `format` up in `comfy.quant_ops.QUANT_ALGOS` (KeyError),
+and past that has one hard-coded branch per stock format. `install(quant_ops, ops)` changes exactly
+three things, each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
+
+1. the `LowbitLayout` comfy-kitchen layout (class and op handlers) is registered with comfy-kitchen's
+   registry, the one ComfyUI's `quant_ops` re-exports (`lowbit_pipe.comfy.layout.register`);
+2. `QUANT_ALGOS` gets one entry per lowbit kind the project's formats can write (`lowbit_kinds()`:
+   found by asking every registered format what records it writes), with the format's storage dtype,
+   layout "LowbitLayout" and `quantize_input: False`, so ComfyUI's Linear hands the float input to
+   the layout's linear (which quantizes activations the layer's own way);
+3. `ops._load_quantized_module` (looked up as a module global at call time by the mixed-precision
+   Linear) is wrapped: a `lowbit_` record is loaded through the project's formats
+   (`format_for_record` + `from_tensors`, errors naming the layer) into a Parameter-wrapped
+   LowbitLayout QuantizedTensor, with the module attributes ComfyUI's Linear.forward reads; every other
+   record (or none) goes to the original function untouched. `ops._quantized_weight_state_dict` (ComfyUI's
+   re-save) is wrapped too, so a re-saved lowbit layer keeps its whole record rather than only the keys
+   ComfyUI knows.
+
+`Registration.uninstall()` unwinds the ledger: the same function objects are back, the dict entries
+and the layout are gone, and the ledger's teardown report says so. Installing twice returns the
+first, still active, Registration (nothing is wrapped twice).
+
+The two ComfyUI modules are parameters so tests can pass stand-ins; `install_into_comfyui()` imports
+`comfy.quant_ops` and `comfy.ops` itself. No ComfyUI code is imported here.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from lowbit_pipe.comfy import layout
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
+from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
+from lowbit_pipe.formats.common import MARKER_KEYS
+from lowbit_pipe.ledger import Ledger
+
+PREFIX = "lowbit_"
+_MISSING = object()
+_WRAPPER_MARK = "__lowbit_pipe_registration__"
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One `lowbit_<name>` record format: which of our formats reads it and how it is stored."""
+
+    name: str  # the record's "format", e.g. "lowbit_fp8"
+    format: str  # our format name, e.g. "fp8"
+    storage_dtype: torch.dtype  # dtype of the stored `weight`
+    parameters: frozenset[str]  # stored tensors besides `weight` (input_scale included: any layer may have one)
+    variants: tuple[str, ...]  # the marker keys of the records seen, e.g. "lowbit_granularity=row"
+
+    def quant_algo(self) -> dict[str, Any]:
+        """The QUANT_ALGOS entry (the keys ComfyUI's entries have)."""
+        return {"storage_t": self.storage_dtype, "parameters": set(self.parameters),
+                "comfy_tensor_layout": layout.LAYOUT_NAME, "quantize_input": False}
+
+
+@functools.lru_cache(maxsize=1)
+def lowbit_kinds() -> dict[str, Kind]:
+    """Every `lowbit_` format name the project's formats write, found by quantizing a small seeded weight
+    with each rotation and granularity each format accepts (static / weight-only activations keep
+    the name, so they need no probe)."""
+    out_f, in_f = 16, 256  # fits every block size and rotation group (convrot 256, quarot / hadanorm 128)
+    weight = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)) * 0.02
+    found: dict[str, dict[str, Any]] = {}
+    for fmt in FORMATS.values():
+        if fmt.shape_problem(out_f, in_f) is not None:
+            continue
+        for rotation in fmt.rotations:
+            for granularity in (None, "row", "tensor"):
+                spec = FormatSpec(format=fmt.name, rotation=rotation, granularity=granularity)
+                try:
+                    fmt.check_spec(spec)
+                    q = fmt.quantize(weight, spec)
+                except (ValueError, FormatError):
+                    continue
+                name = str(q.record.get("format", ""))
+                if not name.startswith(PREFIX):
+                    continue
+                entry = found.setdefault(name, {"format": fmt.name, "dtype": q.tensors["weight"].dtype,
+                                                "parameters": {"input_scale"}, "variants": []})
+                if entry["format"] != fmt.name or entry["dtype"] != q.tensors["weight"].dtype:
+                    raise RuntimeError(f"{name} is written by formats '{entry['format']}' and '{fmt.name}' "
+                                       "(or with two storage dtypes): one QUANT_ALGOS entry cannot describe both")
+                entry["parameters"].update(k for k in q.tensors if k != "weight")
+                variant = ", ".join(f"{k}={q.record[k]}" for k in MARKER_KEYS if k != "lowbit_format" and k in q.record)
+                if variant not in entry["variants"]:
+                    entry["variants"].append(variant)
+    return {name: Kind(name, e["format"], e["dtype"], frozenset(e["parameters"]), tuple(e["variants"]))
+            for name, e in sorted(found.items())}
+
+
+# ---- the registration ------------------------------------------------------------------------------
+@dataclass
+class Registration:
+    """What `install` changed in one ComfyUI (its two modules), and the ledger that undoes it."""
+
+    quant_ops: Any
+    ops: Any
+    ledger: Ledger
+    kinds: tuple[str, ...]
+    layout: str = layout.LAYOUT_NAME
+    wrapped: tuple[str, ...] = ()  # names of the ops functions wrapped
+    active: bool = True
+    installs: int = 1  # how many install calls returned this registration
+    report: dict[str, Any] | None = field(default=None, repr=False)  # the teardown report, after uninstall
+
+    def uninstall(self) -> dict[str, Any]:
+        """Undo everything (reverse order) and return the ledger's teardown report (`patches_restored`,
+        `errors`, `unfreed`, ...). Idempotent: a second call returns the first report."""
+        if not self.active:
+            return self.report or {}
+        self.active = False
+        self.report = self.ledger.unwind().as_dict()
+        return self.report
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.uninstall()
+
+
+def installed(ops: Any) -> Registration | None:
+    """The active Registration whose wrapper is (anywhere in the `__wrapped__` chain of)
+    `ops._load_quantized_module`, else None."""
+    fn, seen = getattr(ops, "_load_quantized_module", None), set()
+    while fn is not None and id(fn) not in seen:
+        seen.add(id(fn))
+        reg = getattr(fn, _WRAPPER_MARK, None)
+        if reg is not None and reg.active:
+            return reg
+        fn = getattr(fn, "__wrapped__", None)
+    return None
+
+
+def install(quant_ops: Any, ops: Any) -> Registration:
+    """Register LowbitLayout, the lowbit kinds' QUANT_ALGOS entries and the loader wrapper into ComfyUI's
+    `comfy.quant_ops` / `comfy.ops` modules (or stand-ins with the same names). Idempotent."""
+    existing = installed(ops)
+    if existing is not None:
+        existing.installs += 1
+        return existing
+    algos = getattr(quant_ops, "QUANT_ALGOS", None)
+    if not isinstance(algos, dict):
+        raise TypeError(f"{getattr(quant_ops, '__name__', quant_ops)!r} has no QUANT_ALGOS dict: not ComfyUI's quant_ops")
+    for name in ("register_layout_class", "get_layout_class"):
+        if not callable(getattr(quant_ops, name, None)):
+            raise TypeError(f"ComfyUI's quant_ops has no {name}: comfy-kitchen is missing or too old")
+    if not callable(getattr(ops, "_load_quantized_module", None)):
+        raise TypeError("ComfyUI's ops has no _load_quantized_module: this ComfyUI predates (or changed) the "
+                        "mixed-precision loader this registration wraps")
+
+    ledger = Ledger()
+    kinds = lowbit_kinds()
+    reg = Registration(quant_ops, ops, ledger, tuple(kinds))
+    try:
+        layout.register(ledger, register_class=quant_ops.register_layout_class)
+        if quant_ops.get_layout_class(layout.LAYOUT_NAME) is not layout.LowbitLayout:
+            raise RuntimeError(f"ComfyUI's get_layout_class('{layout.LAYOUT_NAME}') does not find the registered "
+                               "class: ComfyUI and lowbit_pipe see different comfy-kitchen registries")
+        for kind in kinds.values():
+            ledger.set_item(algos, kind.name, kind.quant_algo(), f"QUANT_ALGOS['{kind.name}']")
+        original_load = ops._load_quantized_module
+        ledger.patch_function(ops, "_load_quantized_module", _load_wrapper(original_load, algos, reg))
+        wrapped = ["_load_quantized_module"]
+        original_save = getattr(ops, "_quantized_weight_state_dict", None)
+        if callable(original_save):
+            ledger.patch_function(ops, "_quantized_weight_state_dict", _state_dict_wrapper(original_save, reg))
+            wrapped.append("_quantized_weight_state_dict")
+        reg.wrapped = tuple(wrapped)
+    except BaseException:
+        reg.active = False
+        ledger.unwind()
+        raise
+    return reg
+
+
+def install_into_comfyui() -> Registration:
+    """`install` into the running ComfyUI (imports `comfy.quant_ops` and `comfy.ops`): what the node pack's
+    `__init__.py` calls at custom-node import time, before any model loads."""
+    import comfy.ops  # noqa: PLC0415 - ComfyUI is only there at run time
+    import comfy.quant_ops  # noqa: PLC0415
+
+    return install(comfy.quant_ops, comfy.ops)
+
+
+# ---- the wrappers --------------------------------------------------------------------------------
+def _peek_record(state_dict: dict, prefix: str) -> dict[str, Any] | None:
+    """The layer's `.comfy_quant` record without popping it; None when absent or unreadable (the
+    original loader then deals with it as it always did)."""
+    t = state_dict.get(f"{prefix}comfy_quant")
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        record = json.loads(t.detach().cpu().numpy().tobytes())
+    except (ValueError, UnicodeDecodeError, TypeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _load_wrapper(original: Callable[..., Any], algos: dict, reg: Registration) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _load_quantized_module(module, super_load, state_dict, prefix, local_metadata, strict,
+                               missing_keys, unexpected_keys, error_msgs, load_extra_params=False):
+        record = _peek_record(state_dict, prefix)
+        if (record is None or not str(record.get("format", "")).startswith(PREFIX)
+                or f"{prefix}weight" not in state_dict):
+            return original(module, super_load, state_dict, prefix, local_metadata, strict,
+                            missing_keys, unexpected_keys, error_msgs, load_extra_params=load_extra_params)
+        _load_lowbit(module, record, algos, super_load, state_dict, prefix, local_metadata, strict,
+                     missing_keys, unexpected_keys, error_msgs, load_extra_params)
+
+    setattr(_load_quantized_module, _WRAPPER_MARK, reg)
+    return _load_quantized_module
+
+
+def _load_lowbit(module, record, algos, super_load, state_dict, prefix, local_metadata, strict,
+                 missing_keys, unexpected_keys, error_msgs, load_extra_params) -> None:
+    """The lowbit branch: what the stock branch does for its formats, through the project's format."""
+    layer = prefix.rstrip(".")
+    where = f"ComfyUI layer '{layer}'"
+    kind = record["format"]
+    if kind not in algos:
+        raise FormatError(f"{where}: record format '{kind}' is not a kind this lowbit_pipe registered "
+                          f"(registered: {', '.join(k for k in algos if k.startswith(PREFIX))})")
+    orig_shape = tuple(getattr(module, "_orig_shape", ()))
+    if len(orig_shape) != 2:
+        raise FormatError(f"{where}: lowbit kinds load into 2-D Linear weights only, this module's weight is "
+                          f"{orig_shape} ({type(module).__name__})")
+    device = module.factory_kwargs["device"]
+    compute_dtype = module.factory_kwargs["dtype"]
+
+    # The layer's own tensors: every `<prefix><name>` without a further dot, except the bias (torch loads
+    # it) and the record. The format refuses any it does not know, naming it.
+    state_dict.pop(f"{prefix}comfy_quant")
+    names = [k[len(prefix):] for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]]
+    tensors = {n: state_dict.pop(prefix + n) for n in names if n != "bias"}
+    manually_loaded = [prefix + n for n in tensors]
+    fmt = format_for_record(record, where)
+    q = fmt.from_tensors(tensors, record, where)
+    if tuple(q.shape) != orig_shape:
+        raise FormatError(f"{where}: stored weight is {tuple(q.shape)} (out, in), the model's layer is {orig_shape}")
+    if device is not None:
+        q = type(q)(q.format, q.shape, {k: v.to(device=device) for k, v in q.tensors.items()}, q.record)
+
+    module.quant_format = kind
+    module._full_precision_mm_config = bool(record.get(WEIGHT_ONLY_KEY, False))
+    if not module._full_precision_mm:
+        module._full_precision_mm = module._full_precision_mm_config
+    if kind in getattr(module, "_disabled_formats", ()):
+        module._full_precision_mm = True
+    module.layout_type = layout.LAYOUT_NAME
+    module.weight = torch.nn.Parameter(layout.to_quantized_tensor(q, compute_dtype), requires_grad=False)
+    if load_extra_params and "input_scale" in q.tensors:
+        # As stock does for fp8 / nvfp4: ComfyUI's re-save writes the module's input_scale. Our linear reads
+        # the copy in the layout's Params (quantize_input is False, so ComfyUI itself never uses this one).
+        module.register_parameter("input_scale", torch.nn.Parameter(q.tensors["input_scale"], requires_grad=False))
+
+    super_load(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+    for key in manually_loaded:
+        if key in missing_keys:
+            missing_keys.remove(key)
+
+
+def _state_dict_wrapper(original: Callable[..., Any], reg: Registration) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def _quantized_weight_state_dict(module, sd, prefix, extra_quant_conf=None, extra_quant_params=()):
+        weight = getattr(module, "weight", None)
+        if layout.is_lowbit(weight):
+            # The whole record (ComfyUI would write only the keys it knows: format and the weight-only flag).
+            record = dict(layout._record_of(weight._params.record))
+            if getattr(module, "_full_precision_mm_config", False):
+                record[WEIGHT_ONLY_KEY] = True
+            extra_quant_conf = {**record, **(extra_quant_conf or {})}
+        return original(module, sd, prefix, extra_quant_conf=extra_quant_conf, extra_quant_params=extra_quant_params)
+
+    setattr(_quantized_weight_state_dict, _WRAPPER_MARK, reg)
+    return _quantized_weight_state_dict
