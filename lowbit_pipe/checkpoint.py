@@ -23,6 +23,7 @@ _DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL",
 class TensorInfo:
     dtype: str
     shape: tuple[int, ...]
+    offsets: tuple[int, int] = (0, 0)  # bytes [start, end) in the data section
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class Header:
     path: str
     metadata: dict[str, str]
     tensors: dict[str, TensorInfo]
+    data_start: int = 0  # file offset of the data section (8 + header length)
 
 
 def read_header(path: str | Path) -> Header:
@@ -68,8 +70,8 @@ def read_header(path: str | Path) -> Header:
             raise CheckpointError(path, f"unknown dtype '{dtype}'", key)
         if not (0 <= start <= end <= data_len):
             raise CheckpointError(path, f"data offsets {start}..{end} run past the file's {data_len} data bytes (truncated?)", key)
-        tensors[key] = TensorInfo(dtype, shape)
-    return Header(path, dict(metadata), tensors)
+        tensors[key] = TensorInfo(dtype, shape, (int(start), int(end)))
+    return Header(path, dict(metadata), tensors, 8 + n)
 
 
 def load_tensors(path: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
@@ -159,3 +161,76 @@ def shard_files(path: str) -> list[str]:
     except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
         raise CheckpointError(path, f"not a valid safetensors index ({err})") from err
     return [str(Path(path).parent / f) for f in files]
+
+
+_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+              torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+
+
+class StreamingWriter:
+    """Write a safetensors file tensor by tensor, so a file larger than memory can be written.
+
+    The data section is written first, after a header region reserved by the caller's bound
+    (`header_bytes`); the header (its JSON padded with spaces, which JSON readers skip) goes in last.
+    Same atomicity as `atomic_save`: a temp file renamed into place by `close()`; `abort()` (or an
+    exception inside the `with`) removes it, never leaving a half-written file.
+    """
+
+    def __init__(self, path: str | Path, header_bytes: int, *, inputs: tuple[str | Path | None, ...] = ()):
+        self.path = Path(path)
+        for source in inputs:
+            if source is not None and Path(source).exists() and self.path.exists() and \
+                    Path(source).resolve() == self.path.resolve():
+                raise CheckpointError(str(self.path), "refusing to overwrite the input file; choose another export.path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.reserved = int(header_bytes) + (-int(header_bytes)) % 8  # data starts 8-aligned
+        self.entries: dict[str, dict[str, Any]] = {}
+        self.offset = 0
+        self._file = open(self.tmp, "wb")
+        self._file.seek(8 + self.reserved)
+
+    def __enter__(self) -> StreamingWriter:
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            return  # the caller closes with its metadata
+        self.abort()
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        if key in self.entries:
+            raise CheckpointError(str(self.path), "tensor written twice", key)
+        if tensor.dtype not in _ST_DTYPES:
+            raise CheckpointError(str(self.path), f"dtype {tensor.dtype} has no safetensors name", key)
+        t = tensor.detach().contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            self._file.write(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+        self.entries[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [self.offset, self.offset + nbytes]}
+        self.offset += nbytes
+
+    def close(self, metadata: dict[str, str] | None = None) -> int:
+        """Write the header, publish the file; returns its size in bytes."""
+        header = dict(self.entries)
+        if metadata:
+            header["__metadata__"] = metadata
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        if len(raw) > self.reserved:
+            self.abort()
+            raise CheckpointError(str(self.path), f"header of {len(raw)} bytes exceeds the {self.reserved} reserved "
+                                                  "for it (a bug: the bound is computed before writing)")
+        self._file.seek(0)
+        self._file.write(struct.pack("<Q", self.reserved))
+        self._file.write(raw + b" " * (self.reserved - len(raw)))
+        self._file.close()
+        _publish(self.tmp, self.path)
+        return self.path.stat().st_size
+
+    def abort(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+        if self.tmp.exists():
+            self.tmp.unlink()

@@ -33,6 +33,8 @@ class Context:
     native: bool = False  # the transformer's modules carry native (ComfyUI / BFL) names, e.g. a ComfyUI model
     fused_groups: list[list[str]] = field(default_factory=list)  # layers quantized as one native fused weight
     console: Console = field(default_factory=Console)  # messages, one-line warnings, progress
+    stream: Any = None  # model.stream: the checkpoint (load.SourceFile) the export streams from
+    plans: list = field(default_factory=list)  # the quantize stage's layer plan (what a stream quantizes)
 
     def set_model(self, model: Any, *, owned: bool) -> None:
         self.model = model

@@ -28,6 +28,9 @@ class ModelConfig:
     device: Optional[str] = None  # "cpu", "cuda", "cuda:N" or "auto"; None: cpu, or where a passed-in model is
     tiny_config: dict[str, Any] = field(default_factory=dict)  # diffusers config kwargs of the tiny model
     config: dict[str, Any] = field(default_factory=dict)  # config overrides for a state-dict file without one
+    # Stream model.path through quantize into the export, one tensor at a time (bounded memory; the model is
+    # never loaded): pipeline [load, detect, quantize, export(, teardown)], float weights, no static activations.
+    stream: bool = False
 
 
 @dataclass

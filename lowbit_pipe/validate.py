@@ -105,10 +105,35 @@ def _check_model(recipe: Recipe) -> None:
                                         f"pick it with model=tiny_{m.arch}")
 
 
+STREAM_STAGES = ("load", "detect", "quantize", "export", "teardown")
+
+
+def _check_stream(recipe: Recipe) -> None:
+    """What streaming (no model in memory, no forward) can do."""
+    if not recipe.model.stream:
+        return
+    if recipe.model.path is None:
+        raise RecipeError("model.stream", "streams a checkpoint file: set model.path")
+    extra = [s for s in recipe.pipeline if s not in STREAM_STAGES]
+    if extra or "export" not in recipe.pipeline:
+        raise RecipeError("pipeline", f"model.stream=true runs {list(STREAM_STAGES[:4])} (+ teardown); "
+                                      f"{extra or 'export is missing'} needs the model loaded (model.stream=false)")
+    q = recipe.quantize
+    if q.budget_bytes is not None or q.budget_ratio is not None:
+        raise RecipeError("quantize.budget_bytes", "a byte budget calibrates on forwards: not with model.stream=true")
+    choices = [("quantize.default", q.default), ("quantize.sensitive", q.sensitive), ("quantize.fallback", q.fallback)]
+    choices += [(f"quantize.rules[{i}]", r) for i, r in enumerate(q.rules)]
+    for path, choice in choices:
+        if choice is not None and choice.activations == "static":
+            raise RecipeError(f"{path}.activations", "static scales are calibrated on forwards: not with "
+                                                     "model.stream=true (use dynamic or none)")
+
+
 def validate(recipe: Recipe) -> Recipe:
     """Checks types cannot express; raises RecipeError naming the path."""
     _check_pipeline(recipe)
     _check_model(recipe)
+    _check_stream(recipe)
     if recipe.export.dtype not in DTYPES + ("auto",):
         raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{recipe.export.dtype}'")
     if recipe.export.layout not in ("comfy", "diffusers"):

@@ -4,8 +4,9 @@ A `KeyMap` converts key->shape maps and state dicts (tensors) both ways, and
 single module names (for LoRA and export). Rules are templates where `{i}` is
 a block index. Keys no rule matches pass through unchanged (identity).
 
-Values may be tensors or shape tuples: the same code converts both, so shape
-maps (detection) and real weights (load / export) share one mapping.
+Values may be tensors, lazy tensors (lowbit_pipe.lazy: streaming reads) or shape tuples:
+the same code converts all three, so shape maps (detection), real weights (load / export)
+and a checkpoint streamed tensor by tensor share one mapping.
 """
 
 from __future__ import annotations
@@ -48,12 +49,16 @@ def _fill(template: str, i: str | None) -> str:
     return template.replace("{i}", i) if i is not None else template
 
 
+def _shape(v: Any) -> tuple[int, ...]:
+    return tuple(v.shape) if hasattr(v, "shape") else tuple(v)
+
+
 def _rows(v: Any) -> int:
-    return int(v.shape[0]) if isinstance(v, torch.Tensor) else int(v[0])
+    return int(_shape(v)[0])
 
 
 def _in_features(v: Any) -> int | None:
-    shape = tuple(v.shape) if isinstance(v, torch.Tensor) else tuple(v)
+    shape = _shape(v)
     return int(shape[1]) if len(shape) >= 2 else None
 
 
@@ -69,31 +74,39 @@ def split_sizes(sizes: tuple[str, ...], total: int, hidden: int) -> list[int]:
 def _split(v: Any, rows: list[int]) -> list[Any]:
     if isinstance(v, torch.Tensor):
         return list(torch.split(v, rows, dim=0))
+    if hasattr(v, "split_rows"):
+        return v.split_rows(rows)
     return [(r, *tuple(v)[1:]) for r in rows]
 
 
 def _cat(vs: list[Any]) -> Any:
     if isinstance(vs[0], torch.Tensor):
         return torch.cat(vs, dim=0)
+    if hasattr(vs[0], "cat_rows"):
+        return type(vs[0]).cat_rows(vs)
     return (sum(v[0] for v in vs), *tuple(vs[0])[1:])
 
 
 def _swap(v: Any, in_features: int | None) -> Any:
     """(shift, scale) <-> (scale, shift) halves; only for a [2 * in_features, ...] modulation (SD3 runs one
     rule over 6h-row and 2h-row tensors)."""
-    if isinstance(v, torch.Tensor) and in_features is not None and v.shape[0] == 2 * in_features:
+    if in_features is None or not hasattr(v, "shape") or v.shape[0] != 2 * in_features:
+        return v
+    if isinstance(v, torch.Tensor):
         a, b = v.chunk(2, dim=0)
         return torch.cat([b, a], dim=0)
-    return v
+    return v.halves_swapped()
 
 
 def _reshape(v: Any, shape: tuple[int, ...]) -> Any:
-    return v.reshape(shape) if isinstance(v, torch.Tensor) else tuple(shape)
+    if isinstance(v, torch.Tensor):
+        return v.reshape(shape)
+    return v.reshaped(tuple(shape)) if hasattr(v, "reshaped") else tuple(shape)
 
 
 def _numel(v: Any) -> int:
     n = 1
-    for d in (v.shape if isinstance(v, torch.Tensor) else v):
+    for d in _shape(v):
         n *= int(d)
     return n
 
@@ -190,7 +203,7 @@ class KeyMap:
                     out[f"{_fill(part, i)}.{p}"] = piece
                 continue
             name = _fill(rule.diff, i) if rule.param else f"{_fill(rule.diff, i)}.{'weight' if rule.norm and p == 'scale' else p}"
-            if rule.flat and len(v.shape if isinstance(v, torch.Tensor) else v) == 1:
+            if rule.flat and len(_shape(v)) == 1:
                 n = self.flat_rows.get(rule.diff, 1)
                 v = _reshape(v, (n, _numel(v) // n))
             out[name] = _swap(v, _in_features(native.get(key[: -len(p)] + "weight", v))) if rule.swap and p else v

@@ -146,6 +146,15 @@ class Export(Stage):
         path = Path(cfg.path) if cfg.path else ctx.run_dir / "model.safetensors"
         dtype = ctx.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
+        if ctx.stream is not None:
+            from lowbit_pipe.stream import stream_export
+
+            device = torch.device(ctx.recipe.model.device or "cpu") if ctx.recipe.model.device != "auto" else \
+                torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            result = stream_export(ctx.stream, ctx.plans, path, layout=cfg.layout, float_dtype=dtype,
+                                   compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console)
+            ctx.report["export"] = result
+            return {k: v for k, v in result.items() if k not in ("not_stock_comfy", "layers")}
         result = write_export(ctx.transformer, path, cfg, float_dtype=dtype, arch=ctx.arch, arch_config=ctx.arch_config,
                               model_config=ctx.model_config, recipe=recipe, inputs=(ctx.recipe.model.path,),
                               native=ctx.native)

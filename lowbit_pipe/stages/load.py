@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from lowbit_pipe.arch import ARCHS, get_arch
+from lowbit_pipe.arch import ARCHS, Arch, ArchConfig, get_arch
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
@@ -138,16 +139,30 @@ def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
             raise CheckpointError(path, "NaN or Inf in weights", key)
 
 
-def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized.
+@dataclass
+class SourceFile:
+    """What a weights file (or a shard index) says before any weight is read."""
+
+    path: str
+    files: list[str]
+    meta: dict[str, Any]  # our own header (lowbit_pipe), {} for other tools' files
+    records: dict[str, dict]  # `.comfy_quant` / `_quantization_metadata` records, by layer as the file spells it
+    header_records: dict[str, dict]  # those from the header only
+    arch: Arch
+    arch_config: ArchConfig
+    layout: str  # "native" or "diffusers"
+    kwargs: dict[str, Any]  # the diffusers class's constructor config
+
+
+def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]) -> SourceFile:
+    """Headers, records, architecture and constructor config of a single-file checkpoint or shard index.
 
     The architecture: `arch_id` (model.arch) when given, else the file's own header, else key detection.
     "generic" only changes how detect plans the layers; the model is still built as the file's class."""
+    from lowbit_pipe.arch.detect import UnknownArchError, detect_state_dict
+
     if arch_id == "generic":
         arch_id = None
-    from lowbit_pipe import layout
-    from lowbit_pipe.arch.detect import UnknownArchError, detect_state_dict, strip_prefix
-
     files = shard_files(path)
     headers = [read_header(f) for f in files]
     shapes = {k: v.shape for h in headers for k, v in h.tensors.items()}
@@ -171,15 +186,25 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
     if arch_config is None or (detected is not None and detected.id != arch.id):
         arch_config = arch.default_config()
     # A file we wrote carries its exact constructor config; never infer it from (packed) shapes then.
-    config = dict(meta["transformer_config"]) if meta.get("transformer_config") else arch.default_kwargs()
-    config.update(config_override)
+    kwargs = dict(meta["transformer_config"]) if meta.get("transformer_config") else arch.default_kwargs()
+    kwargs.update(config_override)
+    return SourceFile(path, files, meta, records, header_records, arch, arch_config, file_layout, kwargs)
+
+
+def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
+    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized."""
+    from lowbit_pipe import layout
+    from lowbit_pipe.arch.detect import strip_prefix
+
+    src = inspect_file(path, arch_id, config_override)
+    arch, arch_config, records = src.arch, src.arch_config, src.records
     state: dict[str, torch.Tensor] = {}
-    for f in files:
+    for f in src.files:
         state.update(load_tensors(f))
-    state.update({f"{name}.comfy_quant": encode_record(record) for name, record in header_records.items()})
+    state.update({f"{name}.comfy_quant": encode_record(record) for name, record in src.header_records.items()})
     check_file_tensors(state, path)
     state, prefix = strip_prefix(state)
-    if file_layout == "native":
+    if src.layout == "native":
         rows = {}
         for name in layout.quantized_layers(state):
             record = records.get(prefix + name) or records.get(name)
@@ -188,14 +213,33 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
             state = layout.from_native(state, arch, arch_config, rows)
         except FormatError as err:
             raise CheckpointError(path, str(err)) from err
-    model = _build_empty(arch.model_class(), config)
+    model = _build_empty(arch.model_class(), src.kwargs)
 
     def file_key(name: str) -> str:  # errors name the layer as the file spells it
-        return prefix + (arch.to_native(name, arch_config)[0] if file_layout == "native" else name)
+        return prefix + (arch.to_native(name, arch_config)[0] if src.layout == "native" else name)
 
     quantized = install_state_dict(model, state, path, dtype, file_key)
-    return model.eval(), {"path": path, "layout": file_layout, "prefix": prefix, "quantized_layers": len(quantized),
-                          "arch": arch.id, "recipe": meta.get("recipe"), "files": len(files)}
+    return model.eval(), {"path": path, "layout": src.layout, "prefix": prefix, "quantized_layers": len(quantized),
+                          "arch": arch.id, "recipe": src.meta.get("recipe"), "files": len(src.files)}
+
+
+def inspect_dir(path: str, config_override: dict[str, Any]) -> SourceFile:
+    """A diffusers model folder as a SourceFile: its class from config.json, its safetensors shards."""
+    from lowbit_pipe.stream import diffusers_dir_files
+
+    config_file = Path(path) / "config.json"
+    if not config_file.is_file():
+        raise CheckpointError(path, "not a diffusers model directory (no config.json)")
+    config = json.loads(config_file.read_text())
+    class_name = config.get("_class_name")
+    arch = next((a for a in ARCHS.values() if a.diffusers_class == class_name), None)
+    if arch is None:
+        raise CheckpointError(str(config_file), f"class '{class_name}' is none of the architectures lowbit_pipe "
+                                                f"streams ({', '.join(sorted(ARCHS))})", "_class_name")
+    kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+    kwargs.update(config_override)
+    return SourceFile(path, diffusers_dir_files(path), {}, {}, {}, arch, arch.config_from_dict(kwargs), "diffusers",
+                      kwargs)
 
 
 def load_diffusers_dir(path: str, dtype: torch.dtype) -> tuple[nn.Module, dict]:
@@ -218,6 +262,8 @@ class Load(Stage):
 
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.model
+        if cfg.stream:
+            return self._stream(ctx)
         if ctx.model is not None:  # handed in through the Python API: the caller owns it
             ctx.source = {"path": None, "layout": "object", "object": ctx.adapter.name}
             ctx.adapter.prepare(ctx.model)
@@ -242,6 +288,20 @@ class Load(Stage):
                 _move(ctx, device)
         params = sum(p.numel() for p in ctx.transformer.parameters())
         return {"params": params, "source": ctx.source.get("layout"), "device": str(ctx.device), "dtype": str(ctx.dtype)}
+
+    def _stream(self, ctx: Context) -> dict[str, Any]:
+        """model.stream: the structure on the meta device (no weights), the checkpoint opened lazily by export."""
+        cfg = ctx.recipe.model
+        if ctx.model is not None:
+            raise ValueError("model.stream=true streams model.path; a model passed in is loaded already")
+        path = cfg.path
+        src = inspect_dir(path, dict(cfg.config)) if Path(path).is_dir() else inspect_file(path, cfg.arch, dict(cfg.config))
+        ctx.stream = src
+        ctx.set_model(_build_empty(src.arch.model_class(), src.kwargs).eval(), owned=True)
+        ctx.source = {"path": path, "layout": src.layout, "arch": src.arch.id, "files": len(src.files), "stream": True}
+        params = sum(p.numel() for p in ctx.transformer.parameters())
+        return {"params": params, "source": src.layout, "device": str(_resolve_device(cfg.device or "cpu")),
+                "dtype": str(ctx.dtype), "stream": True}
 
 
 def _check_given_dtype(ctx: Context) -> None:

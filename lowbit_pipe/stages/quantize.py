@@ -123,6 +123,11 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
     return result.plans, result.as_dict()
 
 
+def _plan_report(plans: list[LayerPlan]) -> list[dict[str, Any]]:
+    return [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
+             "activations": p.spec.activations if p.spec else None, "reason": p.reason} for p in plans]
+
+
 def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:  # noqa: ANN001
     """Fused native modules whose parts are all planned alike: quantized jointly for an exact ComfyUI export."""
     from lowbit_pipe.layout import fused_groups
@@ -155,6 +160,14 @@ class Quantize(Stage):
                                  "provides (model.arch); use activations=dynamic or none")
             amax = static_input_amax(ctx.transformer, plans, example_runner(ctx))
         # Native fused modules (FLUX qkv) are one weight already on a native tree.
+        ctx.plans = plans
+        if ctx.stream is not None:  # the export quantizes each layer as it streams by
+            counts = Counter(p.spec.format for p in plans if p.spec is not None)
+            unfit_counts = _warn_unfit(plans)
+            ctx.report["plan"] = _plan_report(plans)
+            ctx.report["quantize"] = {"layers": dict(counts), "streamed": True, "unfit": unfit_counts,
+                                      "float_layers": dict(Counter(p.reason for p in plans if p.spec is None))}
+            return {"planned_layers": sum(counts.values()), "streamed": True}
         groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" and \
             not ctx.native else []
         ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
@@ -163,9 +176,7 @@ class Quantize(Stage):
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
-        ctx.report["plan"] = [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
-                               "activations": p.spec.activations if p.spec else None, "reason": p.reason}
-                              for p in plans]
+        ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
         return {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
                 "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
