@@ -23,6 +23,7 @@ from lowbit_pipe.progress import Console
 from lowbit_pipe.summary import format_summary
 from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.stages import STAGES
+from lowbit_pipe.stages.compile import dynamo_counters
 from lowbit_pipe.stages.teardown import teardown
 
 
@@ -120,6 +121,8 @@ class Runner:
         report: dict[str, Any] = {"status": "running", "recipe": recipe_dict, "stages": {}, "warnings": []}
         ctx.report = report
         failure: BaseException | None = None
+        compiles = "compile" in self.recipe.pipeline
+        dynamo_start = dynamo_counters() if compiles else None
         torch.manual_seed(self.recipe.seed)
         for name in self.recipe.pipeline:
             try:
@@ -138,6 +141,8 @@ class Runner:
                 report["stages"]["teardown"] = self._run_stage("teardown", ctx)
             except Exception as err:  # teardown's own failure is reported beside the stage's
                 report["stages"]["teardown"] = {"error": f"{type(err).__name__}: {err}"}
+        if dynamo_start is not None:  # graphs compiled and graph breaks during this run (lazy: at first calls)
+            report["dynamo"] = {k: v - dynamo_start[k] for k, v in dynamo_counters().items()}
         interrupted = isinstance(failure, KeyboardInterrupt)
         report["status"] = "interrupted" if interrupted else "failed" if failure else "ok"
         if failure:

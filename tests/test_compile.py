@@ -113,3 +113,43 @@ def test_inductor_compile_of_quantized_layers_on_the_cpu():
     assert report.unfreed == [] and report.patches_restored == 3 and _dynamo_codes() == 0
     assert "_compiled_call_impl" not in vars(net)
     print(f"\ninductor compile + first call: {seconds:.1f} s")
+
+
+def test_lora_strength_and_same_rank_swaps_cost_no_recompile(tiny_model, tmp_path):
+    """On the compiled quantized model (regional, every block): a new strength and another LoRA of the same
+    rank change tensors, never the graph (0 recompiles); another rank recompiles each block shape at most
+    once. Counted with dynamo's own counters."""
+    from lowbit_pipe import lora
+    from lowbit_pipe.arch import get_arch
+    from lowbit_pipe.lora.make_example import example_lora
+    from lowbit_pipe.stages.compile import dynamo_counters
+
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    a, _ = example_lora(model, get_arch("krea2"), style="peft", rank=8, seed=1)
+    b, _ = example_lora(model, get_arch("krea2"), style="peft", rank=8, seed=2)
+    c, _ = example_lora(model, get_arch("krea2"), style="peft", rank=16, seed=3)
+    result = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,compile]", "compile.backend=aot_eager"],
+                             model=model, run_dir=tmp_path / "run")
+    handle = lora.attach(model, a, strength=1.0, name="a", ledger=result.context.ledger)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return arch.output_tensor(model(**inputs))
+
+    first = forward()
+    start = dynamo_counters()["graphs"]
+    handle.set_strength(0.5)
+    half = forward()
+    assert not torch.equal(half, first)
+    handle.remove()
+    lora.attach(model, b, strength=0.7, name="b", ledger=result.context.ledger)  # another file, same rank
+    forward()
+    assert dynamo_counters()["graphs"] - start == 0
+    lora.remove(model, "b")
+    lora.attach(model, c, strength=0.7, name="c", ledger=result.context.ledger)  # another rank
+    forward()
+    blocks = len(model.transformer_blocks)
+    assert dynamo_counters()["graphs"] - start <= blocks  # at most one per compiled block (same shapes each)
+    report = lowbit_pipe.teardown(result)
+    assert report["unfreed"] == [] and report["proven"], report

@@ -178,7 +178,8 @@ class LowbitPurge:
         report = lowbit_pipe.teardown(run)
         del run
         text = "lowbit_pipe purge: " + json.dumps({k: report[k] for k in (
-            "bytes_freed", "retained_bytes", "patches_restored", "unfreed", "proven", "unproven", "device")}, indent=1)
+            "bytes_freed", "retained_bytes", "patches_restored", "unfreed", "proven", "unproven", "caveats",
+            "device")}, indent=1)
         print(text)
         return model, text
 

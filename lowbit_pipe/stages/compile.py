@@ -48,6 +48,16 @@ DYNAMO_CAVEAT = ("torch keeps per-graph tracing state (FakeTensorMode/ShapeEnv, 
                  "no tensor storage) after torch.compiler.reset(); it cannot be freed or verified from outside torch")
 
 
+def dynamo_counters() -> dict[str, int]:
+    """dynamo's process-wide counters that say what compiling cost: graphs compiled (a recompile is one
+    more) and graph breaks. The runner reports their change over a run."""
+    from torch._dynamo.utils import counters
+
+    return {"graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "frames": int(counters["frames"].get("total", 0))}
+
+
 def block_targets(root: nn.Module, block_paths: tuple[str, ...] | list[str]) -> list[str]:
     """Names of the modules to compile regionally: the children of each repeated-block ModuleList."""
     paths = list(block_paths)
