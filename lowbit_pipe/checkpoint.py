@@ -112,6 +112,26 @@ def _publish(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
+def _sort_metadata(path: Path) -> None:
+    """Rewrite a safetensors header in place with its metadata keys sorted. safetensors keeps metadata in a
+    Rust HashMap, so with two or more keys their order (and the file's bytes) changes from save to save;
+    sorted, the same tensors and metadata give the same bytes. The header is the same pairs reordered, so
+    its length does not grow; a shorter one is padded with spaces, as safetensors pads."""
+    with open(path, "r+b") as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        meta = header.get("__metadata__")
+        if not meta or len(meta) < 2:
+            return
+        header["__metadata__"] = dict(sorted(meta.items()))
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+        if len(raw) > size:
+            raise CheckpointError(str(path), f"sorted header is {len(raw)} bytes, longer than the {size} written "
+                                             "(a bug: it holds the same pairs)")
+        f.seek(8)
+        f.write(raw + b" " * (size - len(raw)))
+
+
 def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
                 *, inputs: tuple[str | Path, ...] = ()) -> int:
     """Write `path` via a temp file + rename; never overwrites one of `inputs`. Returns bytes written."""
@@ -123,6 +143,7 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+        _sort_metadata(tmp)
         _publish(tmp, path)
     finally:
         if tmp.exists():

@@ -153,3 +153,21 @@ def test_residual_lora_error_writes_nothing(tmp_path):
         lowbit_pipe.run("krea2_nvfp4_lora", ["pipeline=[load,detect,quantize,lora,export]", f"export.path={out}",
                                              "export.residual_lora=error"], run_dir=tmp_path / "r")
     assert not out.exists() and not list(tmp_path.glob("*.safetensors"))
+
+
+def test_same_tensors_and_metadata_give_the_same_bytes(tmp_path):
+    """safetensors orders metadata keys by a randomly seeded hash map; atomic_save sorts them, so a file with
+    several metadata entries (ours and ComfyUI's) is byte-identical from save to save, and still loads."""
+    import hashlib
+
+    from lowbit_pipe.checkpoint import atomic_save
+    tensors = {"b.weight": torch.arange(6, dtype=torch.int8).reshape(2, 3), "a.bias": torch.ones(3)}
+    metadata = {f"key{i}": json.dumps({"i": i, "name": "é/ü"}) for i in range(6)}
+    digests = set()
+    for i in range(6):
+        atomic_save(tensors, tmp_path / f"m{i}.safetensors", metadata)
+        digests.add(hashlib.sha256((tmp_path / f"m{i}.safetensors").read_bytes()).hexdigest())
+    assert len(digests) == 1
+    with safe_open(str(tmp_path / "m0.safetensors"), "pt") as f:
+        assert f.metadata() == metadata
+        assert torch.equal(f.get_tensor("b.weight"), tensors["b.weight"])
