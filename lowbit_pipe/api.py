@@ -43,7 +43,8 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
 
     Pass a Ledger to be able to undo it (`ledger.unwind()`); returns the counts and bytes. `calibrate`:
     a function that runs `module` on representative inputs, needed by layers with activations=static
-    (their input_scale is the amax of the input it sees, after the layer's rotation).
+    (their input_scale is the amax of the input it sees, after the layer's rotation) and by GPTQ
+    (`gptq: {enabled: true}`; it is called once per pass, on the module as quantized so far).
     """
     from lowbit_pipe.calibration import static_input_amax
     from lowbit_pipe.compose import register_schema
@@ -73,7 +74,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
                          "module on representative inputs) so its input_scale can be measured")
     amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
     return quantize_module(module, plans, ledger if ledger is not None else Ledger(), originals=config.originals,
-                           fused=groups, input_amax=amax)
+                           fused=groups, input_amax=amax, gptq=config.gptq, run_examples=calibrate)
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,

@@ -7,7 +7,7 @@ layout as is, and `load_state_dict` of an exported file restores it.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -32,12 +32,15 @@ class QuantLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, spec: FormatSpec, input_amax: float | None = None,
-                    where: str = "") -> QuantLinear:
-        """Quantize `linear` per `spec`; `input_amax` (of the rotated input) is needed for static activations."""
+                    where: str = "", quantizer: Callable[[torch.Tensor, FormatSpec], QuantizedWeight] | None = None
+                    ) -> QuantLinear:
+        """Quantize `linear` per `spec`; `input_amax` (of the rotated input) is needed for static activations.
+        `quantizer(weight, spec)`: what rounds the weight (GPTQ); default the format's round-to-nearest."""
         fmt = get_format(spec.format)
         with torch.no_grad():
-            qweight = fmt.with_activations(fmt.quantize(linear.weight.detach(), spec), spec.activations, input_amax,
-                                           where)
+            q = quantizer(linear.weight.detach(), spec) if quantizer is not None else \
+                fmt.quantize(linear.weight.detach(), spec)
+            qweight = fmt.with_activations(q, spec.activations, input_amax, where)
         return cls(qweight, linear.bias)
 
     @property

@@ -58,6 +58,21 @@ class LayerRule:
 
 
 @dataclass
+class GPTQConfig:
+    """GPTQ error feedback: each weight column is rounded on the round-to-nearest grid (same scales, same
+    file layout) and its error pushed into the columns not yet rounded, weighted by the layer's calibrated
+    input Hessian. Layers are quantized in sequential passes, each calibrated on the model whose earlier
+    layers are already quantized."""
+
+    enabled: bool = False
+    block_size: int = 128  # columns per lazy batch update
+    damp: float = 0.01  # added to the Hessian's diagonal, as a fraction of its mean
+    act_order: bool = False  # round columns in order of decreasing input energy
+    # fp32 Hessians (4 * in_features^2 bytes per layer) held at once: bounds a pass's layers.
+    hessian_bytes: int = 4 << 30
+
+
+@dataclass
 class QuantizeConfig:
     default: FormatChoice = field(default_factory=FormatChoice)
     rules: list[LayerRule] = field(default_factory=list)
@@ -74,8 +89,12 @@ class QuantizeConfig:
     budget_candidates: list[FormatChoice] = field(
         default_factory=lambda: [FormatChoice(format="nvfp4"), FormatChoice(format="int8")])
     budget_allow_float: bool = True  # the most sensitive layers may stay float
-    calibration_samples: int = 2  # seeded example-input sets: budget sensitivity, static activation scales
-    calibration_seed: int = 0
+    calibration_samples: int = 2  # seeded example-input sets: budget sensitivity, static scales, GPTQ Hessians
+    calibration_seed: int = 20_000  # apart from evaluate's seeds (0.., trajectories 10_000..): held-out figures
+    # Each sample runs the arch's Euler sampler for this many steps, calibrating on every step's input (DiT
+    # activations change with the timestep); 0: one forward at the example's own timestep.
+    calibration_steps: int = 4
+    gptq: GPTQConfig = field(default_factory=GPTQConfig)
 
 
 @dataclass

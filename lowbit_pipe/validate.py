@@ -121,6 +121,9 @@ def _check_stream(recipe: Recipe) -> None:
     q = recipe.quantize
     if q.budget_bytes is not None or q.budget_ratio is not None:
         raise RecipeError("quantize.budget_bytes", "a byte budget calibrates on forwards: not with model.stream=true")
+    if q.gptq.enabled:
+        raise RecipeError("quantize.gptq.enabled", "GPTQ calibrates on forwards of the loaded model: not with "
+                                                   "model.stream=true")
     choices = [("quantize.default", q.default), ("quantize.sensitive", q.sensitive), ("quantize.fallback", q.fallback)]
     choices += [(f"quantize.rules[{i}]", r) for i, r in enumerate(q.rules)]
     for path, choice in choices:
@@ -175,6 +178,14 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("quantize.budget_ratio", f"must be in (0, 1], got {q.budget_ratio}")
     if q.calibration_samples < 1:
         raise RecipeError("quantize.calibration_samples", "must be >= 1")
+    if q.calibration_steps < 0:
+        raise RecipeError("quantize.calibration_steps", "must be >= 0 (0: one forward per sample)")
+    if q.gptq.block_size < 1:
+        raise RecipeError("quantize.gptq.block_size", f"must be >= 1, got {q.gptq.block_size}")
+    if not 0 < q.gptq.damp < 1:
+        raise RecipeError("quantize.gptq.damp", f"must be in (0, 1), got {q.gptq.damp}")
+    if q.gptq.hessian_bytes < 1:
+        raise RecipeError("quantize.gptq.hessian_bytes", "must be > 0")
     for i, choice in enumerate(q.budget_candidates):
         check_choice(f"quantize.budget_candidates[{i}]", choice)
     for i, pattern in enumerate(q.keep):

@@ -104,7 +104,8 @@ def test_weight_only_is_the_dequantized_matmul_in_the_input_dtype():
 
 
 def _input_amax(model: nn.Module, layer: str, kind: str, group: int, recipe) -> float:  # noqa: ANN001
-    """Independent re-run of the calibration: amax of the layer's rotated input over the seeded examples."""
+    """Independent re-run of the calibration: amax of the layer's rotated input over the seeded examples, each
+    denoised by `calibration_steps` Euler steps (sigma 1 -> 0 linearly, x += (sigma' - sigma) * v)."""
     from lowbit_pipe.arch import detect_model
 
     arch = detect_model(model)
@@ -117,7 +118,12 @@ def _input_amax(model: nn.Module, layer: str, kind: str, group: int, recipe) -> 
             inputs = arch.example_inputs(dict(model.config), batch=ev.batch, image_tokens=ev.image_tokens,
                                          text_tokens=ev.text_tokens, dtype=torch.float32, device="cpu",
                                          generator=torch.Generator().manual_seed(q.calibration_seed + i))
-            model(**inputs)
+            steps = q.calibration_steps
+            for k in range(steps):
+                inputs["timestep"] = torch.full_like(inputs["timestep"], 1.0 - k / steps)
+                v = arch.output_tensor(model(**inputs))
+                inputs["hidden_states"] = inputs["hidden_states"] - v.reshape(inputs["hidden_states"].shape) / steps
+    assert len(seen) == q.calibration_samples * q.calibration_steps > 0
     handle.remove()
     return float(max(seen))
 

@@ -158,6 +158,17 @@ class Format(ABC):
         """Logical (out, in) of a layer from its stored `weight` shape (packed formats override)."""
         return (int(weight_shape[0]), int(weight_shape[1]))
 
+    # ---- fixed-grid rounding (GPTQ) ----------------------------------------------------------
+    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """`values` [N, m] (the stored, rotated basis) of weight columns `cols` [m] rounded to the grid `q`'s
+        scales define (they stay fixed): the dequantized result, fp32. What error-feedback quantizers (GPTQ)
+        round each column with, so only the stored codes change, never the scales or the layout."""
+        raise NotImplementedError(f"format '{self.name}' has no fixed-grid rounding (GPTQ)")
+
+    def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
+        """`q` with its codes replaced by those of `values` [N, K] (rotated basis) on `q`'s fixed grid."""
+        raise NotImplementedError(f"format '{self.name}' has no fixed-grid rounding (GPTQ)")
+
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         """Why a layer of this shape cannot be stored in this format, or None when it can."""
         return None

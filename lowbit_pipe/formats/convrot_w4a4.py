@@ -84,6 +84,16 @@ class ConvRotW4A4(Format):
         y = reference.int4_linear(x_rot, self.codes(q), q.tensors["weight_scale"], static)
         return common.out_dtype_result(y, bias, x.dtype)
 
+    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        s = q.tensors["weight_scale"].float().reshape(-1, 1)
+        return (values.float() / s).round().clamp(-reference.INT4_MAX, reference.INT4_MAX) * s
+
+    def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
+        s = q.tensors["weight_scale"].float().reshape(-1, 1)
+        codes = (values.float() / s).round().clamp(-reference.INT4_MAX, reference.INT4_MAX).to(torch.int8)
+        packed = common.pack_nibbles(codes, even_high=False).view(torch.int8)
+        return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": packed}, dict(q.record))
+
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
         return (int(weight_shape[0]), int(weight_shape[1]) * 2)
 

@@ -112,6 +112,19 @@ class FP8(Format):
         common.check_rotation_fits(record, w.shape[1], where)
         return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
 
+    @staticmethod
+    def _scale(q: QuantizedWeight) -> torch.Tensor:
+        s = q.tensors["weight_scale"].float()
+        return s.reshape(-1, 1) if s.numel() > 1 else s.reshape(())
+
+    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        s = self._scale(q)
+        return reference.fp8_quantize(values, s).float() * s
+
+    def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
+        codes = reference.fp8_quantize(values, self._scale(q))
+        return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": codes}, dict(q.record))
+
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
         per_row = spec is not None and spec.granularity == "row"
         return out_features * in_features + 4 * (out_features if per_row else 1)

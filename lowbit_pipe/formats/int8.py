@@ -103,6 +103,20 @@ class Int8(Format):
         out = {"weight": w, "weight_scale": s, **common.optional_input_scale(tensors, where)}
         return QuantizedWeight(self.name, (int(w.shape[0]), int(w.shape[1])), out, dict(record))
 
+    @staticmethod
+    def _codes(q: QuantizedWeight, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = q.tensors["weight_scale"].float()
+        s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(())
+        return (values.float() / s).round().clamp(-128.0, 127.0), s
+
+    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        codes, s = self._codes(q, values)
+        return codes * s
+
+    def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
+        codes, _ = self._codes(q, values)
+        return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": codes.to(torch.int8)}, dict(q.record))
+
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
         per_row = spec is None or spec.granularity != "tensor"  # per row by default (stock ComfyUI takes both)
         return out_features * in_features + 4 * (out_features if per_row else 1)

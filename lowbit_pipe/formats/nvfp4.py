@@ -111,6 +111,30 @@ class NVFP4(Format):
             y = y + rotation.mean_correction(mu, self.dequantize(q), group)
         return common.out_dtype_result(y, bias, x.dtype)
 
+    def _block_totals(self, q: QuantizedWeight) -> torch.Tensor:
+        """global x block scale per (row, block of 16), fp32 [N, K/16] (unpadded layers only: GPTQ's domain)."""
+        n, k = q.shape
+        if q.tensors["weight"].shape != (n, k // 2):
+            raise FormatError(f"{q.format}: fixed-grid rounding of a padded layer ({n}x{k}) is not supported")
+        block = reference.unswizzle_block_scales(q.tensors["weight_scale"], n, k // 16).float()
+        return q.tensors["weight_scale_2"].float() * block
+
+    @staticmethod
+    def _grid_codes(values: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        safe = torch.where(total == 0, torch.ones_like(total), total)
+        data = torch.where(total == 0, torch.zeros_like(values), values.float() / safe)
+        return reference.e2m1_encode(data.clamp(-reference.E2M1_MAX, reference.E2M1_MAX))
+
+    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        total = self._block_totals(q)[:, cols // 16]
+        return reference.e2m1_decode(self._grid_codes(values, total)) * total
+
+    def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
+        total = self._block_totals(q).repeat_interleave(16, dim=1)
+        codes = self._grid_codes(values, total)
+        return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": common.pack_nibbles(codes, even_high=True)},
+                               dict(q.record))
+
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
         shape = record.get("lowbit_shape")
         if shape is not None:

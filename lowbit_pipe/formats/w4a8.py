@@ -252,6 +252,31 @@ class W4A8(Format):
         y = reference.int8_linear_fp32(x_rot, w8, q.tensors["weight_s_channel"], static)
         return common.out_dtype_result(y, bias, x.dtype)
 
+    def _grid(self, q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+        """(int8 grid levels per (row, group) [N, G, L], per-row scale [N], bits, group size)."""
+        if "weight_correction" in q.tensors:
+            raise FormatError(f"{q.format}: fixed-grid rounding of the asymmetric variant (weight_correction) "
+                              "is not supported")
+        k, bits, group_size, _ = self._geometry(q)
+        book = q.tensors.get("weight_codebook")
+        table = book.float() if book is not None else \
+            torch.arange(-W6_LEVELS, W6_LEVELS + 1, dtype=torch.float32, device=q.tensors["weight"].device)
+        return _grid_levels(table, q.tensors["weight_s_rel"]), q.tensors["weight_s_channel"].float(), bits, group_size
+
+    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        levels, s_ch, _, group_size = self._grid(q)
+        lv = levels[:, cols // group_size, :]  # [N, m, L]
+        idx = _assign_grid((values.float() / s_ch.reshape(-1, 1)).unsqueeze(-1), lv)
+        return torch.gather(lv, 2, idx).squeeze(-1) * s_ch.reshape(-1, 1)
+
+    def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
+        levels, s_ch, bits, group_size = self._grid(q)
+        n, k = values.shape
+        target = (values.float() / s_ch.reshape(-1, 1)).reshape(n, k // group_size, group_size)
+        idx = _assign_grid(target, levels).reshape(n, k)
+        codes = idx + 1 if bits == 6 else idx  # 6-bit: level index 0..62 -> stored code 1..63
+        return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": pack_codes(codes, bits)}, dict(q.record))
+
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
         bits = int(record.get("lowbit_bits", 4))
         return (int(weight_shape[0]), int(weight_shape[1]) * 8 // bits)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import warnings
 from collections import Counter
 from typing import Any, Callable
@@ -9,31 +10,37 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lowbit_pipe.calibration import static_input_amax
+from lowbit_pipe.calibration import input_hessians, static_input_amax
 from lowbit_pipe.context import Context
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
+from lowbit_pipe.gptq import GPTQSettings, gptq_quantize
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.policy import LayerPlan, _spec, plan_layers, unfit
 from lowbit_pipe.progress import Console, progress
+from lowbit_pipe.recipe import GPTQConfig
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.detect import linear_shapes
 
 
-def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]], spec,  # noqa: ANN001
-                      amax: dict[str, float]) -> dict[str, QuantLinear]:
+Quantizer = Callable[[str, torch.Tensor, FormatSpec], QuantizedWeight]  # (layer, weight, spec) -> its tensors
+
+
+def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]], spec: FormatSpec,
+                      amax: dict[str, float], quantizer: Quantizer | None = None) -> dict[str, QuantLinear]:
     """Quantize layers that one native module fuses as that fused weight, then split it by rows.
 
     This is what a quantizer working on the native file does (one per-tensor / global scale for the
     whole fused weight), so the native export of the parts is exact."""
-    from lowbit_pipe.formats import QuantizedWeight, get_format
     from lowbit_pipe.layout import split_rows
 
     linears = [root.get_submodule(name) for name, _, _ in group]
     weight = torch.cat([lin.weight.detach() for lin in linears])
     fmt = get_format(spec.format)
     with torch.no_grad():
-        q = fmt.quantize(weight, spec)
+        q = quantizer(group[0][0], weight, spec) if quantizer is not None else fmt.quantize(weight, spec)
     bounds, start = [], 0
     for (name, _, _), lin in zip(group, linears):
         bounds.append((name, start, start + lin.out_features))
@@ -63,49 +70,149 @@ def _warn_unfit(plans: list[LayerPlan]) -> dict[str, int]:
     return {kind: len(names) for kind, names in groups.items()}
 
 
-def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",  # noqa: ANN001
-                    console: Console | None = None, fused: list[list[tuple[str, int, int | None]]] = (),
-                    input_amax: dict[str, float] | None = None) -> dict[str, Any]:
-    """Swap every planned Linear of `root`; returns counts and bytes. `fused`: groups quantized as one weight;
-    `input_amax`: calibrated input amax per layer (static activations); `console`: progress."""
-    unfit_counts = _warn_unfit(plans)
-    todo = [p for p in plans if p.spec is not None]
+def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,  # noqa: ANN001
+          amax: dict[str, float], originals: str, counts: Counter, quantizer: Quantizer | None,
+          bar: Callable[[list[LayerPlan]], Any]) -> tuple[int, int]:
+    """Quantize `todo` (fused groups jointly) and swap each layer through the ledger; (bytes before, after)."""
     by_name = {p.name: p for p in todo}
-    amax = input_amax or {}
     joint: dict[str, QuantLinear] = {}
     for group in fused:
-        joint.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax))
-    counts: Counter[str] = Counter()
-    bytes_before = bytes_after = 0
-    for plan in progress(todo, "quantize", enabled=console is not None, console=console):
+        joint.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer))
+    before = after = 0
+    for plan in bar(todo):
         linear = root.get_submodule(plan.name)
         if isinstance(linear, QuantLinear):
             raise ValueError(f"layer '{plan.name}' is already quantized ({linear.format.name})")
+        one = None if quantizer is None else (lambda w, spec, name=plan.name: quantizer(name, w, spec))
         qlinear = joint.pop(plan.name) if plan.name in joint else \
-            QuantLinear.from_linear(linear, plan.spec, amax.get(plan.name), plan.name)
-        bytes_before += tensor_bytes(linear)
-        bytes_after += tensor_bytes(qlinear)
+            QuantLinear.from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one)
+        before += tensor_bytes(linear)
+        after += tensor_bytes(qlinear)
         ledger.swap_module(root, plan.name, qlinear, keep_original=originals)
         counts[plan.spec.format] += 1
-    return {"layers": dict(counts), "bytes_before": bytes_before, "bytes_after": bytes_after,
+    return before, after
+
+
+def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",  # noqa: ANN001
+                    console: Console | None = None, fused: list[list[tuple[str, int, int | None]]] = (),
+                    input_amax: dict[str, float] | None = None, gptq: GPTQConfig | None = None,
+                    run_examples: Callable[[], None] | None = None) -> dict[str, Any]:
+    """Swap every planned Linear of `root`; returns counts and bytes. `fused`: groups quantized as one weight;
+    `input_amax`: calibrated input amax per layer (static activations); `console`: progress; `gptq` (enabled):
+    GPTQ rounding against Hessians that `run_examples` (runs `root` on calibration inputs) measures."""
+    unfit_counts = _warn_unfit(plans)
+    todo = [p for p in plans if p.spec is not None]
+    amax = input_amax or {}
+    counts: Counter[str] = Counter()
+    result: dict[str, Any] = {}
+    if gptq is not None and gptq.enabled:
+        if run_examples is None:
+            raise ValueError("GPTQ (quantize.gptq.enabled) needs calibration inputs: pass calibrate= (a function "
+                             "that runs the module on representative inputs)")
+        result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, originals, counts,
+                                                     gptq, run_examples, console)
+    else:
+        def bar(items: list[LayerPlan]) -> Any:
+            return progress(items, "quantize", enabled=console is not None, console=console)
+        before, after = _swap(root, todo, list(fused), ledger, amax, originals, counts, None, bar)
+    return {"layers": dict(counts), "bytes_before": before, "bytes_after": after,
             "float_layers": dict(Counter(p.reason for p in plans if p.spec is None)), "unfit": unfit_counts,
-            "activations": dict(Counter(p.spec.activations for p in todo))}
+            "activations": dict(Counter(p.spec.activations for p in todo)), **result}
+
+
+def gptq_passes(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]],
+                hessian_bytes: int) -> list[list[list[str]]]:
+    """Layers in model order packed into passes whose fp32 Hessians (4 * in^2 bytes; one per fused group,
+    whose parts share an input) fit `hessian_bytes`; a layer larger than that gets a pass of its own."""
+    by_name = {p.name: p for p in todo}
+    group_of = {name: [n for n, _, _ in g] for g in fused for name, _, _ in g}
+    units, seen = [], set()
+    for p in todo:
+        if p.name not in seen:
+            unit = group_of.get(p.name, [p.name])
+            units.append(unit)
+            seen.update(unit)
+    passes: list[list[list[str]]] = []
+    used = 0
+    for unit in units:
+        cost = 4 * by_name[unit[0]].shape[1] ** 2
+        if not passes or used + cost > hessian_bytes:
+            passes.append([])
+            used = 0
+        passes[-1].append(unit)
+        used += cost
+    return passes
+
+
+def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,  # noqa: ANN001
+               amax: dict[str, float], originals: str, counts: Counter, cfg: GPTQConfig,
+               run_examples: Callable[[], None], console: Console | None) -> tuple[dict[str, Any], tuple[int, int]]:
+    """GPTQ in sequential passes: each pass calibrates its layers' Hessians on the model as it stands (earlier
+    passes' layers already quantized, so later layers correct for their error), rounds them, swaps them in.
+    A format (or layer) without fixed-grid rounding is rounded to nearest, named in the report."""
+    settings = GPTQSettings(block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order)
+    by_name = {p.name: p for p in todo}
+    passes = gptq_passes(todo, fused, cfg.hessian_bytes)
+    layers: dict[str, dict[str, float]] = {}
+    rtn: dict[str, str] = {}
+    before = after = 0
+    start = time.perf_counter()
+    for i, units in enumerate(passes):
+        names = [n for unit in units for n in unit]
+        with input_hessians(root, [by_name[unit[0]] for unit in units]) as hessians, torch.no_grad():
+            run_examples()
+        missing = [unit[0] for unit in units if unit[0] not in hessians]
+        if missing:
+            raise ValueError(f"GPTQ: the calibration inputs never reach {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+                             "; keep those layers float or turn quantize.gptq off")
+
+        def quantizer(name: str, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
+            try:
+                out = gptq_quantize(weight, spec, hessians[name].hessian, settings, name)
+            except (NotImplementedError, FormatError) as err:
+                rtn[name] = str(err)
+                return get_format(spec.format).quantize(weight, spec)
+            layers[name] = {"rtn_loss": out.rtn_loss, "gptq_loss": out.gptq_loss, "damp": out.damp}
+            return out.qweight
+
+        def bar(items: list[LayerPlan], label: str = f"quantize: gptq pass {i + 1}/{len(passes)}") -> Any:
+            return progress(items, label, enabled=console is not None, console=console)
+        pass_fused = [g for g in fused if g[0][0] in names]
+        b, a = _swap(root, [by_name[n] for n in names], pass_fused, ledger, amax, originals, counts, quantizer, bar)
+        before, after = before + b, after + a
+        hessians.clear()  # freed before the next pass collects its own
+    if rtn:
+        first = next(iter(rtn))
+        warnings.warn(f"GPTQ: {len(rtn)} layers rounded to nearest instead (e.g. {first}: {rtn[first]})", stacklevel=3)
+    report = {"passes": len(passes), "seconds": time.perf_counter() - start, "layers": layers,
+              "rtn_fallback": rtn, "block_size": cfg.block_size, "damp": cfg.damp, "act_order": cfg.act_order}
+    return report, (before, after)
 
 
 def example_runner(ctx: Context) -> Callable[[], None]:
-    """Run the transformer on `quantize.calibration_samples` seeded example input sets (the arch's own)."""
+    """Run the transformer on `quantize.calibration_samples` seeded example input sets (the arch's own); with
+    `calibration_steps` > 0 each set is denoised by the Euler sampler, so every timestep's input is seen."""
+    from lowbit_pipe import sampler
+
     cfg, ev = ctx.recipe.quantize, ctx.recipe.evaluate
     if ctx.native:
-        raise ValueError("calibration (activations=static, quantize.budget_*) runs the arch's example inputs, which "
-                         "fit its diffusers class, not this natively named model (a ComfyUI model); use activations "
-                         "dynamic or none, or lowbit_pipe.quantize(..., calibrate=...) with your own inputs")
+        raise ValueError("calibration (activations=static, quantize.budget_*, quantize.gptq) runs the arch's example "
+                         "inputs, which fit its diffusers class, not this natively named model (a ComfyUI model); use "
+                         "lowbit_pipe.quantize(..., calibrate=...) with your own inputs")
+    arch = ctx.arch
+
+    def forward(kwargs: dict[str, Any]) -> torch.Tensor:
+        return arch.output_tensor(ctx.transformer(**kwargs))
 
     def run() -> None:
         for i in range(cfg.calibration_samples):
             gen = torch.Generator().manual_seed(cfg.calibration_seed + i)
-            inputs = ctx.arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=ev.image_tokens,
-                                             text_tokens=ev.text_tokens, generator=gen, dtype=ctx.dtype, device=ctx.device)
-            ctx.transformer(**inputs)
+            inputs = arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=ev.image_tokens,
+                                         text_tokens=ev.text_tokens, generator=gen, dtype=ctx.dtype, device=ctx.device)
+            if cfg.calibration_steps:
+                sampler.euler_sample(forward, inputs, cfg.calibration_steps, sampler.TIME_SCALE.get(arch.id, 1.0))
+            else:
+                ctx.transformer(**inputs)
     return run
 
 
@@ -171,8 +278,14 @@ class Quantize(Stage):
         groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" and \
             not ctx.native else []
         ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
+        run_examples = None
+        if cfg.gptq.enabled:
+            if ctx.arch is None:
+                raise ValueError("quantize.gptq needs calibration inputs, which only a known architecture provides "
+                                 "(model.arch); or use lowbit_pipe.quantize(..., calibrate=...) with your own inputs")
+            run_examples = example_runner(ctx)
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
-                                 fused=groups, input_amax=amax)
+                                 fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples)
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget

@@ -1,0 +1,129 @@
+"""GPTQ: round a weight column by column on its format's fixed grid, feeding each column's rounding
+error forward into the columns not yet rounded, weighted by the layer's input Hessian H = E[x^T x]
+(Frantar et al. 2022, "GPTQ", Algorithm 1 with lazy batch updates and the Cholesky form of H^-1).
+
+The grid is the round-to-nearest result's: its scales (per row, per block, global) stay as they are
+and only the stored codes change, so the layer's tensors, record and layout are those of plain RTN
+and every loader that reads RTN files reads these. Rotated formats are handled in the basis the
+weight is stored in: the rotated weight W H_rot^T against the Hessian of the rotated input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
+from lowbit_pipe.kernels import rotation
+
+
+@dataclass(frozen=True)
+class GPTQSettings:
+    block_size: int = 128  # columns per lazy batch update
+    damp: float = 0.01  # added to H's diagonal, as a fraction of its mean
+    act_order: bool = False  # round columns in order of decreasing H diagonal (largest input energy first)
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    qweight: QuantizedWeight  # the layer's tensors: RTN's scales, GPTQ's codes
+    rtn_loss: float  # tr((W - Q) H (W - Q)^T) / tr(W H W^T) of round-to-nearest: the output's relative MSE
+    gptq_loss: float  # the same for GPTQ's codes (<= rtn_loss up to the damping)
+    damp: float  # the damping that made H positive definite (raised from the setting when it was not)
+
+
+class HessianAccumulator:
+    """Running H = mean over rows of x^T x of one layer's (rotated) input, fp32, [K, K]: bounded memory
+    whatever the number of calibration tokens."""
+
+    def __init__(self, features: int, kind: str, group: int | None, device: torch.device | str):
+        self.kind, self.group = kind, group
+        self.hessian = torch.zeros(features, features, dtype=torch.float32, device=device)
+        self.rows = 0
+
+    def add(self, x: torch.Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(self.hessian.device)
+        if self.kind == "hadanorm":
+            # hadanorm rotates the centred input and adds the mean's term back in full precision from the same
+            # dequantized weight, so the output error is that of the whole input, rotated without centring.
+            g = rotation.resolve_group(self.kind, self.group)
+            grouped = x.float().reshape(x.shape[0], -1, g)
+            x = torch.matmul(grouped, rotation.hadamard(self.kind, g, x.device)).reshape(x.shape)
+        else:
+            x, _ = rotation.rotate_activation(x, self.kind, self.group)
+        n = x.shape[0]
+        self.hessian.mul_(self.rows / (self.rows + n))
+        self.hessian.addmm_(x.t(), x, alpha=1.0 / (self.rows + n))
+        self.rows += n
+
+
+def _relative_loss(err: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
+    num = torch.einsum("nk,kj,nj->", err.double(), h.double(), err.double())
+    den = torch.einsum("nk,kj,nj->", w.double(), h.double(), w.double())
+    return float(num / den) if den > 0 else 0.0
+
+
+def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
+    """Upper Cholesky factor of (H + damp * mean(diag) * I)^-1; the damping is raised tenfold until H is
+    positive definite (a calibration set with fewer tokens than features leaves H singular)."""
+    mean_diag = float(torch.diag(h).mean())
+    eye = torch.eye(h.shape[0], dtype=h.dtype, device=h.device)
+    for _ in range(6):
+        chol, info = torch.linalg.cholesky_ex(h + damp * mean_diag * eye)
+        if int(info) == 0:
+            hinv = torch.cholesky_inverse(chol)
+            upper, info = torch.linalg.cholesky_ex(hinv, upper=True)
+            if int(info) == 0:
+                return upper, damp
+        damp *= 10.0
+    raise ValueError(f"the input Hessian is not positive definite even with damping {damp / 10:g} "
+                     "(calibration inputs all zero?)")
+
+
+def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
+                  settings: GPTQSettings = GPTQSettings(), where: str = "") -> GPTQResult:
+    """Quantize `weight` [N, K] to `spec` with GPTQ against `hessian` [K, K] (of the layer's input after
+    the format's rotation, as HessianAccumulator builds it). Raises NotImplementedError for a format
+    without fixed-grid rounding."""
+    fmt = get_format(spec.format)
+    n, k = weight.shape
+    if hessian.shape != (k, k):
+        raise ValueError(f"{where or spec.format}: Hessian is {tuple(hessian.shape)}, the weight has {k} inputs")
+    device = hessian.device
+    q0 = fmt.quantize(weight, spec)
+    q0 = QuantizedWeight(q0.format, q0.shape, {s: t.to(device) for s, t in q0.tensors.items()}, q0.record)
+    kind, group = fmt.input_rotation(spec, k)
+    w = rotation.rotate_weight(weight.to(device), kind, group or None)
+    cols = torch.arange(k, device=device)
+    rtn = fmt.round_to_grid(q0, w, cols)
+
+    h = hessian.float().clone()
+    # A column whose input is always zero: rounded to nearest, its error (which nothing multiplies) not spread.
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1.0
+    if settings.act_order:
+        perm = torch.argsort(torch.diag(h), descending=True)
+        w, h, cols = w[:, perm], h[perm][:, perm], cols[perm]
+    hinv, damp = _inverse_cholesky(h, settings.damp)
+
+    w = w.clone()
+    q = torch.empty_like(w)
+    for start in range(0, k, settings.block_size):
+        stop = min(start + settings.block_size, k)
+        block = w[:, start:stop].clone()
+        errs = torch.empty_like(block)
+        hb = hinv[start:stop, start:stop]
+        for i in range(stop - start):
+            col = block[:, i:i + 1]
+            rounded = fmt.round_to_grid(q0, col, cols[start + i:start + i + 1])
+            q[:, start + i:start + i + 1] = rounded
+            err = (col - rounded) / hb[i, i]
+            block[:, i:] -= err @ hb[i:i + 1, i:]
+            errs[:, i:i + 1] = err
+        w[:, stop:] -= errs @ hinv[start:stop, stop:]
+    if settings.act_order:
+        q = q[:, torch.argsort(perm)]
+    w0, h0 = rotation.rotate_weight(weight.to(device), kind, group or None), hessian.float()
+    out = fmt.encode_on_grid(q0, q)
+    return GPTQResult(out, _relative_loss(w0 - rtn, w0, h0), _relative_loss(w0 - q, w0, h0), damp)
