@@ -149,3 +149,16 @@ def test_gptq_refusals_name_the_setting(tmp_path):
         lowbit_pipe.run("default", ["model.stream=true", f"model.path={tmp_path / 'x.safetensors'}",
                                     "pipeline=[load,detect,quantize,export]", "quantize.gptq.enabled=true"],
                         run_dir=tmp_path / "run")
+
+
+def test_packaged_gptq_recipe_beats_its_rtn_twin_on_held_out_seeds(tmp_path):
+    fast = ["evaluate.samples=2", "evaluate.trajectory_seeds=1", "evaluate.steps=4",
+            "pipeline=[load,detect,quantize,evaluate,export]"]
+    rtn = lowbit_pipe.run("krea2_nvfp4", fast, run_dir=tmp_path / "rtn").report
+    gptq = lowbit_pipe.run("krea2_nvfp4_gptq", fast, run_dir=tmp_path / "gptq").report
+    assert gptq["quantize"]["layers"] == rtn["quantize"]["layers"]
+    assert len(gptq["quantize"]["gptq"]["layers"]) == sum(gptq["quantize"]["layers"].values())
+    assert gptq["evaluate"]["rel_error"] < rtn["evaluate"]["rel_error"]
+    assert gptq["evaluate"]["trajectory"]["min_cosine"] > rtn["evaluate"]["trajectory"]["min_cosine"]
+    # The same kinds of layer in the file: what stock ComfyUI loads of one it loads of the other.
+    assert gptq["export"]["not_stock_comfy"] == rtn["export"]["not_stock_comfy"]
