@@ -42,6 +42,8 @@ import types
 from pathlib import Path
 from typing import Any
 
+from lowbit_pipe.formats.common import NOT_IN_STOCK_COMFY
+
 ROOT = Path(__file__).resolve().parent.parent
 
 # Tiny configs ComfyUI's detection reads back as the same model (head_dim 128, Krea 2's fixed text blocks, ...).
@@ -67,6 +69,8 @@ CASES = {
     "fp8 per-row": {"format": "fp8", "granularity": "row", "activations": "static"},
     "nvfp4": {"format": "nvfp4"},
     "nvfp4+convrot": {"format": "nvfp4", "rotation": "convrot"},
+    "mxfp8": {"format": "mxfp8"},
+    "awq_w4a16": {"format": "awq_w4a16"},
     "convrot_w4a4": {"format": "convrot_w4a4"},
     "w4a8": {"format": "w4a8"},
     "w6a8": {"format": "w6a8"},
@@ -170,7 +174,8 @@ def verdict(case: dict[str, Any]) -> str:
     if lowbit:
         if stock["loads"]:
             problems.append("stock ComfyUI loaded a file with lowbit kinds")
-        elif "KeyError" not in stock.get("error", "") or "lowbit_" not in stock.get("error", ""):
+        elif "KeyError" not in stock.get("error", "") or not any(
+                name in stock.get("error", "") for name in ("lowbit_", *NOT_IN_STOCK_COMFY)):
             problems.append(f"stock refused it, but not at its format lookup: {stock.get('error')}")
     elif not stock["loads"]:
         problems.append(f"stock ComfyUI refused a stock file: {stock.get('error')}")
@@ -314,6 +319,9 @@ WHY = {
              "('CPU does not support swizzle'), so the enabled figure is ComfyUI's own NVFP4 input quantization "
              "(its layout's from_float) times the dequantized weight in fp32: it proves the activation codes and "
              "scales equal lowbit_pipe's bit for bit, not the Blackwell GEMM's summation order",
+    "mxfp8": "ComfyUI disables mxfp8 below compute capability 10 (every CPU, Hopper): dequantize + matmul, weight-only "
+             "(the 'as on this CPU' figure). Enabled, torch's CPU scaled_mm refuses block-scaled operands, so the "
+             "enabled figure is ComfyUI's own MXFP8 input quantization times the dequantized weight in fp32",
     "convrot_w4a4": "comfy-kitchen's eager ConvRot W4A4 and lowbit_pipe's reference agree bit for bit",
     "w4a8": "the int8 path after decoding to the int8 grid: the same scale-product rounding as int8",
 }

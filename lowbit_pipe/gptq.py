@@ -28,7 +28,7 @@ class GPTQSettings:
 @dataclass(frozen=True)
 class GPTQResult:
     qweight: QuantizedWeight  # the layer's tensors: RTN's scales, GPTQ's codes
-    rtn_loss: float  # tr((W - Q) H (W - Q)^T) / tr(W H W^T) of round-to-nearest: the output's relative MSE
+    rtn_loss: float  # tr((W - Q) H (W - Q)^T) / tr(W H W^T) of round-to-nearest on the grid: relative output MSE
     gptq_loss: float  # the same for GPTQ's codes (<= rtn_loss up to the damping)
     damp: float  # the damping that made H positive definite (raised from the setting when it was not)
 
@@ -91,7 +91,7 @@ def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
     if hessian.shape != (k, k):
         raise ValueError(f"{where or spec.format}: Hessian is {tuple(hessian.shape)}, the weight has {k} inputs")
     device = hessian.device
-    q0 = fmt.quantize(weight, spec)
+    q0 = fmt.calibrated_grid(weight.to(device), spec, hessian)
     q0 = QuantizedWeight(q0.format, q0.shape, {s: t.to(device) for s, t in q0.tensors.items()}, q0.record)
     kind, group = fmt.input_rotation(spec, k)
     w = rotation.rotate_weight(weight.to(device), kind, group or None)

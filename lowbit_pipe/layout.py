@@ -40,6 +40,11 @@ def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, to
     return quant, rest
 
 
+def _rows_last(suffix: str, tensors: dict[str, torch.Tensor]) -> bool:
+    """awq_w4a16 (the one format with `weight_zeros`) stores scales and zeros [K/64, N]: output rows last."""
+    return suffix in ("weight_scale", "weight_zeros") and "weight_zeros" in tensors
+
+
 def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
     """Concatenate quantized parts (name, tensors, logical rows) along output rows, exactly or not at all."""
     first = parts[0][1]
@@ -48,7 +53,9 @@ def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) ->
     out = {}
     for suffix in first:
         values = [p[1][suffix] for p in parts]
-        if all(v.dim() >= 1 and v.shape[0] == rows for v, (_, _, rows) in zip(values, parts)) and \
+        if _rows_last(suffix, first) and all(v.dim() == 2 and v.shape[1] == rows for v, (_, _, rows) in zip(values, parts)):
+            out[suffix] = torch.cat(values, dim=1)
+        elif all(v.dim() >= 1 and v.shape[0] == rows for v, (_, _, rows) in zip(values, parts)) and \
                 all(v.shape[1:] == values[0].shape[1:] for v in values):
             out[suffix] = torch.cat(values, dim=0)
         elif all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
@@ -96,7 +103,10 @@ def split_rows(layer: str, tensors: dict[str, torch.Tensor], total: int,
     shared ones (scalars, records, codebooks) copied. Raises FormatError where that is not exact."""
     out: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _, _ in bounds}
     for suffix, t in tensors.items():
-        if t.dim() >= 1 and t.shape[0] == total:
+        if _rows_last(suffix, tensors) and t.dim() == 2 and t.shape[1] == total:
+            for name, start, stop in bounds:
+                out[name][suffix] = t[:, start:stop].contiguous()
+        elif t.dim() >= 1 and t.shape[0] == total:
             if suffix == "weight_scale" and t.dim() == 2 and t.dtype != torch.float32 and any(
                     (stop - start) % 128 for _, start, stop in bounds):
                 # Swizzled block scales tile 128 rows together: parts must not cut a tile.

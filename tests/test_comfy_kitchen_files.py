@@ -19,6 +19,7 @@ LAYOUTS = [
     ("TensorWiseINT8Layout", {"format": "int8_tensorwise"}, {}),
     ("TensorCoreFP8Layout", {"format": "float8_e4m3fn"}, {}),
     ("TensorCoreNVFP4Layout", {"format": "nvfp4"}, {}),
+    ("TensorCoreMXFP8Layout", {"format": "mxfp8"}, {}),
     ("TensorWiseINT8Layout", {"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 256},
      {"convrot": True, "per_channel": True}),
 ]

@@ -279,7 +279,9 @@ def test_install_derives_kinds_and_uninstall_restores_identity():
     load0, save0 = ops._load_quantized_module, ops._quantized_weight_state_dict
     algos0 = dict(quant_ops.QUANT_ALGOS)
     reg = R.install(quant_ops, ops)
-    assert set(reg.kinds) == {"lowbit_int8", "lowbit_fp8", "lowbit_nvfp4"}
+    # Our kinds, plus the upstream awq_w4a16 that stock ComfyUI master lacks (mxfp8 it has: not ours to load).
+    assert set(reg.kinds) == {"lowbit_int8", "lowbit_fp8", "lowbit_nvfp4", "lowbit_mxfp8", "awq_w4a16"}
+    assert quant_ops.QUANT_ALGOS["awq_w4a16"]["parameters"] >= {"weight_scale", "weight_zeros"}
     assert quant_ops.QUANT_ALGOS["lowbit_int8"]["storage_t"] == torch.int8
     assert quant_ops.QUANT_ALGOS["lowbit_fp8"]["storage_t"] == torch.float8_e4m3fn
     assert quant_ops.QUANT_ALGOS["lowbit_nvfp4"]["storage_t"] == torch.uint8
@@ -303,6 +305,16 @@ def test_install_derives_kinds_and_uninstall_restores_identity():
     assert R.install(quant_ops, ops) is not reg  # a fresh install after uninstall
     R.installed(ops).uninstall()
     assert ops._load_quantized_module is load0
+
+
+def test_a_comfyui_that_knows_awq_w4a16_keeps_its_own_entry():
+    quant_ops, ops, _, _ = _stand_ins()
+    own = {"storage_t": torch.int8, "parameters": {"weight_scale", "weight_zeros"},
+           "comfy_tensor_layout": "TensorCoreAWQW4A16Layout"}
+    quant_ops.QUANT_ALGOS["awq_w4a16"] = own
+    with R.install(quant_ops, ops) as reg:
+        assert "awq_w4a16" not in reg.kinds and quant_ops.QUANT_ALGOS["awq_w4a16"] is own
+    assert quant_ops.QUANT_ALGOS["awq_w4a16"] is own
 
 
 @pytest.mark.parametrize("fmt_name,rotation,granularity", KINDS, ids=IDS)

@@ -34,6 +34,9 @@ CASES = [
     ("int8", {"rotation": "hadanorm"}, 0.012),
     ("nvfp4", {}, 0.11),
     ("nvfp4", {"rotation": "convrot"}, 0.11),
+    ("mxfp8", {}, 0.04),
+    ("mxfp8", {"rotation": "quarot"}, 0.04),
+    ("awq_w4a16", {}, 0.1),
     ("convrot_w4a4", {"rotation": "convrot"}, 0.15),
     ("w4a8", {"rotation": "convrot"}, 0.09),
     ("w6a8", {"rotation": "convrot"}, 0.03),
@@ -49,7 +52,7 @@ def rel_err(a, b):
 
 
 def test_all_formats_registered():
-    assert {"fp8", "int8", "nvfp4", "convrot_w4a4", "w4a8", "w6a8"} <= set(FORMATS)
+    assert {"fp8", "int8", "nvfp4", "mxfp8", "awq_w4a16", "convrot_w4a4", "w4a8", "w6a8"} <= set(FORMATS)
 
 
 @pytest.mark.parametrize("name,kw,bound", CASES)
@@ -220,8 +223,8 @@ def test_refuses_nan_inf(name):
 
 def test_all_zero_weight_is_finite():
     for name, kw, _ in CASES:
-        q = get_format(name).quantize(torch.zeros(16, 256), FormatSpec(name, **kw))
-        assert torch.equal(get_format(name).dequantize(q), torch.zeros(16, 256)), name
+        q = get_format(name).quantize(torch.zeros(32, 256), FormatSpec(name, **kw))
+        assert torch.equal(get_format(name).dequantize(q), torch.zeros(32, 256)), name
 
 
 def test_supports_shape_and_check_spec():

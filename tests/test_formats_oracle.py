@@ -82,6 +82,49 @@ def test_nvfp4(n, k, heavy):
     assert torch.equal(theirs[:n, :k], fmt.dequantize(q))
 
 
+@pytest.mark.parametrize("n,k,heavy", [(64, 512, False), (128, 1024, True), (160, 96, True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mxfp8(n, k, heavy, dtype):
+    w = weights(n, k, 12, heavy).to(dtype)
+    w[1, 32:64] = 0  # an all-zero block: exponent 0, zero codes
+    w[2, :32] *= 1e-30  # a tiny block: a small but valid exponent
+    sd, dq = ck_quantize("TensorCoreMXFP8Layout", w)
+    fmt = get_format("mxfp8")
+    q = fmt.quantize(w, FormatSpec("mxfp8"))
+    assert same_bits(q.tensors["weight"], sd[""])  # fp8 codes
+    assert same_bits(q.tensors["weight_scale"], sd["_scale"])  # E8M0 exponents, swizzled
+    assert torch.equal(fmt.dequantize(q), dq)
+    theirs = ck.dequantize_mxfp8(q.tensors["weight"], q.tensors["weight_scale"], torch.float32)
+    assert torch.equal(theirs, fmt.dequantize(q))
+    # Dynamic activations: each row quantized as comfy-kitchen quantizes an MXFP8 input.
+    x = weights(24, k, 13, heavy=True)
+    xq, xs = ck.quantize_mxfp8(x)
+    expected = ck.dequantize_mxfp8(xq, xs, torch.float32) @ dq.t()
+    torch.testing.assert_close(fmt.linear(x, q, None), expected, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n,k,heavy", [(64, 512, False), (128, 1024, True), (48, 192, True)])
+def test_awq_w4a16(n, k, heavy):
+    """comfy-kitchen's layout is load-only: its dequantize and eager GEMV on our tensors are our numbers."""
+    from comfy_kitchen.tensor.awq_w4a16 import TensorCoreAWQW4A16Layout
+
+    w = weights(n, k, 14, heavy)
+    w[0, :64] = 0  # an all-zero group
+    fmt = get_format("awq_w4a16")
+    q = fmt.quantize(w, FormatSpec("awq_w4a16"))
+    t = q.tensors
+    assert t["weight"].dtype == torch.int8 and t["weight"].shape == (n, k // 2)
+    assert t["weight_scale"].shape == t["weight_zeros"].shape == (k // 64, n)
+    params = TensorCoreAWQW4A16Layout.Params(scale=t["weight_scale"], zeros=t["weight_zeros"], group_size=64,
+                                             orig_dtype=torch.bfloat16, orig_shape=(n, k))
+    assert torch.equal(TensorCoreAWQW4A16Layout.dequantize(t["weight"], params).float(), fmt.dequantize(q))
+    assert torch.equal(fmt.dequantize(q)[0, :64], torch.zeros(64))
+    x = weights(7, k, 15).bfloat16()
+    with ck.registry.use_backend("eager"):
+        theirs = ck.gemv_awq_w4a16(x, t["weight"], t["weight_scale"], t["weight_zeros"], group_size=64)
+    assert same_bits(fmt.linear(x, q, None), theirs)
+
+
 @pytest.mark.parametrize("n,k,heavy", SHAPES)
 @pytest.mark.parametrize("mode", ["tensor", "row", "convrot"])
 def test_int8(n, k, heavy, mode):

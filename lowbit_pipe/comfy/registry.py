@@ -8,7 +8,8 @@ three things, each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
 1. the `LowbitLayout` comfy-kitchen layout (class and op handlers) is registered with comfy-kitchen's
    registry, the one ComfyUI's `quant_ops` re-exports (`lowbit_pipe.comfy.layout.register`);
 2. `QUANT_ALGOS` gets one entry per lowbit kind the project's formats can write (`lowbit_kinds()`:
-   found by asking every registered format what records it writes), with the format's storage dtype,
+   found by asking every registered format what records it writes; upstream kinds this ComfyUI lacks,
+   such as `awq_w4a16`, count too, unless its QUANT_ALGOS has them), with the format's storage dtype,
    layout "LowbitLayout" and `quantize_input: False`, so ComfyUI's Linear hands the float input to
    the layout's linear (which quantizes activations the layer's own way);
 3. `ops._load_quantized_module` (looked up as a module global at call time by the mixed-precision
@@ -40,7 +41,7 @@ from lowbit_pipe.comfy import layout
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
 from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
-from lowbit_pipe.formats.common import MARKER_KEYS
+from lowbit_pipe.formats.common import MARKER_KEYS, is_stock_loadable
 from lowbit_pipe.ledger import Ledger
 
 PREFIX = "lowbit_"
@@ -69,7 +70,7 @@ def lowbit_kinds() -> dict[str, Kind]:
     """Every `lowbit_` format name the project's formats write, found by quantizing a small seeded weight
     with each rotation and granularity each format accepts (static / weight-only activations keep
     the name, so they need no probe)."""
-    out_f, in_f = 16, 256  # fits every block size and rotation group (convrot 256, quarot / hadanorm 128)
+    out_f, in_f = 32, 256  # fits every block size (mxfp8 32 x 32) and rotation group (convrot 256, quarot 128)
     weight = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)) * 0.02
     found: dict[str, dict[str, Any]] = {}
     for fmt in FORMATS.values():
@@ -84,7 +85,7 @@ def lowbit_kinds() -> dict[str, Kind]:
                 except (ValueError, FormatError):
                     continue
                 name = str(q.record.get("format", ""))
-                if not name.startswith(PREFIX):
+                if is_stock_loadable(q.record):
                     continue
                 entry = found.setdefault(name, {"format": fmt.name, "dtype": q.tensors["weight"].dtype,
                                                 "parameters": {"input_scale"}, "variants": []})
@@ -169,7 +170,10 @@ def install(quant_ops: Any, ops: Any) -> Registration:
             raise RuntimeError(f"ComfyUI's get_layout_class('{layout.LAYOUT_NAME}') does not find the registered "
                                "class: ComfyUI and lowbit_pipe see different comfy-kitchen registries")
         for kind in kinds.values():
+            if kind.name in algos and not kind.name.startswith(PREFIX):
+                continue  # a ComfyUI that knows this upstream kind (awq_w4a16) loads it its own way
             ledger.set_item(algos, kind.name, kind.quant_algo(), f"QUANT_ALGOS['{kind.name}']")
+        reg.kinds = tuple(k for k in kinds if algos.get(k, {}).get("comfy_tensor_layout") == layout.LAYOUT_NAME)
         original_load = ops._load_quantized_module
         ledger.patch_function(ops, "_load_quantized_module", _load_wrapper(original_load, algos, reg))
         wrapped = ["_load_quantized_module"]
@@ -213,8 +217,8 @@ def _load_wrapper(original: Callable[..., Any], algos: dict, reg: Registration) 
     def _load_quantized_module(module, super_load, state_dict, prefix, local_metadata, strict,
                                missing_keys, unexpected_keys, error_msgs, load_extra_params=False):
         record = _peek_record(state_dict, prefix)
-        if (record is None or not str(record.get("format", "")).startswith(PREFIX)
-                or f"{prefix}weight" not in state_dict):
+        kind = str(record.get("format", "")) if record is not None else ""
+        if (not (kind.startswith(PREFIX) or kind in reg.kinds)) or f"{prefix}weight" not in state_dict:
             return original(module, super_load, state_dict, prefix, local_metadata, strict,
                             missing_keys, unexpected_keys, error_msgs, load_extra_params=load_extra_params)
         _load_lowbit(module, record, algos, super_load, state_dict, prefix, local_metadata, strict,

@@ -159,6 +159,11 @@ class Format(ABC):
         return (int(weight_shape[0]), int(weight_shape[1]))
 
     # ---- fixed-grid rounding (GPTQ) ----------------------------------------------------------
+    def calibrated_grid(self, weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor) -> QuantizedWeight:
+        """The grid GPTQ rounds on, given the input Hessian (rotated basis): round-to-nearest's by default; a
+        format with an activation-aware grid search (awq_w4a16's clipping) overrides it."""
+        return self.quantize(weight, spec)
+
     def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """`values` [N, m] (the stored, rotated basis) of weight columns `cols` [m] rounded to the grid `q`'s
         scales define (they stay fixed): the dequantized result, fp32. What error-feedback quantizers (GPTQ)

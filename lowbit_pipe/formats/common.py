@@ -14,6 +14,9 @@ from lowbit_pipe.kernels import rotation
 # loudly instead of computing with a rotated weight). INFO_KEYS are harmless hints.
 MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group", "lowbit_granularity")
 INFO_KEYS = ("lowbit_shape", "lowbit_bits")
+# Upstream record formats (comfy-kitchen layouts) that stock ComfyUI master's QUANT_ALGOS lacks: loaded by
+# ComfyUI builds that add them, or by the node pack.
+NOT_IN_STOCK_COMFY = ("awq_w4a16",)
 
 
 def check_finite_weight(weight: torch.Tensor, what: str = "weight") -> torch.Tensor:
@@ -122,7 +125,9 @@ def optional_input_scale(tensors: dict[str, torch.Tensor], where: str) -> dict[s
 
 def is_stock_loadable(record: dict[str, Any]) -> bool:
     """True when stock ComfyUI (comfy-kitchen layouts) can load and run this record as written."""
-    return not any(key in record for key in MARKER_KEYS) and not str(record.get("format", "")).startswith("lowbit_")
+    name = str(record.get("format", ""))
+    return not any(key in record for key in MARKER_KEYS) and not name.startswith("lowbit_") \
+        and name not in NOT_IN_STOCK_COMFY
 
 
 def require(tensors: dict[str, torch.Tensor], key: str, where: str, fmt: str) -> torch.Tensor:
