@@ -71,6 +71,7 @@ CASES = {
     "nvfp4+convrot": {"format": "nvfp4", "rotation": "convrot"},
     "mxfp8": {"format": "mxfp8"},
     "awq_w4a16": {"format": "awq_w4a16"},
+    "svdquant_w4a4": {"format": "svdquant_w4a4"},
     "convrot_w4a4": {"format": "convrot_w4a4"},
     "w4a8": {"format": "w4a8"},
     "w6a8": {"format": "w6a8"},
@@ -338,9 +339,11 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
     lowbit = [r for r in ok if r["export"]["not_stock_comfy"] > 0]
     if lowbit:
         exact = [r for r in lowbit if r["comfy"]["pack"].get("layers", {}).get("max_rel_diff_enabled") == 0]
-        kinds = sorted({k for r in lowbit for k in r["export"]["record_formats"] if k.startswith("lowbit_")})
+        kinds = sorted({k for r in lowbit for k in r["export"]["record_formats"]
+                        if k.startswith("lowbit_") or k in NOT_IN_STOCK_COMFY})
         refused = [r for r in lowbit if not r["comfy"]["stock"]["loads"]]
-        notes.append(f"Files with lowbit kinds ({', '.join(kinds)}): stock ComfyUI refuses {len(refused)}/{len(lowbit)} as a "
+        notes.append(f"Files with kinds stock ComfyUI lacks ({', '.join(kinds)}): stock ComfyUI refuses "
+                     f"{len(refused)}/{len(lowbit)} as a "
                      "whole, at its QUANT_ALGOS lookup (KeyError naming the kind); with the pack "
                      f"{len(exact)}/{len(lowbit)} load with every quantized layer bit-exact with lowbit_pipe (LowbitLayout "
                      "runs the project's own Format.linear; fused native layers equal their diffusers parts concatenated).")

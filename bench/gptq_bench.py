@@ -35,7 +35,7 @@ from lowbit_pipe.formats import FormatSpec, get_format
 from lowbit_pipe.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
 from lowbit_pipe.ledger import Ledger
 
-FORMATS = ["int8", "fp8", "nvfp4", "convrot_w4a4", "w4a8", "w6a8"]
+FORMATS = ["int8", "fp8", "mxfp8", "nvfp4", "awq_w4a16", "svdquant_w4a4", "convrot_w4a4", "w4a8", "w6a8"]
 PROMPTS = [
     "a red fox curled up asleep in fresh snow at dawn", "an astronaut riding a horse across a desert, oil painting",
     "macro photograph of a dew drop on a spider web", "a busy night market in Taipei lit by paper lanterns",
@@ -139,7 +139,7 @@ def trained_rows(folder: Path) -> list[dict]:
                 config = {"default": {"format": fmt, "activations": activations},
                           "gptq": {"enabled": gptq, "act_order": True}}
                 start = time.perf_counter()
-                result = lowbit_pipe.quantize(base, config, ledger=ledger, calibrate=lambda: base(**cal))
+                lowbit_pipe.quantize(base, config, ledger=ledger, calibrate=lambda: base(**cal))
                 seconds = time.perf_counter() - start
                 emb, hidden = embed(base, test)
                 swapped = ledger.swapped()

@@ -58,10 +58,9 @@ class HessianAccumulator:
         self.rows += n
 
 
-def _relative_loss(err: torch.Tensor, w: torch.Tensor, h: torch.Tensor) -> float:
-    num = torch.einsum("nk,kj,nj->", err.double(), h.double(), err.double())
-    den = torch.einsum("nk,kj,nj->", w.double(), h.double(), w.double())
-    return float(num / den) if den > 0 else 0.0
+def _energy(w: torch.Tensor, h: torch.Tensor) -> float:
+    """tr(W H W^T) in float64: the output energy of W x over the inputs H describes."""
+    return float(torch.einsum("nk,kj,nj->", w.double(), h.double(), w.double()))
 
 
 def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float]:
@@ -93,15 +92,15 @@ def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
     device = hessian.device
     q0 = fmt.calibrated_grid(weight.to(device), spec, hessian)
     q0 = QuantizedWeight(q0.format, q0.shape, {s: t.to(device) for s, t in q0.tensors.items()}, q0.record)
-    kind, group = fmt.input_rotation(spec, k)
-    w = rotation.rotate_weight(weight.to(device), kind, group or None)
+    values, h_target = fmt.grid_target(q0, weight.to(device).float(), spec, hessian.float())
     cols = torch.arange(k, device=device)
-    rtn = fmt.round_to_grid(q0, w, cols)
+    rtn = fmt.round_to_grid(q0, values, cols)
 
-    h = hessian.float().clone()
+    h = h_target.float().clone()
     # A column whose input is always zero: rounded to nearest, its error (which nothing multiplies) not spread.
     dead = torch.diag(h) == 0
     h[dead, dead] = 1.0
+    w = values
     if settings.act_order:
         perm = torch.argsort(torch.diag(h), descending=True)
         w, h, cols = w[:, perm], h[perm][:, perm], cols[perm]
@@ -124,6 +123,9 @@ def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
         w[:, stop:] -= errs @ hinv[start:stop, stop:]
     if settings.act_order:
         q = q[:, torch.argsort(perm)]
-    w0, h0 = rotation.rotate_weight(weight.to(device), kind, group or None), hessian.float()
+    # Relative to the whole layer's output energy, in the basis the Hessian was measured in.
+    kind, group = fmt.input_rotation(spec, k)
+    energy = _energy(rotation.rotate_weight(weight.to(device).float(), kind, group or None), hessian.float())
     out = fmt.encode_on_grid(q0, q)
-    return GPTQResult(out, _relative_loss(w0 - rtn, w0, h0), _relative_loss(w0 - q, w0, h0), damp)
+    return GPTQResult(out, _energy(values - rtn, h_target) / energy if energy > 0 else 0.0,
+                      _energy(values - q, h_target) / energy if energy > 0 else 0.0, damp)

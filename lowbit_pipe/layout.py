@@ -41,8 +41,14 @@ def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, to
 
 
 def _rows_last(suffix: str, tensors: dict[str, torch.Tensor]) -> bool:
-    """awq_w4a16 (the one format with `weight_zeros`) stores scales and zeros [K/64, N]: output rows last."""
-    return suffix in ("weight_scale", "weight_zeros") and "weight_zeros" in tensors
+    """awq_w4a16 (`weight_zeros`) and svdquant_w4a4 (`weight_proj_up`) store their group scales (and awq its
+    zeros) [K/64, N]: output rows last."""
+    return suffix in ("weight_scale", "weight_zeros") and ("weight_zeros" in tensors or "weight_proj_up" in tensors)
+
+
+# Tensors of the layer's input side (svdquant_w4a4's branch input and smoothing): the parts of a fused layer
+# share them (they are quantized jointly), whatever their shapes.
+SHARED = ("weight_proj_down", "weight_smooth_factor")
 
 
 def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
@@ -53,7 +59,9 @@ def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) ->
     out = {}
     for suffix in first:
         values = [p[1][suffix] for p in parts]
-        if _rows_last(suffix, first) and all(v.dim() == 2 and v.shape[1] == rows for v, (_, _, rows) in zip(values, parts)):
+        if suffix in SHARED and all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
+            out[suffix] = values[0]
+        elif _rows_last(suffix, first) and all(v.dim() == 2 and v.shape[1] == rows for v, (_, _, rows) in zip(values, parts)):
             out[suffix] = torch.cat(values, dim=1)
         elif all(v.dim() >= 1 and v.shape[0] == rows for v, (_, _, rows) in zip(values, parts)) and \
                 all(v.shape[1:] == values[0].shape[1:] for v in values):
@@ -103,7 +111,10 @@ def split_rows(layer: str, tensors: dict[str, torch.Tensor], total: int,
     shared ones (scalars, records, codebooks) copied. Raises FormatError where that is not exact."""
     out: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _, _ in bounds}
     for suffix, t in tensors.items():
-        if _rows_last(suffix, tensors) and t.dim() == 2 and t.shape[1] == total:
+        if suffix in SHARED:
+            for name, _, _ in bounds:
+                out[name][suffix] = t.clone()
+        elif _rows_last(suffix, tensors) and t.dim() == 2 and t.shape[1] == total:
             for name, start, stop in bounds:
                 out[name][suffix] = t[:, start:stop].contiguous()
         elif t.dim() >= 1 and t.shape[0] == total:

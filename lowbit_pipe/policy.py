@@ -38,7 +38,8 @@ def _spec(choice: FormatChoice, rule: LayerRule | None = None) -> FormatSpec:
         value = getattr(rule, key) if rule is not None else None
         return value if value is not None else getattr(choice, key)
 
-    return FormatSpec(pick("format"), pick("rotation"), pick("rotation_group"), pick("granularity"), pick("activations"))
+    return FormatSpec(pick("format"), pick("rotation"), pick("rotation_group"), pick("granularity"), pick("activations"),
+                      pick("rank"))
 
 
 def rotation_note(spec: FormatSpec, in_features: int) -> str:

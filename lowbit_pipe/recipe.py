@@ -42,6 +42,7 @@ class FormatChoice:
     rotation_group: Optional[int] = None
     granularity: Optional[str] = None  # "row" or "tensor" weight scales (int8, fp8); None: the format's default
     activations: str = "dynamic"
+    rank: Optional[int] = None  # low-rank branch of svdquant_w4a4; None: its default (32)
 
 
 @dataclass
@@ -55,6 +56,7 @@ class LayerRule:
     rotation_group: Optional[int] = None
     granularity: Optional[str] = None
     activations: Optional[str] = None
+    rank: Optional[int] = None
 
 
 @dataclass

@@ -29,6 +29,8 @@ def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
         raise RecipeError(f"{path}.granularity", f"must be one of {list(GRANULARITIES)}, got '{choice.granularity}'")
     if choice.activations is not None and choice.activations not in ACTIVATION_MODES:
         raise RecipeError(f"{path}.activations", f"must be one of {list(ACTIVATION_MODES)}, got '{choice.activations}'")
+    if choice.rank is not None and choice.rank < 1:
+        raise RecipeError(f"{path}.rank", f"must be >= 1, got {choice.rank}")
     group = choice.rotation_group
     if group is not None and (group <= 0 or group & (group - 1)):
         raise RecipeError(f"{path}.rotation_group", f"must be a power of two, got {group}")
@@ -38,7 +40,7 @@ def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
     if isinstance(choice, FormatChoice):
         try:
             FORMATS[choice.format].check_spec(FormatSpec(choice.format, choice.rotation, choice.rotation_group,
-                                                          choice.granularity, choice.activations))
+                                                          choice.granularity, choice.activations, choice.rank))
         except ValueError as err:
             raise RecipeError(path, str(err)) from None
 

@@ -280,7 +280,7 @@ def test_install_derives_kinds_and_uninstall_restores_identity():
     algos0 = dict(quant_ops.QUANT_ALGOS)
     reg = R.install(quant_ops, ops)
     # Our kinds, plus the upstream awq_w4a16 that stock ComfyUI master lacks (mxfp8 it has: not ours to load).
-    assert set(reg.kinds) == {"lowbit_int8", "lowbit_fp8", "lowbit_nvfp4", "lowbit_mxfp8", "awq_w4a16"}
+    assert set(reg.kinds) == {"lowbit_int8", "lowbit_fp8", "lowbit_nvfp4", "lowbit_mxfp8", "awq_w4a16", "svdquant_w4a4"}
     assert quant_ops.QUANT_ALGOS["awq_w4a16"]["parameters"] >= {"weight_scale", "weight_zeros"}
     assert quant_ops.QUANT_ALGOS["lowbit_int8"]["storage_t"] == torch.int8
     assert quant_ops.QUANT_ALGOS["lowbit_fp8"]["storage_t"] == torch.float8_e4m3fn

@@ -18,7 +18,7 @@ def _export(tmp_path, recipe, *overrides):
     return lowbit_pipe.run(recipe, ["pipeline=[load,detect,quantize,export]", *overrides], run_dir=tmp_path / "export")
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "w4a8", "mxfp8", "awq_w4a16"])
+@pytest.mark.parametrize("fmt", ["nvfp4", "fp8", "w4a8", "mxfp8", "awq_w4a16", "svdquant_w4a4"])
 def test_flux_fused_native_layers_export_and_reload_exactly(tmp_path, fmt):
     """FLUX's native qkv / linear1 fuse several diffusers layers: quantized jointly, split back exactly."""
     # The recipe's static activations do not apply to mxfp8 (per-block) or awq_w4a16 (float activations).
@@ -108,7 +108,7 @@ def test_truncated_file_is_named(tmp_path):
     assert str(bad) in str(info.value) and "truncated" in str(info.value) and info.value.path == "model.path"
 
 
-FORMATS = ["fp8", "int8", "nvfp4", "mxfp8", "awq_w4a16", "convrot_w4a4", "w4a8", "w6a8"]
+FORMATS = ["fp8", "int8", "nvfp4", "mxfp8", "awq_w4a16", "svdquant_w4a4", "convrot_w4a4", "w4a8", "w6a8"]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -37,6 +37,7 @@ CASES = [
     ("mxfp8", {}, 0.04),
     ("mxfp8", {"rotation": "quarot"}, 0.04),
     ("awq_w4a16", {}, 0.1),
+    ("svdquant_w4a4", {}, 0.1),
     ("convrot_w4a4", {"rotation": "convrot"}, 0.15),
     ("w4a8", {"rotation": "convrot"}, 0.09),
     ("w6a8", {"rotation": "convrot"}, 0.03),
@@ -52,7 +53,7 @@ def rel_err(a, b):
 
 
 def test_all_formats_registered():
-    assert {"fp8", "int8", "nvfp4", "mxfp8", "awq_w4a16", "convrot_w4a4", "w4a8", "w6a8"} <= set(FORMATS)
+    assert {"fp8", "int8", "nvfp4", "mxfp8", "awq_w4a16", "svdquant_w4a4", "convrot_w4a4", "w4a8", "w6a8"} <= set(FORMATS)
 
 
 @pytest.mark.parametrize("name,kw,bound", CASES)
@@ -98,7 +99,7 @@ def test_linear_close_to_float(name, kw, bound):
     y = fmt.linear(x, q, bias)
     assert y.shape == (3, 5, 64) and y.dtype == x.dtype
     y_w = x @ fmt.dequantize(q).t() + bias  # weight quantization only
-    act_bound = {"convrot_w4a4": 0.2, "nvfp4": 0.15}.get(name, 0.06)  # 4-bit activations are coarse
+    act_bound = {"convrot_w4a4": 0.2, "nvfp4": 0.15, "svdquant_w4a4": 0.15}.get(name, 0.06)  # 4-bit activations are coarse
     assert rel_err(y, y_w) < act_bound
     yb = fmt.linear(x.bfloat16(), q, bias.bfloat16())
     assert yb.dtype == torch.bfloat16

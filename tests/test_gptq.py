@@ -18,7 +18,7 @@ from lowbit_pipe.ledger import Ledger
 SPECS = [FormatSpec("int8"), FormatSpec("int8", rotation="quarot"), FormatSpec("fp8"), FormatSpec("mxfp8"),
          FormatSpec("nvfp4"),
          FormatSpec("nvfp4", rotation="hadanorm", rotation_group=64), FormatSpec("convrot_w4a4"),
-         FormatSpec("w4a8"), FormatSpec("w6a8"), FormatSpec("awq_w4a16")]
+         FormatSpec("w4a8"), FormatSpec("w6a8"), FormatSpec("awq_w4a16"), FormatSpec("svdquant_w4a4")]
 
 
 def outlier_layer(n: int = 128, k: int = 256, tokens: int = 2048, seed: int = 0):

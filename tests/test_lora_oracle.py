@@ -57,7 +57,8 @@ def _out(arch_id: str, model: nn.Module, inputs: dict) -> torch.Tensor:
         return get_arch(arch_id).output_tensor(model(**inputs)).double()
 
 
-CASES = [("flux1", "kohya", "int8"), ("krea2", "native", "fp8")]
+# svdquant_w4a4: the LoRA branch beside the format's own low-rank branch, both exact.
+CASES = [("flux1", "kohya", "int8"), ("krea2", "native", "fp8"), ("krea2", "native", "svdquant_w4a4")]
 
 
 @pytest.mark.parametrize("arch_id, style, fmt", CASES)

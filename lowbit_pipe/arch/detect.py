@@ -25,7 +25,8 @@ PREFIXES = ("model.diffusion_model.", "diffusion_model.", "base_model.model.", "
 # Tensors a quantized layer stores beside `weight` / `bias`: those of the ComfyUI layouts in docs/formats.md,
 # plus side-tensor names other quantizers write.
 QUANT_AUX = ("comfy_quant", "weight_scale", "weight_scale_2", "input_scale", "weight_s_rel", "weight_s_channel",
-             "weight_codebook", "weight_correction", "weight_zero", "weight_zeros", "scale_weight", "scale_input", "weight_global_scale")
+             "weight_codebook", "weight_correction", "weight_zero", "weight_zeros", "scale_weight", "scale_input", "weight_global_scale",
+             "weight_proj_down", "weight_proj_up", "weight_smooth_factor")
 # Values per stored byte along in_features for packed formats, when `formats` does not know the format.
 PACKED_FACTOR = {"nvfp4": 2.0, "convrot_w4a4": 2.0, "awq_w4a16": 2.0, "asym_w4a8_int8": 2.0, "mxfp4": 2.0}
 

@@ -3,12 +3,13 @@
 ComfyUI keeps a quantized Linear's weight as a comfy-kitchen `QuantizedTensor` (`qdata` plus a frozen
 `Params` dataclass, dispatched per layout class). Our kinds (`.comfy_quant` format `lowbit_<name>`:
 int8 with quarot / hadanorm, fp8 with any rotation or per-row scales, nvfp4 / mxfp8 with any rotation;
-and `awq_w4a16`, which stock ComfyUI master's QUANT_ALGOS lacks) have no layout ComfyUI dispatches to,
+and `awq_w4a16` / `svdquant_w4a4`, which stock ComfyUI master's QUANT_ALGOS lacks) have no layout ComfyUI dispatches to,
 so this one computes them with the project's own `Format` objects:
 
 - `qdata` is the stored `weight` tensor, as on disk;
 - `Params` holds the other stored tensors (`weight_scale` -> `scale`, `weight_scale_2` -> `scale_2`,
-  `weight_zeros` -> `zeros`, `input_scale`; the optional ones are None and `_tensor_fields()` lists only the present ones, so
+  `weight_zeros` -> `zeros`, `weight_proj_down` / `weight_proj_up` / `weight_smooth_factor` -> `proj_down` /
+  `proj_up` / `smooth_factor`, `input_scale`; the optional ones are None and `_tensor_fields()` lists only the present ones, so
   comfy-kitchen's generic device moves / clones / copies work), the format name, the record as JSON
   text (hashable), the logical `(out, in)` shape, and a `transposed` flag;
 - `aten.linear` runs the format's `linear(x, q, bias)`: the layer's own math, rotation and activation
@@ -47,11 +48,13 @@ LAYOUT_NAME = "LowbitLayout"
 
 # on-disk suffix -> Params field. `weight` itself is the QuantizedTensor's qdata.
 TENSOR_FIELDS = {"weight_scale": "scale", "weight_scale_2": "scale_2", "weight_zeros": "zeros",
+                 "weight_proj_down": "proj_down", "weight_proj_up": "proj_up", "weight_smooth_factor": "smooth_factor",
                  "input_scale": "input_scale"}
 # Params field -> suffix relative to `<layer>.weight`, comfy-kitchen's `state_dict_tensors` convention
 # (ComfyUI calls `weight.state_dict(f"{prefix}weight")`). `input_scale` is not a suffix of `weight`: ComfyUI
 # writes it from the module's own `input_scale` parameter (the registry registers one, as stock does).
-_STATE_SUFFIX = {"scale": "_scale", "scale_2": "_scale_2", "zeros": "_zeros"}
+_STATE_SUFFIX = {"scale": "_scale", "scale_2": "_scale_2", "zeros": "_zeros", "proj_down": "_proj_down",
+                 "proj_up": "_proj_up", "smooth_factor": "_smooth_factor"}
 
 _MISSING = object()
 aten = torch.ops.aten
@@ -80,6 +83,9 @@ class LowbitLayout(QuantizedLayout):
 
         scale_2: torch.Tensor | None = None  # weight_scale_2 (nvfp4's global scale)
         zeros: torch.Tensor | None = None  # weight_zeros (awq_w4a16's per-group zero points)
+        proj_down: torch.Tensor | None = None  # svdquant_w4a4's low-rank branch and smoothing
+        proj_up: torch.Tensor | None = None
+        smooth_factor: torch.Tensor | None = None
         input_scale: torch.Tensor | None = None  # static activation scale, when stored
         format_name: str = ""  # lowbit_pipe format name ("int8", "fp8", "nvfp4", ...)
         record: str = "{}"  # the layer's `.comfy_quant` record, JSON text
@@ -87,7 +93,8 @@ class LowbitLayout(QuantizedLayout):
         transposed: bool = False  # set by aten.t: the tensor is logically weight.T
 
         def _tensor_fields(self) -> list[str]:
-            return [name for name in ("scale", "scale_2", "zeros", "input_scale") if getattr(self, name) is not None]
+            return [name for name in ("scale", "scale_2", "zeros", "proj_down", "proj_up", "smooth_factor", "input_scale")
+                    if getattr(self, name) is not None]
 
     # ---- comfy-kitchen layout API ---------------------------------------------------------------
     @classmethod
@@ -130,7 +137,7 @@ class LowbitLayout(QuantizedLayout):
     @classmethod
     def get_plain_tensors(cls, qtensor: QuantizedTensor) -> tuple[torch.Tensor | None, ...]:
         p = qtensor._params
-        return qtensor._qdata, p.scale, p.scale_2, p.input_scale, p.zeros
+        return qtensor._qdata, p.scale, p.scale_2, p.input_scale, p.zeros, p.proj_down, p.proj_up, p.smooth_factor
 
     @classmethod
     def state_dict_tensors(cls, qdata: torch.Tensor, params: Params) -> dict[str, torch.Tensor]:

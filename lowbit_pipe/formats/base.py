@@ -40,6 +40,7 @@ class FormatSpec:
     rotation_group: int | None = None  # None: the rotation's default (convrot 256, quarot 128)
     granularity: str | None = None  # int8 / fp8 weight scales: "row", "tensor", None = the format's default
     activations: str = "dynamic"  # "dynamic" per-token, "static" (calibrated input_scale), "none" (weight-only)
+    rank: int | None = None  # low-rank branch (svdquant_w4a4); None: the format's default
 
 
 @dataclass
@@ -163,6 +164,16 @@ class Format(ABC):
         """The grid GPTQ rounds on, given the input Hessian (rotated basis): round-to-nearest's by default; a
         format with an activation-aware grid search (awq_w4a16's clipping) overrides it."""
         return self.quantize(weight, spec)
+
+    def grid_target(self, q: QuantizedWeight, weight: torch.Tensor, spec: FormatSpec,
+                    hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, Hessian) GPTQ rounds on `q`'s grid: the weight in the stored basis and the Hessian of the input
+        that meets it. Default: the rotated weight against the rotated input's Hessian; svdquant_w4a4 gives its
+        smoothed residual (weight minus the low-rank branch, times the smoothing) and the smoothed input's."""
+        from lowbit_pipe.kernels import rotation
+
+        kind, group = self.input_rotation(spec, weight.shape[1])
+        return rotation.rotate_weight(weight, kind, group or None), hessian
 
     def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """`values` [N, m] (the stored, rotated basis) of weight columns `cols` [m] rounded to the grid `q`'s

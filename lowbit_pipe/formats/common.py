@@ -16,7 +16,7 @@ MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group", "low
 INFO_KEYS = ("lowbit_shape", "lowbit_bits")
 # Upstream record formats (comfy-kitchen layouts) that stock ComfyUI master's QUANT_ALGOS lacks: loaded by
 # ComfyUI builds that add them, or by the node pack.
-NOT_IN_STOCK_COMFY = ("awq_w4a16",)
+NOT_IN_STOCK_COMFY = ("awq_w4a16", "svdquant_w4a4")
 
 
 def check_finite_weight(weight: torch.Tensor, what: str = "weight") -> torch.Tensor:
