@@ -60,12 +60,7 @@ class AWQW4A16(Format):
     comfy_name = "awq_w4a16"
     bits_per_weight = 4.5  # 4-bit codes + bf16 scale and zero per 64
     rotations = ("none",)
-
-    def check_spec(self, spec: FormatSpec) -> None:
-        super().check_spec(spec)
-        if spec.activations not in ("dynamic", "none"):
-            raise ValueError("awq_w4a16: activations stay in float (W4A16); use activations 'none' (or 'dynamic', "
-                             "which means the same here)")
+    no_static_reason = "activations stay in float (W4A16: 'dynamic' and 'none' both mean weight-only)"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         if in_features % GROUP:
@@ -78,12 +73,7 @@ class AWQW4A16(Format):
         return QuantizedWeight(self.name, shape, tensors, {"format": self.comfy_name, "group_size": GROUP})
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
-        w = common.check_finite_weight(weight)
-        n, k = w.shape
-        problem = self.shape_problem(n, k)
-        if problem:
-            raise FormatError(f"awq_w4a16: {problem}")
-        return self._quantize_alpha(w, 1.0)
+        return self._quantize_alpha(self.checked_weight(weight), 1.0)
 
     def _quantize_alpha(self, w: torch.Tensor, alpha: torch.Tensor | float) -> QuantizedWeight:
         n, k = w.shape

@@ -17,7 +17,7 @@ import torch
 from torch.nn import functional as F
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats.common import spec_rotation
+from lowbit_pipe.formats.common import check_finite_weight, spec_rotation
 from lowbit_pipe.kernels.reference import low_rank_delta, positive_scale
 
 ROTATIONS = ("none", "convrot", "quarot", "hadanorm")
@@ -86,6 +86,7 @@ class Format(ABC):
     fused_lora_on_cuda: ClassVar[bool] = False  # `linear(..., lora=(down, up))` fuses the LoRA branch on CUDA
     act_qmax: ClassVar[float]  # activation code range: a static input_scale is input amax / act_qmax
     stock_input_scale: ClassVar[bool] = False  # stock ComfyUI reads `input_scale` for this format
+    no_static_reason: ClassVar[str] = ""  # why activations=static is refused ("" = it is supported)
 
     @abstractmethod
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
@@ -113,6 +114,17 @@ class Format(ABC):
         if spec.activations not in ACTIVATION_MODES:
             raise ValueError(f"format '{self.name}': activations must be one of {list(ACTIVATION_MODES)}, "
                              f"got '{spec.activations}'")
+        if spec.activations == "static" and self.no_static_reason:
+            raise ValueError(f"{self.name}: {self.no_static_reason}; use activations 'dynamic' or 'none' "
+                             "(no static input_scale)")
+
+    def checked_weight(self, weight: torch.Tensor) -> torch.Tensor:
+        """fp32 2-D copy of a finite weight this format can store; FormatError naming the problem otherwise."""
+        w = check_finite_weight(weight)
+        problem = self.shape_problem(*w.shape)
+        if problem:
+            raise FormatError(f"{self.name}: {problem}")
+        return w
 
     # ---- activations ------------------------------------------------------------------------
     def activation_mode(self, q: QuantizedWeight) -> str:

@@ -77,12 +77,7 @@ class MXFP8(Format):
     bits_per_weight = 8.25
     rotations = ("none", "convrot", "quarot", "hadanorm")
     act_qmax = reference.FP8_E4M3_MAX
-
-    def check_spec(self, spec: FormatSpec) -> None:
-        super().check_spec(spec)
-        if spec.activations == "static":
-            raise ValueError("mxfp8: activations are scaled per block of 32 at run time; use 'dynamic' or 'none' "
-                             "(no static input_scale)")
+    no_static_reason = "activations are scaled per block of 32 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         if out_features % BLOCK or in_features % BLOCK:
@@ -90,11 +85,8 @@ class MXFP8(Format):
         return None
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
-        w = common.check_finite_weight(weight)
+        w = self.checked_weight(weight)
         n, k = w.shape
-        problem = self.shape_problem(n, k)
-        if problem:
-            raise FormatError(f"mxfp8: {problem}")
         kind, group = common.spec_rotation(spec, k)
         codes, e = quantize_blocks(rotation.rotate_weight(w, kind, group))
         scales = reference.swizzle_block_scales(e.to(torch.uint8)).view(torch.float8_e8m0fnu)

@@ -71,12 +71,7 @@ class SVDQuantW4A4(Format):
     bits_per_weight = 4.25  # + the branch: 16 * R * (N + K) / (N * K) bits per weight
     rotations = ("none",)
     act_qmax = float(INT4_MAX)
-
-    def check_spec(self, spec: FormatSpec) -> None:
-        super().check_spec(spec)
-        if spec.activations == "static":
-            raise ValueError("svdquant_w4a4: activations are scaled per row and group of 64 at run time; use "
-                             "'dynamic' or 'none' (no static input_scale)")
+    no_static_reason = "activations are scaled per row and group of 64 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         if in_features % GROUP:
@@ -110,11 +105,8 @@ class SVDQuantW4A4(Format):
         return QuantizedWeight(self.name, (n, k), tensors, {"format": self.comfy_name})
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
-        w = common.check_finite_weight(weight)
+        w = self.checked_weight(weight)
         n, k = w.shape
-        problem = self.shape_problem(n, k)
-        if problem:
-            raise FormatError(f"svdquant_w4a4: {problem}")
         return self._build(w, torch.ones(k, device=w.device), self._rank(spec, n, k))
 
     def calibrated_grid(self, weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor) -> QuantizedWeight:
