@@ -61,7 +61,8 @@ def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) ->
         values = [p[1][suffix] for p in parts]
         if suffix in SHARED and all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
             out[suffix] = values[0]
-        elif _rows_last(suffix, first) and all(v.dim() == 2 and v.shape[1] == rows for v, (_, _, rows) in zip(values, parts)):
+        elif _rows_last(suffix, first) and all(v.dim() == 2 and v.shape[1] == rows
+                                               for v, (_, _, rows) in zip(values, parts)):
             out[suffix] = torch.cat(values, dim=1)
         elif all(v.dim() >= 1 and v.shape[0] == rows for v, (_, _, rows) in zip(values, parts)) and \
                 all(v.shape[1:] == values[0].shape[1:] for v in values):
