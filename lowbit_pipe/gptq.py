@@ -94,7 +94,8 @@ def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
     q0 = QuantizedWeight(q0.format, q0.shape, {s: t.to(device) for s, t in q0.tensors.items()}, q0.record)
     values, h_target = fmt.grid_target(q0, weight.to(device).float(), spec, hessian.float())
     cols = torch.arange(k, device=device)
-    rtn = fmt.round_to_grid(q0, values, cols)
+    round_columns = fmt.grid_rounder(q0)
+    rtn = round_columns(values, cols)
 
     h = h_target.float().clone()
     # A column whose input is always zero: rounded to nearest, its error (which nothing multiplies) not spread.
@@ -115,7 +116,7 @@ def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
         hb = hinv[start:stop, start:stop]
         for i in range(stop - start):
             col = block[:, i:i + 1]
-            rounded = fmt.round_to_grid(q0, col, cols[start + i:start + i + 1])
+            rounded = round_columns(col, cols[start + i:start + i + 1])
             q[:, start + i:start + i + 1] = rounded
             err = (col - rounded) / hb[i, i]
             block[:, i:] -= err @ hb[i:i + 1, i:]

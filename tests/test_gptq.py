@@ -81,7 +81,7 @@ def test_grid_rounding_of_the_weight_itself_reproduces_round_to_nearest(spec):
     q = fmt.quantize(w, spec)
     kind, group = fmt.input_rotation(spec, w.shape[1])
     w_rot = rotation.rotate_weight(w, kind, group or None)
-    grid = fmt.round_to_grid(q, w_rot, torch.arange(w.shape[1]))
+    grid = fmt.grid_rounder(q)(w_rot, torch.arange(w.shape[1]))
     again = fmt.encode_on_grid(q, grid)
     assert torch.equal(again.tensors["weight"], q.tensors["weight"])
 

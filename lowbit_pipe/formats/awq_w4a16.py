@@ -24,7 +24,7 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 
 GROUP = 64
@@ -113,10 +113,13 @@ class AWQW4A16(Format):
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         return self.weight_only_linear(x, q, bias)
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
         scale, zero = self._grid(q)
-        s, z = scale[:, cols // GROUP], zero[:, cols // GROUP]
-        return decode(codes_on_grid(values, s, z), s, z)
+
+        def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            s, z = scale[:, cols // GROUP], zero[:, cols // GROUP]
+            return decode(codes_on_grid(values, s, z), s, z)
+        return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         scale, zero = self._grid(q)

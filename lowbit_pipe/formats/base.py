@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch.nn import functional as F
@@ -29,6 +29,8 @@ GRANULARITIES = ("row", "tensor")
 # The record key stock ComfyUI reads for weight-only layers (it then dequantizes the weight and
 # runs the matmul in the compute dtype): how activations "none" is stored.
 WEIGHT_ONLY_KEY = "full_precision_matrix_mult"
+# GPTQ's column rounding on a fixed grid: (values [N, m], column indices [m]) -> dequantized values [N, m].
+GridRounder = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -187,10 +189,11 @@ class Format(ABC):
         kind, group = self.input_rotation(spec, weight.shape[1])
         return rotation.rotate_weight(weight, kind, group or None), hessian
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """`values` [N, m] (the stored, rotated basis) of weight columns `cols` [m] rounded to the grid `q`'s
-        scales define (they stay fixed): the dequantized result, fp32. What error-feedback quantizers (GPTQ)
-        round each column with, so only the stored codes change, never the scales or the layout."""
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
+        """`round(values, cols)`: `values` [N, m] (the stored, rotated basis) of weight columns `cols` [m]
+        rounded to the grid `q`'s scales define (they stay fixed), dequantized, fp32. What error-feedback
+        quantizers (GPTQ) round each column with, so only the stored codes change, never the scales or the
+        layout. The per-column scale table is built once here, not per column."""
         raise NotImplementedError(f"format '{self.name}' has no fixed-grid rounding (GPTQ)")
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:

@@ -21,7 +21,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP = 256
@@ -84,9 +84,9 @@ class ConvRotW4A4(Format):
         y = reference.int4_linear(x_rot, self.codes(q), q.tensors["weight_scale"], static)
         return common.out_dtype_result(y, bias, x.dtype)
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
         s = q.tensors["weight_scale"].float().reshape(-1, 1)
-        return (values.float() / s).round().clamp(-reference.INT4_MAX, reference.INT4_MAX) * s
+        return lambda values, cols: (values.float() / s).round().clamp(-reference.INT4_MAX, reference.INT4_MAX) * s
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         s = q.tensors["weight_scale"].float().reshape(-1, 1)

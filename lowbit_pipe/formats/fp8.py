@@ -27,7 +27,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 
@@ -117,9 +117,9 @@ class FP8(Format):
         s = q.tensors["weight_scale"].float()
         return s.reshape(-1, 1) if s.numel() > 1 else s.reshape(())
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
         s = self._scale(q)
-        return reference.fp8_quantize(values, s).float() * s
+        return lambda values, cols: reference.fp8_quantize(values, s).float() * s
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         codes = reference.fp8_quantize(values, self._scale(q))

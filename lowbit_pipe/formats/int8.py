@@ -21,7 +21,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 
@@ -109,9 +109,11 @@ class Int8(Format):
         s = s.reshape(-1, 1) if s.numel() > 1 else s.reshape(())
         return (values.float() / s).round().clamp(-128.0, 127.0), s
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        codes, s = self._codes(q, values)
-        return codes * s
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
+        def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            codes, s = self._codes(q, values)
+            return codes * s
+        return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         codes, _ = self._codes(q, values)

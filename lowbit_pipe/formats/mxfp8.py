@@ -26,7 +26,7 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import reference, rotation
 
@@ -115,8 +115,9 @@ class MXFP8(Format):
         return common.out_dtype_result(y, bias, x.dtype)
 
     # ---- fixed-grid rounding (GPTQ): the block exponents stay, the codes change --------------------
-    def _column_scales(self, q: QuantizedWeight, cols: torch.Tensor) -> torch.Tensor:
-        return _exponent_to_scale(self._exponents(q))[:, cols // BLOCK]
+    def _block_scales(self, q: QuantizedWeight) -> torch.Tensor:
+        """fp32 2^(e-127) per (row, block of 32), [N, K/32] (unswizzled)."""
+        return _exponent_to_scale(self._exponents(q))
 
     @staticmethod
     def _grid_codes(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -124,12 +125,16 @@ class MXFP8(Format):
         data = torch.where(scale == 0, torch.zeros_like(values.float()), values.float() / safe)
         return data.clamp(-reference.FP8_E4M3_MAX, reference.FP8_E4M3_MAX).to(torch.float8_e4m3fn)
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        scale = self._column_scales(q, cols)
-        return self._grid_codes(values, scale).float() * scale
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
+        scales = self._block_scales(q)  # unswizzled once
+
+        def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            scale = scales[:, cols // BLOCK]
+            return self._grid_codes(values, scale).float() * scale
+        return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
-        scale = self._column_scales(q, torch.arange(q.shape[1], device=values.device))
+        scale = self._block_scales(q).repeat_interleave(BLOCK, dim=1)
         return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": self._grid_codes(values, scale)},
                                dict(q.record))
 

@@ -31,7 +31,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
@@ -125,9 +125,13 @@ class NVFP4(Format):
         data = torch.where(total == 0, torch.zeros_like(values), values.float() / safe)
         return reference.e2m1_encode(data.clamp(-reference.E2M1_MAX, reference.E2M1_MAX))
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        total = self._block_totals(q)[:, cols // 16]
-        return reference.e2m1_decode(self._grid_codes(values, total)) * total
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
+        totals = self._block_totals(q)  # unswizzled once
+
+        def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            total = totals[:, cols // 16]
+            return reference.e2m1_decode(self._grid_codes(values, total)) * total
+        return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         total = self._block_totals(q).repeat_interleave(16, dim=1)

@@ -31,7 +31,7 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 
 GROUP = 64
@@ -158,9 +158,13 @@ class SVDQuantW4A4(Format):
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
 
     # ---- fixed-grid rounding (GPTQ): the residual's group scales stay, its codes change --------------
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        scale = q.tensors["weight_scale"].t()[:, cols // GROUP]
-        return _codes(values, scale) * scale.float()
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
+        scales = q.tensors["weight_scale"].t()
+
+        def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            scale = scales[:, cols // GROUP]
+            return _codes(values, scale) * scale.float()
+        return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         t = q.tensors

@@ -41,7 +41,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP_SIZE = 16
@@ -263,11 +263,15 @@ class W4A8(Format):
             torch.arange(-W6_LEVELS, W6_LEVELS + 1, dtype=torch.float32, device=q.tensors["weight"].device)
         return _grid_levels(table, q.tensors["weight_s_rel"]), q.tensors["weight_s_channel"].float(), bits, group_size
 
-    def round_to_grid(self, q: QuantizedWeight, values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        levels, s_ch, _, group_size = self._grid(q)
-        lv = levels[:, cols // group_size, :]  # [N, m, L]
-        idx = _assign_grid((values.float() / s_ch.reshape(-1, 1)).unsqueeze(-1), lv)
-        return torch.gather(lv, 2, idx).squeeze(-1) * s_ch.reshape(-1, 1)
+    def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
+        levels, s_ch, _, group_size = self._grid(q)  # the level tables, built once
+        s_ch = s_ch.reshape(-1, 1)
+
+        def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+            lv = levels[:, cols // group_size, :]  # [N, m, L]
+            idx = _assign_grid((values.float() / s_ch).unsqueeze(-1), lv)
+            return torch.gather(lv, 2, idx).squeeze(-1) * s_ch
+        return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         levels, s_ch, bits, group_size = self._grid(q)
