@@ -44,14 +44,9 @@ class HessianAccumulator:
 
     def add(self, x: torch.Tensor) -> None:
         x = x.detach().reshape(-1, x.shape[-1]).to(self.hessian.device)
-        if self.kind == "hadanorm":
-            # hadanorm rotates the centred input and adds the mean's term back in full precision from the same
-            # dequantized weight, so the output error is that of the whole input, rotated without centring.
-            g = rotation.resolve_group(self.kind, self.group)
-            grouped = x.float().reshape(x.shape[0], -1, g)
-            x = torch.matmul(grouped, rotation.hadamard(self.kind, g, x.device)).reshape(x.shape)
-        else:
-            x, _ = rotation.rotate_activation(x, self.kind, self.group)
+        # Uncentred: hadanorm adds the mean's term back from the same dequantized weight, so the output error
+        # is that of the whole input.
+        x, _ = rotation.rotate_activation(x, self.kind, self.group, centre=False)
         n = x.shape[0]
         self.hessian.mul_(self.rows / (self.rows + n))
         self.hessian.addmm_(x.t(), x, alpha=1.0 / (self.rows + n))

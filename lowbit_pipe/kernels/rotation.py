@@ -133,11 +133,14 @@ def unrotate_weight(weight_rot: torch.Tensor, kind: str, group: int | None = Non
     return rotate_weight(weight_rot, kind, group)
 
 
-def rotate_activation(x: torch.Tensor, kind: str, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def rotate_activation(x: torch.Tensor, kind: str, group: int | None = None,
+                      centre: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Online activation rotation x @ H per group, in fp32.
 
     Returns (x_rot, mu): mu is None except for hadanorm, where it is the per-group
     mean [..., groups] that was removed before rotating (see `mean_correction`).
+    `centre=False`: hadanorm's rotation of the whole input, no mean removed (mu None): the basis in which
+    its layer output error lives, since the mean's term uses the same dequantized weight.
     """
     xf = x.float()
     if kind == "none":
@@ -147,7 +150,7 @@ def rotate_activation(x: torch.Tensor, kind: str, group: int | None = None) -> t
     _check_divisible(k, g, "activation")
     grouped = xf.reshape(*xf.shape[:-1], k // g, g)
     mu = None
-    if kind == "hadanorm":
+    if kind == "hadanorm" and centre:
         mu = grouped.mean(dim=-1)
         grouped = grouped - mu.unsqueeze(-1)
     h = hadamard(kind, g, xf.device)
