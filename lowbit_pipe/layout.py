@@ -40,15 +40,21 @@ def _split_state(state: dict[str, torch.Tensor]) -> tuple[dict[str, dict[str, to
     return quant, rest
 
 
-def _rows_last(suffix: str, tensors: dict[str, torch.Tensor]) -> bool:
-    """awq_w4a16 (`weight_zeros`) and svdquant_w4a4 (`weight_proj_up`) store their group scales (and awq its
-    zeros) [K/64, N]: output rows last."""
-    return suffix in ("weight_scale", "weight_zeros") and ("weight_zeros" in tensors or "weight_proj_up" in tensors)
+def _row_axes(layer: str, tensors: dict[str, torch.Tensor]) -> dict[str, int | None]:
+    """The layer's format's `row_axes` (tensors stored transposed, or input-side and shared), read from its
+    `.comfy_quant` record."""
+    from lowbit_pipe.formats import decode_record, format_for_record
+
+    if RECORD not in tensors:
+        return {}
+    return format_for_record(decode_record(tensors[RECORD], layer), layer).row_axes
 
 
-# Tensors of the layer's input side (svdquant_w4a4's branch input and smoothing): the parts of a fused layer
-# share them (they are quantized jointly), whatever their shapes.
-SHARED = ("weight_proj_down", "weight_smooth_factor")
+def _identical(values: list[torch.Tensor]) -> bool:
+    """Same shape, dtype and bytes (any dtype, fp8 included)."""
+    first = values[0].contiguous().reshape(-1).view(torch.uint8)
+    return all(v.shape == values[0].shape and v.dtype == values[0].dtype
+               and torch.equal(v.contiguous().reshape(-1).view(torch.uint8), first) for v in values)
 
 
 def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) -> dict[str, torch.Tensor]:
@@ -56,18 +62,19 @@ def _fuse(native: str, parts: list[tuple[str, dict[str, torch.Tensor], int]]) ->
     first = parts[0][1]
     if any(set(p[1]) != set(first) for p in parts):
         raise FormatError(f"{native}: fused parts {[p[0] for p in parts]} store different tensors; export.layout=diffusers keeps them apart")
+    axes = _row_axes(native, first)
     out = {}
     for suffix in first:
         values = [p[1][suffix] for p in parts]
-        if suffix in SHARED and all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
+        axis = axes.get(suffix, 0)
+        if axis is None and _identical(values):  # input side, shared by the parts (whatever its shape)
             out[suffix] = values[0]
-        elif _rows_last(suffix, first) and all(v.dim() == 2 and v.shape[1] == rows
-                                               for v, (_, _, rows) in zip(values, parts)):
+        elif axis == 1 and all(v.dim() == 2 and v.shape[1] == rows for v, (_, _, rows) in zip(values, parts)):
             out[suffix] = torch.cat(values, dim=1)
-        elif all(v.dim() >= 1 and v.shape[0] == rows for v, (_, _, rows) in zip(values, parts)) and \
+        elif axis == 0 and all(v.dim() >= 1 and v.shape[0] == rows for v, (_, _, rows) in zip(values, parts)) and \
                 all(v.shape[1:] == values[0].shape[1:] for v in values):
             out[suffix] = torch.cat(values, dim=0)
-        elif all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
+        elif _identical(values):
             out[suffix] = values[0]
         else:
             raise FormatError(f"{native}: '{suffix}' of {[p[0] for p in parts]} is neither per-row nor shared "
@@ -106,16 +113,19 @@ def to_native(state: dict[str, torch.Tensor], arch: Arch, config: ArchConfig,
     return out
 
 
-def split_rows(layer: str, tensors: dict[str, torch.Tensor], total: int,
-               bounds: list[tuple[str, int, int]]) -> dict[str, dict[str, torch.Tensor]]:
+def split_rows(layer: str, tensors: dict[str, torch.Tensor], total: int, bounds: list[tuple[str, int, int]],
+               row_axes: dict[str, int | None] | None = None) -> dict[str, dict[str, torch.Tensor]]:
     """Split one fused layer's tensors into parts (name, start row, stop row): per-row tensors by rows,
-    shared ones (scalars, records, codebooks) copied. Raises FormatError where that is not exact."""
+    shared ones (scalars, records, codebooks, the format's input-side tensors) copied. `row_axes`: the
+    format's (read from the layer's record when None). Raises FormatError where that is not exact."""
+    axes = _row_axes(layer, tensors) if row_axes is None else row_axes
     out: dict[str, dict[str, torch.Tensor]] = {name: {} for name, _, _ in bounds}
     for suffix, t in tensors.items():
-        if suffix in SHARED:
+        axis = axes.get(suffix, 0)
+        if axis is None:
             for name, _, _ in bounds:
                 out[name][suffix] = t.clone()
-        elif _rows_last(suffix, tensors) and t.dim() == 2 and t.shape[1] == total:
+        elif axis == 1 and t.dim() == 2 and t.shape[1] == total:
             for name, start, stop in bounds:
                 out[name][suffix] = t[:, start:stop].contiguous()
         elif t.dim() >= 1 and t.shape[0] == total:

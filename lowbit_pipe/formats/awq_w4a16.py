@@ -60,6 +60,7 @@ class AWQW4A16(Format):
     comfy_name = "awq_w4a16"
     bits_per_weight = 4.5  # 4-bit codes + bf16 scale and zero per 64
     rotations = ("none",)
+    row_axes = {"weight_scale": 1, "weight_zeros": 1}
     no_static_reason = "activations stay in float (W4A16: 'dynamic' and 'none' both mean weight-only)"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:

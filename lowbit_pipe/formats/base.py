@@ -89,6 +89,9 @@ class Format(ABC):
     act_qmax: ClassVar[float]  # activation code range: a static input_scale is input amax / act_qmax
     stock_input_scale: ClassVar[bool] = False  # stock ComfyUI reads `input_scale` for this format
     no_static_reason: ClassVar[str] = ""  # why activations=static is refused ("" = it is supported)
+    # Stored tensors whose output rows are not on dim 0: 1 for those stored [.., N] (transposed), None for
+    # input-side tensors that the parts of a fused layer share. The rest: per row on dim 0, or shared scalars.
+    row_axes: ClassVar[dict[str, int | None]] = {}
 
     @abstractmethod
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:

@@ -71,6 +71,7 @@ class SVDQuantW4A4(Format):
     bits_per_weight = 4.25  # + the branch: 16 * R * (N + K) / (N * K) bits per weight
     rotations = ("none",)
     act_qmax = float(INT4_MAX)
+    row_axes = {"weight_scale": 1, "weight_proj_down": None, "weight_smooth_factor": None}
     no_static_reason = "activations are scaled per row and group of 64 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:

@@ -184,7 +184,7 @@ def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable
     for name, layer in layers:
         bounds.append((name, start, start + layer.out_features))
         start += layer.out_features
-    parts = split_rows(label, q.tensors, fused.shape[0], bounds)
+    parts = split_rows(label, q.tensors, fused.shape[0], bounds, first.format.row_axes)
     kept = []
     for (name, layer), (before, d) in zip(layers, befores):
         _replace(layer, {k: t.to(getattr(layer, k).device) for k, t in parts[name].items()}, name, ledger)

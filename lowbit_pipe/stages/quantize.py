@@ -44,7 +44,7 @@ def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]],
     for (name, _, _), lin in zip(group, linears):
         bounds.append((name, start, start + lin.out_features))
         start += lin.out_features
-    parts = split_rows("+".join(n for n, _, _ in group), q.tensors, weight.shape[0], bounds)
+    parts = split_rows("+".join(n for n, _, _ in group), q.tensors, weight.shape[0], bounds, fmt.row_axes)
     out = {}
     for (name, begin, stop), lin in zip(bounds, linears):
         part = QuantizedWeight(q.format, (stop - begin, weight.shape[1]), parts[name], dict(q.record))
