@@ -133,12 +133,9 @@ class AWQW4A16(Format):
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name
         common.check_no_unknown(tensors, ("weight", "weight_scale", "weight_zeros"), where, fmt)
-        w = common.require(tensors, "weight", where, fmt)
+        w = common.packed_codes(tensors, where, fmt, "packed uint4")
         s = common.require(tensors, "weight_scale", where, fmt)
         z = common.require(tensors, "weight_zeros", where, fmt)
-        common.check_dtype(w, "weight", where, (torch.int8, torch.uint8))
-        if w.dim() != 2:
-            raise FormatError(f"{where}.weight: expected 2-D, got shape {tuple(w.shape)}")
         group = int(record.get("group_size", GROUP))
         if group != GROUP:
             raise FormatError(f"{where}: awq_w4a16 group_size {group}; only {GROUP} is supported")
@@ -151,7 +148,7 @@ class AWQW4A16(Format):
             common.check_finite_scale(t, key, where)
         if s.dtype != z.dtype:
             raise FormatError(f"{where}: weight_scale is {s.dtype} but weight_zeros is {z.dtype}")
-        tensors = {"weight": w.view(torch.int8), "weight_scale": s, "weight_zeros": z}
+        tensors = {"weight": w, "weight_scale": s, "weight_zeros": z}
         return QuantizedWeight(self.name, (n, k), tensors, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:

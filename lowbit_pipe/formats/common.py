@@ -139,6 +139,15 @@ def require(tensors: dict[str, torch.Tensor], key: str, where: str, fmt: str) ->
     return t
 
 
+def packed_codes(tensors: dict[str, torch.Tensor], where: str, fmt: str, what: str = "packed codes") -> torch.Tensor:
+    """The stored `weight` of a packed sub-byte format: int8 (uint8 read too) [N, packed K], viewed as int8."""
+    w = require(tensors, "weight", where, fmt)
+    check_dtype(w, "weight", where, (torch.int8, torch.uint8))
+    if w.dim() != 2:
+        raise FormatError(f"{where}.weight: expected 2-D {what}, got shape {tuple(w.shape)}")
+    return w.view(torch.int8)
+
+
 def check_dtype(t: torch.Tensor, key: str, where: str, allowed: tuple[torch.dtype, ...]) -> None:
     if t.dtype not in allowed:
         raise FormatError(f"{where}.{key}: dtype {t.dtype}, expected one of {[str(d) for d in allowed]}")

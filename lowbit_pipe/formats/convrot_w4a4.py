@@ -100,11 +100,8 @@ class ConvRotW4A4(Format):
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name
         common.check_no_unknown(tensors, ("weight", "weight_scale", "input_scale"), where, fmt)
-        w = common.require(tensors, "weight", where, fmt)
+        w = common.packed_codes(tensors, where, fmt, "packed int4")
         s = common.require(tensors, "weight_scale", where, fmt)
-        common.check_dtype(w, "weight", where, (torch.int8, torch.uint8))
-        if w.dim() != 2:
-            raise FormatError(f"{where}.weight: expected 2-D packed int4, got shape {tuple(w.shape)}")
         n, k = self.logical_shape(tuple(w.shape), record)
         group = record.get("convrot_groupsize", GROUP)
         try:
@@ -117,7 +114,7 @@ class ConvRotW4A4(Format):
         if s.numel() != n or s.dim() not in (1, 2) or (s.dim() == 2 and s.shape[1] != 1):
             raise FormatError(f"{where}.weight_scale: shape {tuple(s.shape)}, expected [{n}] (one per row)")
         common.check_finite_scale(s, "weight_scale", where)
-        tensors_out = {"weight": w.view(torch.int8), "weight_scale": s.float().reshape(n),
+        tensors_out = {"weight": w, "weight_scale": s.float().reshape(n),
                        **common.optional_input_scale(tensors, where)}
         return QuantizedWeight(self.name, (n, k), tensors_out, dict(record))
 

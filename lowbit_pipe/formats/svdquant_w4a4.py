@@ -179,12 +179,9 @@ class SVDQuantW4A4(Format):
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name
         common.check_no_unknown(tensors, ("weight", *SIDE), where, fmt)
-        w = common.require(tensors, "weight", where, fmt)
+        w = common.packed_codes(tensors, where, fmt, "[N, K/2] (comfy-kitchen's tile-packed layout is not read; "
+                                                     "store the natural layout)")
         side = {key: common.require(tensors, key, where, fmt) for key in SIDE}
-        common.check_dtype(w, "weight", where, (torch.int8, torch.uint8))
-        if w.dim() != 2:
-            raise FormatError(f"{where}.weight: expected 2-D [N, K/2], got shape {tuple(w.shape)} (comfy-kitchen's "
-                              "tile-packed layout is not read; store the natural layout)")
         n, k = self.logical_shape(tuple(w.shape), record)
         if k % GROUP:
             raise FormatError(f"{where}.weight: {k} inputs, not a multiple of the group {GROUP}")
@@ -200,7 +197,7 @@ class SVDQuantW4A4(Format):
             common.check_finite_scale(t, key, where)
         if bool((side["weight_smooth_factor"] == 0).any()):
             raise FormatError(f"{where}.weight_smooth_factor: zero entries (the input is divided by it)")
-        return QuantizedWeight(self.name, (n, k), {"weight": w.view(torch.int8), **side}, dict(record))
+        return QuantizedWeight(self.name, (n, k), {"weight": w, **side}, dict(record))
 
     def storage_bytes(self, out_features: int, in_features: int, spec: FormatSpec | None = None) -> int:
         rank = self._rank(spec or FormatSpec(self.name), out_features, in_features)

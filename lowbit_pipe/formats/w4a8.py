@@ -289,13 +289,9 @@ class W4A8(Format):
         fmt = self.comfy_name
         keys = ("weight", "weight_s_rel", "weight_s_channel", "weight_codebook", "weight_correction", "input_scale")
         common.check_no_unknown(tensors, keys, where, fmt)
-        w = common.require(tensors, "weight", where, fmt)
+        w = common.packed_codes(tensors, where, fmt)
         s_rel = common.require(tensors, "weight_s_rel", where, fmt)
         s_ch = common.require(tensors, "weight_s_channel", where, fmt)
-        common.check_dtype(w, "weight", where, (torch.int8, torch.uint8))
-        if w.dim() != 2:
-            raise FormatError(f"{where}.weight: expected 2-D packed codes, got shape {tuple(w.shape)}")
-        w = w.view(torch.int8)
         common.check_dtype(s_rel, "weight_s_rel", where, (torch.float8_e4m3fn, torch.uint8, torch.float32))
         s_rel = s_rel.view(torch.float8_e4m3fn) if s_rel.dtype == torch.uint8 else s_rel
         try:
