@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from lowbit_pipe.errors import CheckpointError
 
@@ -112,43 +111,24 @@ def _publish(tmp: Path, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def _sort_metadata(path: Path) -> None:
-    """Rewrite a safetensors header in place with its metadata keys sorted. safetensors keeps metadata in a
-    Rust HashMap, so with two or more keys their order (and the file's bytes) changes from save to save;
-    sorted, the same tensors and metadata give the same bytes. The header is the same pairs reordered, so
-    its length does not grow; a shorter one is padded with spaces, as safetensors pads."""
-    with open(path, "r+b") as f:
-        size = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(size))
-        meta = header.get("__metadata__")
-        if not meta or len(meta) < 2:
-            return
-        header["__metadata__"] = dict(sorted(meta.items()))
-        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-        if len(raw) > size:
-            raise CheckpointError(str(path), f"sorted header is {len(raw)} bytes, longer than the {size} written "
-                                             "(a bug: it holds the same pairs)")
-        f.seek(8)
-        f.write(raw + b" " * (size - len(raw)))
-
-
 def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
                 *, inputs: tuple[str | Path, ...] = ()) -> int:
-    """Write `path` via a temp file + rename; never overwrites one of `inputs`. Returns bytes written."""
-    path = Path(path)
-    for source in inputs:
-        if source is not None and Path(source).exists() and path.exists() and Path(source).resolve() == path.resolve():
-            raise CheckpointError(str(path), "refusing to overwrite the input file; choose another export.path")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        _sort_metadata(tmp)
-        _publish(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path.stat().st_size
+    """Write `path` via a temp file + rename (StreamingWriter, so the bytes depend only on the tensors and
+    the metadata, in the order given: safetensors' own writer orders metadata keys randomly); never
+    overwrites one of `inputs`. Returns bytes written."""
+    entries, offset = {}, 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        entries[key] = {"dtype": _ST_DTYPES.get(t.dtype, "?"), "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        entries["__metadata__"] = metadata
+    with StreamingWriter(path, len(json.dumps(entries, separators=(",", ":")).encode("utf-8")),
+                         inputs=inputs) as writer:
+        for key, t in tensors.items():
+            writer.write(key, t)
+        return writer.close(metadata)
 
 
 def metadata_json(metadata: dict[str, str], key: str, path: str) -> Any:
