@@ -103,7 +103,7 @@ def _umask() -> int:
 
 
 def _publish(tmp: Path, path: Path) -> None:
-    """Give a finished temp file the permissions a new file gets (safetensors creates it 0600), fsync it,
+    """Give a finished temp file the permissions a new file gets (whatever created it), fsync it,
     rename it into place."""
     os.chmod(tmp, 0o666 & ~_umask())
     with open(tmp, "rb") as f:
