@@ -28,7 +28,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "formats", "compile")
+CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "formats", "compile")
 CHILD_TIMEOUT_S = 600
 
 
@@ -422,6 +422,42 @@ def case_nvfp4() -> None:
         y16 = nvfp4_gemm(x_rot, t["weight"], t["weight_scale"], t["weight_scale_2"], n, None, torch.float32,
                          {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128})
         _close(y16, x_rot @ fmt._dequantize_rotated(q).t(), 1e-5, f"nvfp4 w4a16 {rot}")
+        # weight-only, both paths: the register-decode GEMM (few rows) and decode + matmul (many rows)
+        for rows in (m, dispatch.DECODE_MIN_ROWS):
+            xs = torch.randn(rows, k, generator=gen)
+            xs_rot, _ = rotation.rotate_activation(xs, kind, group)
+            y = dispatch.nvfp4_weight_only_linear(xs, t["weight"], t["weight_scale"], t["weight_scale_2"], n, bias,
+                                                  kind, group)
+            _close(y, xs_rot @ fmt._dequantize_rotated(q).t() + bias, 1e-5, f"nvfp4 weight-only {rot} M={rows}")
+        xs = torch.randn(dispatch.DECODE_MIN_ROWS, k, generator=gen)  # activations through the decode path
+        xs_rot, _ = rotation.rotate_activation(xs, kind, group)
+        y = dispatch.nvfp4_linear(xs, t["weight"], t["weight_scale"], t["weight_scale_2"], None, n, bias, kind, group,
+                                  compute_dtype=torch.float32)
+        _close(y, reference.nvfp4_fake_quant(xs_rot) @ fmt._dequantize_rotated(q).t() + bias, 2e-2,
+               f"nvfp4 {rot} M={dispatch.DECODE_MIN_ROWS}")
+
+
+def case_decode() -> None:
+    """Weight decode kernels vs the formats' own decode: bit-exact (bf16 within one ulp: interpreter trap)."""
+    from lowbit_pipe.formats import FormatSpec, get_format
+    from lowbit_pipe.formats.w4a8 import decode_int8_grid
+    from lowbit_pipe.kernels.decode import grid_decode_int8, nvfp4_decode
+
+    gen = torch.Generator().manual_seed(5)
+    fmt = get_format("nvfp4")
+    for n, k in ((48, 256), (160, 96), (130, 272)):  # 160 / 130 rows: two 128-row scale tiles, 96 / 272: odd scale cols
+        q = fmt.quantize(torch.randn(n, k, generator=gen) * 0.02, FormatSpec("nvfp4"))
+        t = q.tensors
+        ref = fmt._dequantize_rotated(q)
+        y = nvfp4_decode(t["weight"], t["weight_scale"], t["weight_scale_2"], n, k, torch.float32)
+        assert torch.equal(y, ref), f"nvfp4_decode {n}x{k} fp32"
+        y = nvfp4_decode(t["weight"], t["weight_scale"], t["weight_scale_2"], n, k, torch.bfloat16)
+        _close(y, ref, 2 ** -7, f"nvfp4_decode {n}x{k} bf16")  # the store truncates here: one bf16 ulp
+    for name, bits in (("w4a8", 4), ("w6a8", 6)):
+        q = get_format(name).quantize(torch.randn(40, 512, generator=gen), FormatSpec(name))
+        t = q.tensors
+        y = grid_decode_int8(t["weight"], t["weight_s_rel"], t.get("weight_codebook"), 512, bits)
+        assert torch.equal(y, decode_int8_grid(t, 512, bits, 16)), f"grid_decode_int8 {name}"
 
 
 def case_formats() -> None:

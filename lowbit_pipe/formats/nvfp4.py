@@ -93,9 +93,13 @@ class NVFP4(Format):
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         """NVFP4 activations emulated (dynamic per-tensor global scale, or the stored input_scale),
         or weight-only (record `full_precision_matrix_mult`): the same math on every device."""
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias)
         kind, group = common.record_rotation(q.record, q.format)
+        if self.activation_mode(q) == "none":
+            if dispatch.nvfp4_supported(x, kind):  # GPU: the weight decoded in registers, never in memory
+                t = q.tensors
+                return dispatch.nvfp4_weight_only_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"],
+                                                         q.shape[0], bias, kind, group)
+            return self.weight_only_linear(x, q, bias)
         if dispatch.nvfp4_supported(x, kind):  # GPU: Triton act emulation + register-decoded NVFP4 GEMM
             t = q.tensors
             return dispatch.nvfp4_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"], t.get("input_scale"),

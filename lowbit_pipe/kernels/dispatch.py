@@ -12,14 +12,19 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 |                                       | Triton TMA fp8 GEMM (K % 16 == 0), elsewhere torch._scaled_mm    |
 |                                       | (row-wise scales; K, N % 16 == 0 and M >= 16)                    |
 | convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
-| w4a8 / w6a8 (no weight_correction)    | int8-grid decode in torch per call + the int8 path above         |
-| nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation + Triton GEMM that |
-|                                       | decodes e2m1/e4m3 in registers, bf16 tensor cores                |
+| w4a8 / w6a8 (no weight_correction)    | Triton int8-grid decode per call (or the prepacked grid) + the   |
+|                                       | int8 path above                                                  |
+| nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation, then M < 1024:    |
+|                                       | Triton GEMM decoding e2m1/e4m3 in registers (bf16 tensor cores); |
+|                                       | M >= 1024: Triton decode of the layer's weight + cuBLAS          |
+| nvfp4 weight-only (activations none)  | the same two paths on x as it is (W4A16)                         |
 | hadanorm rotation (any format)        | torch reference (its mean correction needs the whole weight)    |
 
 Activations: "dynamic" and "static" (one calibrated `input_scale` for every row) run the paths
-above (the quantize kernel takes the static scale); "none" (weight-only) never reaches this
-module: Format.weight_only_linear dequantizes and calls F.linear, the same on every device.
+above (the quantize kernel takes the static scale); "none" (weight-only) runs nvfp4's register-decoded
+GEMM on the unquantized input (what stock ComfyUI computes on GPUs without FP4 tensor cores, minus
+the dequantized weight it builds per call); other formats' weight-only layers never reach this module:
+Format.weight_only_linear dequantizes and calls F.linear, the same on every device.
 No module state, no environment switches: each call decides from its arguments.
 
 LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
@@ -119,6 +124,14 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def grid_decode(tensors: dict[str, torch.Tensor], k: int, bits: int, group_size: int) -> torch.Tensor:
+    """w4a8 / w6a8's int8 grid [N, K] decoded by the Triton kernel (formats.w4a8.decode_int8_grid's values)."""
+    from lowbit_pipe.kernels.decode import grid_decode_int8_op
+
+    return grid_decode_int8_op(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits,
+                               group_size)
+
+
 # ---------------------------------------------------------------------------
 # fp8: per-token (or static) e4m3 activations; Triton fp8 GEMM on Hopper, cuBLAS elsewhere
 # ---------------------------------------------------------------------------
@@ -182,6 +195,24 @@ def nvfp4_supported(x: torch.Tensor, rot: str) -> bool:
     return _gpu_input(x) and rot in FUSED_ROTATIONS
 
 
+# From this many rows the GEMM is compute bound: the layer's weight is decoded once into a transient buffer
+# (kernels.decode) for cuBLAS, which beats decoding it in the GEMM's main loop for every row tile; below, the
+# register-decode GEMM reads 4.5 bits per weight instead of 16 (bench/results/linear_speed_h200.md).
+DECODE_MIN_ROWS = 1024
+
+
+def _nvfp4_product(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
+                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """a [M, Kp] @ (e2m1 * block)^T * scale (+ bias) -> out_dtype [M, n], by the path M calls for."""
+    from lowbit_pipe.kernels.decode import nvfp4_decode_op
+    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_gemm_op
+
+    if a.shape[0] < DECODE_MIN_ROWS:
+        return nvfp4_gemm_op(a, w_packed, w_block, scale, n, bias, out_dtype)
+    w = nvfp4_decode_op(w_packed, w_block, scale, n, a.shape[1], a.dtype)
+    return F.linear(a, w, bias.to(a.dtype) if bias is not None else None).to(out_dtype)
+
+
 def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor,
                  input_scale: torch.Tensor | None, n: int, bias: torch.Tensor | None, rot: str = "none",
                  group: int | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -190,7 +221,7 @@ def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor,
     taken out, so only the fp32 accumulation order differs from the reference.
     `compute_dtype` fp32 exists for the CPU interpreter tests (its bf16 dot is broken)."""
     from lowbit_pipe.kernels import reference
-    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant_op, nvfp4_gemm_op
+    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant_op
 
     k = x.shape[-1]
     kp = w_packed.shape[1] * 2
@@ -203,5 +234,22 @@ def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor,
         amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
         gx = reference.positive_scale(amax, reference.E2M1_MAX * reference.FP8_E4M3_MAX)
     a = nvfp4_act_quant_op(x2, gx, kp, compute_dtype)
-    y = nvfp4_gemm_op(a, w_packed, w_block, gx * w_global.float().reshape(()), n, bias, x.dtype)
+    y = _nvfp4_product(a, w_packed, w_block, gx * w_global.float().reshape(()), n, bias, x.dtype)
+    return y.reshape(*x.shape[:-1], n)
+
+
+def nvfp4_weight_only_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor,
+                             n: int, bias: torch.Tensor | None, rot: str = "none", group: int | None = None) -> torch.Tensor:
+    """Activations "none": y = x @ (e2m1 * block)^T * global, x in its own dtype (bf16/fp16 tensor cores, fp32
+    for the interpreter tests), the weight decoded per tile in registers. Stock ComfyUI's numerics on a GPU
+    without FP4 (it dequantizes the weight into x's dtype and calls a matmul) up to where the global scale
+    is applied: here in fp32 after the accumulation, there to each weight before it is rounded to x's dtype."""
+    k = x.shape[-1]
+    kp = w_packed.shape[1] * 2
+    x2 = x.reshape(-1, k)
+    if rot != "none":
+        x2, _ = rotation.rotate_activation(x2, rot, group)
+    if kp != k:
+        x2 = F.pad(x2, (0, kp - k))
+    y = _nvfp4_product(x2, w_packed, w_block, w_global.float().reshape(()), n, bias, x.dtype)
     return y.reshape(*x.shape[:-1], n)

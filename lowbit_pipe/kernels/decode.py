@@ -1,0 +1,143 @@
+"""Triton weight decode kernels: a packed weight -> the dense operand a tensor-core GEMM reads.
+
+At DiT token counts (M in the thousands) every GEMM here is compute bound: decoding the whole weight once per
+call into a transient buffer (one layer's, freed after the call) costs a few percent of the GEMM, while a
+decode inside the GEMM's main loop competes with its MMAs for issue slots on every row tile. At small M the
+fused decode wins (the GEMM is weight-read bound): nvfp4 keeps its register-decode GEMM there (dispatch).
+
+1. `nvfp4_decode`: e2m1 codes (even column in the HIGH nibble) x e4m3 block scales (cuBLAS swizzle) x a
+   global scale -> [N, K] in the GEMM's dtype. The product is formed as the reference does,
+   e2m1 * (global * block) in fp32, then rounded once to the output dtype: weight-only nvfp4 is what
+   stock ComfyUI computes on GPUs without FP4 (dequantize into the activation dtype, matmul).
+2. `grid_decode_int8`: asym_w4a8_int8 codes (4-bit codebook or uniform 6-bit) x e4m3 group scales ->
+   the int8 grid [N, K] the W8A8 GEMM consumes, clamp(rne(level * s_rel), +-127): bit-exact with
+   formats.w4a8.decode_int8_grid.
+
+Each is kernel -> launcher -> custom op with a fake impl (torch.compile keeps it one node).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 32
+BLOCK_K = 256
+
+
+@triton.jit
+def _nvfp4_decode_kernel(w_ptr, ws_ptr, g_ptr, out_ptr, N, K, SCALE_COLS, stride_wn, stride_on,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Whole bytes and whole 16-column scale blocks per program: contiguous loads, each scale read once and
+    # broadcast over its 16 columns in registers.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    kb = tl.program_id(1) * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_ok = rows < N
+    p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=r_ok[:, None] & (2 * kh < K)[None, :],
+                other=0).to(tl.int16)
+    codes = tl.reshape(tl.join(p >> 4, p & 15), (BLOCK_N, BLOCK_K))  # even column = high nibble
+    half = (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14, exact
+    e2m1 = half.to(tl.float32) * 16384.0
+    r = rows % 128  # cuBLAS 128x4-tile swizzle of the block scales (reference.swizzle_block_scales)
+    s_idx = ((rows // 128) * (SCALE_COLS // 4) * 512 + (r % 32) * 16 + (r // 32) * 4)[:, None] \
+        + ((kb // 4) * 512 + kb % 4)[None, :]
+    block = tl.load(ws_ptr + s_idx, mask=r_ok[:, None] & (16 * kb < K)[None, :], other=0.0).to(tl.float32)
+    total = tl.load(g_ptr) * block
+    w = tl.reshape(tl.reshape(e2m1, (BLOCK_N, BLOCK_K // 16, 16)) * total[:, :, None], (BLOCK_N, BLOCK_K))
+    tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cols < K)[None, :])
+
+
+def nvfp4_decode(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                 out_dtype: torch.dtype) -> torch.Tensor:
+    """w_packed uint8 [Np, Kp/2], w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], global_scale fp32
+    (one value) -> out_dtype [n, k] = e2m1 * (global * block) (n <= Np, k <= Kp: padding cropped)."""
+    if w_packed.dim() != 2 or n > w_packed.shape[0] or k > w_packed.shape[1] * 2:
+        raise ValueError(f"nvfp4_decode: [{n}, {k}] does not fit the packed weight {tuple(w_packed.shape)}")
+    if global_scale.numel() != 1:
+        raise ValueError(f"nvfp4_decode: global_scale must hold one value, got {tuple(global_scale.shape)}")
+    w_packed = w_packed.view(torch.uint8).contiguous()
+    w_block = w_block.view(torch.float8_e4m3fn).contiguous()
+    g = global_scale.float().reshape(1).contiguous()
+    out = torch.empty((n, k), dtype=out_dtype, device=w_packed.device)
+    if n and k:
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
+        _nvfp4_decode_kernel[grid](w_packed, w_block, g, out, n, k, w_block.shape[1], w_packed.stride(0), out.stride(0),
+                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
+@triton.jit
+def _grid_decode_kernel(w_ptr, srel_ptr, book_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                        BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Whole bytes per program (joined back into column order in registers), each group scale read once.
+    tl.static_assert(BLOCK_K % (4 * GROUP) == 0)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    kg = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_ok = rows < N
+    w_row = w_ptr + rows[:, None] * stride_wn
+    p = tl.load(w_row + kh[None, :], mask=r_ok[:, None] & (2 * kh < K)[None, :], other=0).to(tl.int32)
+    code = tl.reshape(tl.join(p & 15, (p >> 4) & 15), (BLOCK_N, BLOCK_K))  # even column = LOW nibble
+    if BITS == 6:  # top two bits: plane after the K/2 nibble bytes, column c at bit 2*(c % 4) of byte c // 4
+        kq = tl.program_id(1) * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+        t = tl.load(w_row + (K // 2 + kq)[None, :], mask=r_ok[:, None] & (4 * kq < K)[None, :], other=0).to(tl.int32)
+        # join puts its new axis last: join(join(b0, b2), join(b1, b3)) flattens to b0, b1, b2, b3
+        top = tl.reshape(tl.join(tl.join(t & 3, (t >> 4) & 3), tl.join((t >> 2) & 3, (t >> 6) & 3)),
+                         (BLOCK_N, BLOCK_K))
+        level = ((code | (top << 4)) - 32).to(tl.float32)
+    else:
+        level = tl.load(book_ptr + code)  # 16 entries, cache-resident
+    s = tl.load(srel_ptr + rows[:, None] * stride_sn + kg[None, :], mask=r_ok[:, None] & (GROUP * kg < K)[None, :],
+                other=0.0).to(tl.float32)
+    v = tl.reshape(tl.reshape(level, (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+    v = (v + 12582912.0) - 12582912.0  # round half to even (torch.round), |v| << 2^22
+    q = tl.minimum(tl.maximum(v, -127.0), 127.0).to(tl.int8)
+    tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], q, mask=r_ok[:, None] & (cols < K)[None, :])
+
+
+def grid_decode_int8(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None, k: int, bits: int,
+                     group_size: int = 16) -> torch.Tensor:
+    """asym_w4a8_int8 storage -> int8 [N, K]: weight int8 [N, K*bits/8], s_rel e4m3 [N, K/group], codebook fp32
+    [16] (bits 4) or None (bits 6: code - 32). Same values as formats.w4a8.decode_int8_grid."""
+    if bits not in (4, 6) or (bits == 4) != (codebook is not None):
+        raise ValueError(f"grid_decode_int8: bits {bits} with{'out' if codebook is None else ''} a codebook")
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] * 8 != k * bits or tuple(s_rel.shape) != (n, k // group_size):
+        raise ValueError(f"grid_decode_int8: weight {tuple(weight.shape)} / s_rel {tuple(s_rel.shape)} do not "
+                         f"describe [{n}, {k}] at {bits} bits, groups of {group_size}")
+    w = weight.view(torch.uint8).contiguous()
+    s = s_rel.view(torch.float8_e4m3fn).contiguous()
+    book = codebook.float().contiguous() if codebook is not None else s  # dummy pointer at 6 bits
+    out = torch.empty((n, k), dtype=torch.int8, device=weight.device)
+    if n and k:
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
+        _grid_decode_kernel[grid](w, s, book, out, n, k, w.stride(0), s.stride(0), out.stride(0),
+                                  BITS=bits, GROUP=group_size, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
+@torch.library.custom_op("lowbit_pipe::nvfp4_decode", mutates_args=())
+def nvfp4_decode_op(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
+                    out_dtype: torch.dtype) -> torch.Tensor:
+    return nvfp4_decode(w_packed, w_block, global_scale, n, k, out_dtype)
+
+
+@nvfp4_decode_op.register_fake
+def _(w_packed, w_block, global_scale, n, k, out_dtype):
+    return w_packed.new_empty((n, k), dtype=out_dtype)
+
+
+@torch.library.custom_op("lowbit_pipe::grid_decode_int8", mutates_args=())
+def grid_decode_int8_op(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None, k: int,
+                        bits: int, group_size: int) -> torch.Tensor:
+    return grid_decode_int8(weight, s_rel, codebook, k, bits, group_size)
+
+
+@grid_decode_int8_op.register_fake
+def _(weight, s_rel, codebook, k, bits, group_size):
+    return weight.new_empty((weight.shape[0], k), dtype=torch.int8)
