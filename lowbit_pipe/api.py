@@ -51,7 +51,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     from lowbit_pipe.policy import plan_layers
     from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.stages.detect import linear_shapes
-    from lowbit_pipe.stages.quantize import native_groups, quantize_module
+    from lowbit_pipe.stages.quantize import native_groups, prepack_layers, quantize_module
 
     register_schema()
     if isinstance(config, dict):
@@ -73,8 +73,12 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
         raise ValueError(f"layer '{first}' asks for activations=static: pass calibrate= (a function that runs the "
                          "module on representative inputs) so its input_scale can be measured")
     amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
-    return quantize_module(module, plans, ledger if ledger is not None else Ledger(), originals=config.originals,
-                           fused=groups, input_amax=amax, gptq=config.gptq, run_examples=calibrate)
+    ledger = ledger if ledger is not None else Ledger()
+    result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
+                             gptq=config.gptq, run_examples=calibrate)
+    if config.prepack:
+        result["prepacked_bytes"] = prepack_layers(module, ledger)
+    return result
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,

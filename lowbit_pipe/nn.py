@@ -16,6 +16,10 @@ from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_
 
 
 class QuantLinear(nn.Module):
+    # Runtime tensors from Format.prepack (recipe quantize.prepack), or None. Derived from the buffers, so
+    # anything that replaces or overwrites them clears it (`clear_prepacked`, `_load_from_state_dict`).
+    prepacked: dict[str, torch.Tensor] | None = None
+
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
         self.format = get_format(qweight.format)
@@ -46,7 +50,16 @@ class QuantLinear(nn.Module):
     @property
     def qweight(self) -> QuantizedWeight:
         return QuantizedWeight(self.format.name, (self.out_features, self.in_features),
-                               {k: getattr(self, k) for k in self._quant_names}, self.record)
+                               {k: getattr(self, k) for k in self._quant_names}, self.record, self.prepacked or {})
+
+    def prepack(self) -> dict[str, torch.Tensor] | None:
+        """The format's runtime tensors for this layer (not set here: the caller records the attribute)."""
+        q = self.qweight
+        return self.format.prepack(QuantizedWeight(q.format, q.shape, q.tensors, q.record))
+
+    def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003 - torch's signature
+        self.__dict__.pop("prepacked", None)  # the buffers are overwritten: a prepacked copy would be stale
+        return super()._load_from_state_dict(*args, **kwargs)
 
     def dequantize(self) -> torch.Tensor:
         """Float32 weight [out, in] in the original basis."""
@@ -75,6 +88,9 @@ class QuantLinear(nn.Module):
         finally:
             for n, t in kept.items():
                 self._buffers[n] = t.to(fn(t.new_empty(0)).device)
+        if self.prepacked:  # same rule: follows the device, never a dtype cast (the same dict: a ledger patch holds it)
+            for n, t in self.prepacked.items():
+                self.prepacked[n] = t.to(fn(t.new_empty(0)).device)
         return self
 
     def extra_repr(self) -> str:

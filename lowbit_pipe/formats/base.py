@@ -53,6 +53,9 @@ class QuantizedWeight:
     shape: tuple[int, int]  # logical (out_features, in_features)
     tensors: dict[str, torch.Tensor]  # suffix -> tensor, exactly as stored
     record: dict[str, Any] = field(default_factory=dict)  # the `.comfy_quant` JSON
+    # Tensors derived from `tensors` for a faster forward (Format.prepack: w4a8's decoded int8 grid), held in
+    # memory only: never exported, not counted in nbytes.
+    runtime: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -163,6 +166,12 @@ class Format(ABC):
     def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
         """Static activations: input_scale = input_amax / act_qmax (amax of the ROTATED input if rotated)."""
         return self.with_activations(q, "static", input_amax)
+
+    def prepack(self, q: QuantizedWeight) -> dict[str, torch.Tensor] | None:
+        """Runtime tensors that make `linear` faster at a memory cost (recipe `quantize.prepack`), or None
+        where the format has nothing to prepack. Derived from `q.tensors` alone; `linear` must give the same
+        result with or without them."""
+        return None
 
     def weight_only_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
                            lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -243,14 +243,26 @@ class W4A8(Format):
         if "weight_correction" in q.tensors:  # asymmetric: comfy-kitchen runs it as a float linear
             y = x.float() @ self.dequantize(q).t()
             return common.out_dtype_result(y, bias, x.dtype)
-        w8 = decode_int8_grid(q.tensors, k, bits, group_size)
+        w8 = q.runtime.get("int8_grid")  # prepacked, or decoded per call
         static = q.tensors.get("input_scale")
-        if dispatch.int8_supported(x, "convrot"):  # GPU: int8 path on the per-call decoded int8 grid
+        if dispatch.int8_supported(x, "convrot"):  # GPU: Triton decode (unless prepacked) + the int8 path
+            if w8 is None:
+                w8 = dispatch.grid_decode(q.tensors, k, bits, group_size)
             return dispatch.int8_linear(x, w8, q.tensors["weight_s_channel"], bias, "convrot", cgroup,
                                         input_scale=static)
+        if w8 is None:
+            w8 = decode_int8_grid(q.tensors, k, bits, group_size)
         x_rot, _ = rotation.rotate_activation(x, "convrot", cgroup)
         y = reference.int8_linear_fp32(x_rot, w8, q.tensors["weight_s_channel"], static)
         return common.out_dtype_result(y, bias, x.dtype)
+
+    def prepack(self, q: QuantizedWeight) -> dict[str, torch.Tensor] | None:
+        """The decoded int8 grid [N, K] (8 bits per weight next to the stored 4.5 / 6.5): the W8A8 GEMM reads it
+        directly instead of decoding the codes on every call. None for the asymmetric variant (float path)."""
+        if "weight_correction" in q.tensors:
+            return None
+        k, bits, group_size, _ = self._geometry(q)
+        return {"int8_grid": decode_int8_grid(q.tensors, k, bits, group_size)}
 
     def _grid(self, q: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """(int8 grid levels per (row, group) [N, G, L], per-row scale [N], bits, group size)."""

@@ -195,6 +195,11 @@ def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable
 
 def _replace(layer: nn.Module, tensors: dict[str, torch.Tensor], where: str, ledger=None) -> None:  # noqa: ANN001
     """Put new tensors in a layer's parameter / buffer slots; the ledger's undo puts the original objects back."""
+    if getattr(layer, "prepacked", None) is not None:  # derived from the tensors replaced below: stale after
+        if ledger is not None:
+            ledger.patch_attr(layer, "prepacked", None, f"{where}.prepacked (cleared by the bake)")
+        else:
+            layer.prepacked = None
     originals = {}
     for key, t in tensors.items():
         table = layer._parameters if key in layer._parameters else layer._buffers

@@ -188,6 +188,18 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     return report, (before, after)
 
 
+def prepack_layers(root: nn.Module, ledger) -> int:  # noqa: ANN001 - Ledger
+    """Set each QuantLinear's runtime tensors (Format.prepack) through the ledger; returns their bytes."""
+    total = 0
+    for name, module in root.named_modules():
+        if isinstance(module, QuantLinear) and module.prepacked is None:
+            runtime = module.prepack()
+            if runtime:
+                ledger.patch_attr(module, "prepacked", runtime, f"{name}.prepacked")
+                total += sum(t.numel() * t.element_size() for t in runtime.values())
+    return total
+
+
 def example_runner(ctx: Context) -> Callable[[], None]:
     """Run the transformer on `quantize.calibration_samples` seeded example input sets (the arch's own); with
     `calibration_steps` > 0 each set is denoised by the Euler sampler, so every timestep's input is seen."""
@@ -285,6 +297,8 @@ class Quantize(Stage):
             run_examples = example_runner(ctx)
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
                                  fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples)
+        if cfg.prepack:
+            result["prepacked_bytes"] = prepack_layers(ctx.transformer, ctx.ledger)
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
