@@ -63,7 +63,7 @@ def example_lora(model: nn.Module, arch: Any = None, *, style: str = "peft", ran
             w = _weight(layers[name])
             up = torch.randn(w.shape[0], rank, generator=gen) / rank**0.5
             d = (up @ down) * (alpha / rank)
-            ups.append(up * (rel * w.abs().amax() / d.abs().amax().clamp_min(1e-30)))
+            ups.append(up * (rel * float(w.abs().amax()) / d.abs().amax().clamp_min(1e-30)))  # factors stay on the CPU
         if style in ("kohya", "native"):
             written = [(target, torch.cat(ups, dim=0))]
         else:
