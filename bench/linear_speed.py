@@ -34,14 +34,20 @@ from lowbit_pipe.nn import QuantLinear  # noqa: E402
 KREA2_KN = ((6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536))
 FULL_SHAPES = [(4608, k, n) for k, n in KREA2_KN] + [(256, k, n) for k, n in KREA2_KN]
 SMALL_SHAPES = [(64, 256, 256), (64, 256, 512), (64, 512, 256), (64, 256, 128)]
-# (label, format, spec)
+# (label, format, spec, prepack (quantize.prepack), comfy-kitchen layout and its from_float kwargs or None)
 ROWS = (
-    ("int8", "int8", FormatSpec("int8")),
-    ("int8+convrot", "int8", FormatSpec("int8", rotation="convrot")),
-    ("fp8", "fp8", FormatSpec("fp8")),
-    ("nvfp4", "nvfp4", FormatSpec("nvfp4")),
-    ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot")),
-    ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot")),
+    ("int8", "int8", FormatSpec("int8"), False, ("TensorWiseINT8Layout", {})),
+    ("int8+convrot", "int8", FormatSpec("int8", rotation="convrot"), False,
+     ("TensorWiseINT8Layout", {"convrot": True, "per_channel": True})),
+    ("fp8", "fp8", FormatSpec("fp8"), False, ("TensorCoreFP8Layout", {})),
+    ("nvfp4", "nvfp4", FormatSpec("nvfp4"), False, None),
+    ("nvfp4 weight-only", "nvfp4", FormatSpec("nvfp4", activations="none"), False, ("TensorCoreNVFP4Layout", {})),
+    ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot"), False,
+     ("TensorCoreConvRotW4A4Layout", {})),
+    ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot"), False, ("AsymW4A8Int8Layout", {})),
+    ("w4a8 prepacked", "w4a8", FormatSpec("w4a8", rotation="convrot"), True, None),
+    ("w6a8", "w6a8", FormatSpec("w6a8", rotation="convrot"), False, ("AsymW4A8Int8Layout", {"bits": 6})),
+    ("w6a8 prepacked", "w6a8", FormatSpec("w6a8", rotation="convrot"), True, None),
 )
 
 
@@ -59,7 +65,7 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
     assert mu is None, "hadanorm is not benchmarked"
     if name == "fp8":
         y = reference.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"))
-    elif name == "nvfp4" and x.device.type == "cpu":  # the format's CPU path is weight-only
+    elif name == "nvfp4" and fmt.activation_mode(q) == "none":  # weight-only
         y = x.float() @ fmt.dequantize(q).t()
     elif name == "nvfp4":
         y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
@@ -88,11 +94,16 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
             return "reference"
         return "triton-quant+triton-fp8" if dispatch.fp8_triton_gemm(x) else "triton-quant+cublas-fp8"
     if name == "nvfp4":
-        return "triton-nvfp4-act+triton-nvfp4-gemm" if dispatch.nvfp4_supported(x, kind) else "reference"
+        if not dispatch.nvfp4_supported(x, kind):
+            return "reference"
+        act = "" if get_format(name).activation_mode(q) == "none" else "triton-nvfp4-act+"
+        return act + ("triton-nvfp4-gemm" if x.shape[0] < dispatch.DECODE_MIN_ROWS else "triton-decode+cublas-bf16")
     if name == "convrot_w4a4":
         return "triton-int4-quant+triton-gemm(int4 unpack)" if dispatch.int8_supported(x, "convrot") else "reference"
     if name in ("w4a8", "w6a8"):
-        return "torch-decode+triton-int8" if dispatch.int8_supported(x, "convrot") else "reference"
+        if not dispatch.int8_supported(x, "convrot"):
+            return "reference"
+        return ("prepacked" if q.runtime else "triton-decode") + "+triton-quant+triton-int8"
     return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"
 
 
@@ -129,6 +140,24 @@ def components(name: str, x: torch.Tensor, q, graph) -> dict:
     quant_ms = graph(lambda: quantize_act(x, mode, kind, group))
     gemm_ms = graph(lambda: int8_gemm(xq, t["weight"], xs, t["weight_scale"], None, x.dtype, w_mode))
     return {"quant_ms_graph": quant_ms, "gemm_ms_graph": gemm_ms}
+
+
+def comfy_kitchen_time(layout: tuple[str, dict], x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, bench,
+                       y_float: torch.Tensor) -> dict:
+    """comfy-kitchen's equivalent layer (its QuantizedTensor through F.linear, the backend it picks on this GPU:
+    its CUDA kernels where it has them), timed the same way: ck_ms, ck_x (bf16 ms / ck ms set by the caller), ck
+    error vs float; {"ck_error": ...} where it cannot run."""
+    try:
+        from comfy_kitchen.tensor import QuantizedTensor
+
+        name, kwargs = layout
+        qt = QuantizedTensor.from_float(w, name, **kwargs)
+        with torch.no_grad():
+            y = F.linear(x, qt, b)
+            ms = bench(lambda: F.linear(x, qt, b))
+        return {"ck_ms": ms, "ck_rel_err_vs_float": rel(y, y_float)}
+    except Exception as err:  # noqa: BLE001 -- the comparison column says why it is empty
+        return {"ck_error": f"{type(err).__name__}: {err}"[:300]}
 
 
 def timer(device: str, iters: int):
@@ -174,11 +203,14 @@ def run(args: argparse.Namespace) -> dict:
                         "ms": base_ms, "speedup_vs_bf16": 1.0, "ms_graph": base_graph, "speedup_graph": 1.0 if graph else None,
                         "rel_err_vs_reference": 0.0, "rel_err_vs_float": rel(y_base, y_float)})
         print(f"M={m} K={k} N={n}: {results[-1]['format']} {base_ms:.4f} ms, graph {base_graph}", flush=True)
-        for label, name, spec in rows:
+        for label, name, spec, prepack, ck_layout in rows:
             fmt = get_format(name)
             if not fmt.supports_shape(n, k):
                 continue
-            layer = QuantLinear(fmt.quantize(w, spec), b).to(device)
+            layer = QuantLinear(fmt.with_activations(fmt.quantize(w, spec), spec.activations), b).to(device)
+            if prepack:
+                layer.prepacked = layer.prepack()
+            ck = comfy_kitchen_time(ck_layout, x, w_lp, b, bench, y_float) if ck_layout and device == "cuda" else {}
             try:
                 with torch.no_grad():
                     y = layer(x)
@@ -195,7 +227,9 @@ def run(args: argparse.Namespace) -> dict:
                    "speedup_vs_bf16": base_ms / ms, "ms_graph": ms_graph,
                    "speedup_graph": base_graph / ms_graph if graph else None,
                    # the output is x.dtype: compare with the reference rounded the same way
-                   "rel_err_vs_reference": rel(y, ref.to(y.dtype)), "rel_err_vs_float": rel(y, y_float), **parts}
+                   "rel_err_vs_reference": rel(y, ref.to(y.dtype)), "rel_err_vs_float": rel(y, y_float), **parts, **ck}
+            if "ck_ms" in ck:
+                row["speedup_vs_ck"] = ck["ck_ms"] / ms
             results.append(row)
             print(f"  {label:14s} {ms:.4f} ms  x{row['speedup_vs_bf16']:.2f}  graph {ms_graph} {parts} ref {row['rel_err_vs_reference']:.2e}  "
                   f"float {row['rel_err_vs_float']:.2e}  [{row['path']}]", flush=True)
@@ -221,16 +255,22 @@ def markdown(report: dict) -> str:
              "err ref = vs the format's reference math; err float = vs the unquantized fp32 product", "",
              "ms graph / x graph: the same forward replayed from a CUDA graph (GPU time, no Python or launch "
              "overhead); quant/gemm: graph time of the activation-quant kernel and of the GEMM alone", "",
-             "| M | K | N | format | ms eager | x bf16 | ms graph | x graph | quant / gemm ms | err ref | err float | path |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ck ms: comfy-kitchen's equivalent (QuantizedTensor + F.linear, the backend it picks), eager; "
+             "vs ck = ck ms / our eager ms (> 1: ours faster)", "",
+             "| M | K | N | format | ms eager | x bf16 | ms graph | x graph | quant / gemm ms | ck ms | vs ck | err ref "
+             "| err float | path |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         if "error" in r:
-            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | error | | | | | | | {r['path']}: {r['error'][:120]} |")
+            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | error | | | | | | | | | "
+                         f"{r['path']}: {r['error'][:120]} |")
             continue
         g = f"{r['ms_graph']:.4f} | {r['speedup_graph']:.2f}" if r.get("ms_graph") is not None else "- | -"
         parts = f"{r['quant_ms_graph']:.4f} / {r['gemm_ms_graph']:.4f}" if "quant_ms_graph" in r else ""
+        ck = f"{r['ck_ms']:.4f} | {r['speedup_vs_ck']:.2f}" if "ck_ms" in r else \
+            (f"failed: {r['ck_error'][:60]} | " if "ck_error" in r else " | ")
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | {r['ms']:.4f} | {r['speedup_vs_bf16']:.2f} | {g} | "
-                     f"{parts} | {r['rel_err_vs_reference']:.1e} | {r['rel_err_vs_float']:.1e} | {r['path']} |")
+                     f"{parts} | {ck} | {r['rel_err_vs_reference']:.1e} | {r['rel_err_vs_float']:.1e} | {r['path']} |")
     return "\n".join(lines) + "\n"
 
 

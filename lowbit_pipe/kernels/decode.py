@@ -1,9 +1,9 @@
 """Triton weight decode kernels: a packed weight -> the dense operand a tensor-core GEMM reads.
 
-At DiT token counts (M in the thousands) every GEMM here is compute bound: decoding the whole weight once per
-call into a transient buffer (one layer's, freed after the call) costs a few percent of the GEMM, while a
-decode inside the GEMM's main loop competes with its MMAs for issue slots on every row tile. At small M the
-fused decode wins (the GEMM is weight-read bound): nvfp4 keeps its register-decode GEMM there (dispatch).
+At DiT token counts (M in the hundreds and thousands) decoding the whole weight once per call into a transient
+buffer (one layer's, freed after the call) costs a few percent of the GEMM (0.034 ms next to cuBLAS's 0.48 ms
+at 4608 x 6144 x 6144 on the H200), while a decode inside the GEMM's main loop is repeated for every row tile
+and competes with its MMAs. nvfp4 keeps its register-decode GEMM for calls of few rows (dispatch).
 
 1. `nvfp4_decode`: e2m1 codes (even column in the HIGH nibble) x e4m3 block scales (cuBLAS swizzle) x a
    global scale -> [N, K] in the GEMM's dtype. The product is formed as the reference does,

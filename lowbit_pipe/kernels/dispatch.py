@@ -14,9 +14,9 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
 | w4a8 / w6a8 (no weight_correction)    | Triton int8-grid decode per call (or the prepacked grid) + the   |
 |                                       | int8 path above                                                  |
-| nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation, then M < 1024:    |
+| nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation, then M < 256:     |
 |                                       | Triton GEMM decoding e2m1/e4m3 in registers (bf16 tensor cores); |
-|                                       | M >= 1024: Triton decode of the layer's weight + cuBLAS          |
+|                                       | M >= 256: Triton decode of the layer's weight + cuBLAS           |
 | nvfp4 weight-only (activations none)  | the same two paths on x as it is (W4A16)                         |
 | hadanorm rotation (any format)        | torch reference (its mean correction needs the whole weight)    |
 
@@ -195,10 +195,12 @@ def nvfp4_supported(x: torch.Tensor, rot: str) -> bool:
     return _gpu_input(x) and rot in FUSED_ROTATIONS
 
 
-# From this many rows the GEMM is compute bound: the layer's weight is decoded once into a transient buffer
-# (kernels.decode) for cuBLAS, which beats decoding it in the GEMM's main loop for every row tile; below, the
-# register-decode GEMM reads 4.5 bits per weight instead of 16 (bench/results/linear_speed_h200.md).
-DECODE_MIN_ROWS = 1024
+# From this many rows the layer's weight is decoded once into a transient buffer (kernels.decode) for cuBLAS;
+# below, the register-decode GEMM reads 4.5 bits per weight instead of 16. H200, 6144 x 6144
+# (bench/results/linear_speed_h200_decode.md): the decode adds 0.034 ms to cuBLAS's 0.48 ms at M=4608, while
+# the register-decode GEMM takes 0.17 ms at M=256, where cuBLAS alone takes 0.037 ms, so 256 rows go to the
+# decode. Fewer rows (time-embedding calls) keep the fused GEMM: not measured below 256.
+DECODE_MIN_ROWS = 256
 
 
 def _nvfp4_product(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
