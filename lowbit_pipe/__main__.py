@@ -1,8 +1,9 @@
 """CLI: `python -m lowbit_pipe [recipe=NAME|PATH.yaml] [key=value ...] [-m sweeps]`. A thin layer over the Python API.
 
 `recipe=<run dir>/recipe.yaml` reruns a finished run: same recipe, same seeds, same figures and export bytes.
-Exit codes: 0 done; 1 a stage failed (the run dir holds report.json); 2 refused before any work (bad
-recipe, missing file, no such device: no run dir is created); 130 interrupted (Ctrl-C, after teardown).
+Exit codes: 0 done; 1 a stage failed (the run dir holds report.json; in a sweep, once every job has run);
+2 refused before any work (bad recipe, missing file, no such device: no run dir is created); 130 interrupted
+(Ctrl-C, after teardown).
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ def _main(cfg: DictConfig) -> float | None:
         result = Runner(recipe, run_dir, console=console).run()
     except LowbitError as err:
         print(f"{console.prefix}lowbit_pipe: {err}  (run dir: {run_dir})", file=sys.stderr)
+        if sweep:  # the other jobs still run; lowbit_pipe.sweep_outcome exits 1 at the sweep's end
+            return float("nan")
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"{console.prefix}lowbit_pipe: interrupted; torn down (run dir: {run_dir})", file=sys.stderr)

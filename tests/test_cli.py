@@ -3,6 +3,8 @@ line, no run dir), sweep output with job numbers, warnings as one clean line."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -76,6 +78,20 @@ def test_sweep_lines_carry_the_job_number_and_warnings_are_one_line(tmp_path):
     assert warned and all(line.startswith("[job 1] warning: ") for line in warned), proc.stderr
     assert "stay float" in warned[0] and "quantize.fallback" in warned[0]
     assert "UserWarning" not in proc.stderr and "warnings.warn" not in proc.stderr
+
+
+def test_a_failed_job_does_not_stop_the_sweep_and_the_sweep_exits_1(tmp_path):
+    """Job 0's budget is impossible (its quantize stage fails); job 1 still runs, and the sweep's exit code and
+    last lines name the failure."""
+    import json
+
+    proc = cli(["-m", "quantize.budget_bytes=1,null", "pipeline=[load,detect,quantize]"], tmp_path)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    reports = {p.parent.name: json.loads(p.read_text()) for p in (tmp_path / "runs" / "multirun").rglob("report.json")}
+    assert reports["0"]["status"] == "failed" and reports["1"]["status"] == "ok"
+    tail = proc.stderr.strip().splitlines()[-2:]
+    assert tail[0] == "lowbit_pipe: 1 job(s) of the sweep failed:"
+    assert tail[1].strip().startswith(str(Path("runs") / "multirun")) and "budget 1 bytes" in tail[1], tail
 
 
 @pytest.mark.slow

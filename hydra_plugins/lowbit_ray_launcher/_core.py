@@ -31,7 +31,8 @@ LOCAL_ONLY = ("num_cpus", "num_gpus", "object_store_memory")
 
 
 class JobExited(RuntimeError):
-    """A job's task function called sys.exit with a failure status (lowbit_pipe's CLI does, for a failed stage)."""
+    """A job's task function called sys.exit with a failure status (lowbit_pipe's CLI does when interrupted; a
+    failed stage in a sweep returns NaN instead, see lowbit_pipe.sweep_outcome)."""
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ class FailureOnExit:
     `run_job` records an exception as a failed job (JobStatus.FAILED) and still calls the callbacks'
     `on_job_end` (MLflow logs the FAILED run); a SystemExit would pass through `run_job`, skip
     `on_job_end` and end the Ray worker. The sweeper reports the failed job and exits 1 once every job
-    has finished (the basic launcher instead stops the sweep at the first such job)."""
+    has finished (the basic launcher instead stops the sweep at the first such exit)."""
 
     task_function: TaskFunction
 
