@@ -54,7 +54,9 @@ VARIANTS = (
     ("int8, compiled", "default", QUANT + ["quantize.default.format=int8"], True),
     ("nvfp4 weight-only, compiled", "default",
      QUANT + ["quantize.default.format=nvfp4", "quantize.default.activations=none"], True),
-    ("krea2_nvfp4 (ConvRot NVFP4 + INT8), compiled", "krea2_nvfp4", QUANT, True),
+    ("krea2_nvfp4 (ConvRot NVFP4 + INT8), compiled", "krea2_nvfp4", QUANT, True),  # nvfp4_compute=auto
+    ("krea2_nvfp4, NVFP4 activations emulated, compiled", "krea2_nvfp4", QUANT + ["quantize.nvfp4_compute=nvfp4"],
+     True),
     ("fp8 + LoRA rank 32 on every block, compiled", "default",
      ["pipeline=[load,detect,quantize,lora,compile]", "quantize.default.format=fp8",
       "lora.files=[{path: 'example:peft:rank=32:seed=1', name: a}]"], True),

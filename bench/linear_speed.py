@@ -27,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowbit_pipe.formats import FormatSpec, common, get_format  # noqa: E402
+from lowbit_pipe.formats.nvfp4 import computes_weight_only  # noqa: E402
 from lowbit_pipe.formats.w4a8 import decode_int8_grid  # noqa: E402
 from lowbit_pipe.kernels import dispatch, reference, rotation  # noqa: E402
 from lowbit_pipe.nn import QuantLinear  # noqa: E402
@@ -34,20 +35,21 @@ from lowbit_pipe.nn import QuantLinear  # noqa: E402
 KREA2_KN = ((6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536))
 FULL_SHAPES = [(4608, k, n) for k, n in KREA2_KN] + [(256, k, n) for k, n in KREA2_KN]
 SMALL_SHAPES = [(64, 256, 256), (64, 256, 512), (64, 512, 256), (64, 256, 128)]
-# (label, format, spec, prepack (quantize.prepack), comfy-kitchen layout and its from_float kwargs or None)
+# (label, format, spec, QuantLinear run-time settings (quantize.prepack / quantize.nvfp4_compute), comfy-kitchen
+# layout and its from_float kwargs or None)
 ROWS = (
-    ("int8", "int8", FormatSpec("int8"), False, ("TensorWiseINT8Layout", {})),
-    ("int8+convrot", "int8", FormatSpec("int8", rotation="convrot"), False,
+    ("int8", "int8", FormatSpec("int8"), {}, ("TensorWiseINT8Layout", {})),
+    ("int8+convrot", "int8", FormatSpec("int8", rotation="convrot"), {},
      ("TensorWiseINT8Layout", {"convrot": True, "per_channel": True})),
-    ("fp8", "fp8", FormatSpec("fp8"), False, ("TensorCoreFP8Layout", {})),
-    ("nvfp4", "nvfp4", FormatSpec("nvfp4"), False, None),
-    ("nvfp4 weight-only", "nvfp4", FormatSpec("nvfp4", activations="none"), False, ("TensorCoreNVFP4Layout", {})),
-    ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot"), False,
+    ("fp8", "fp8", FormatSpec("fp8"), {}, ("TensorCoreFP8Layout", {})),
+    ("nvfp4", "nvfp4", FormatSpec("nvfp4"), {"compute": "nvfp4"}, None),  # NVFP4 activations emulated
+    ("nvfp4 weight-only", "nvfp4", FormatSpec("nvfp4", activations="none"), {}, ("TensorCoreNVFP4Layout", {})),
+    ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot"), {},
      ("TensorCoreConvRotW4A4Layout", {})),
-    ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot"), False, ("AsymW4A8Int8Layout", {})),
-    ("w4a8 prepacked", "w4a8", FormatSpec("w4a8", rotation="convrot"), True, None),
-    ("w6a8", "w6a8", FormatSpec("w6a8", rotation="convrot"), False, ("AsymW4A8Int8Layout", {"bits": 6})),
-    ("w6a8 prepacked", "w6a8", FormatSpec("w6a8", rotation="convrot"), True, None),
+    ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot"), {}, ("AsymW4A8Int8Layout", {})),
+    ("w4a8 prepacked", "w4a8", FormatSpec("w4a8", rotation="convrot"), {"prepack": True}, None),
+    ("w6a8", "w6a8", FormatSpec("w6a8", rotation="convrot"), {}, ("AsymW4A8Int8Layout", {"bits": 6})),
+    ("w6a8 prepacked", "w6a8", FormatSpec("w6a8", rotation="convrot"), {"prepack": True}, None),
 )
 
 
@@ -65,7 +67,7 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
     assert mu is None, "hadanorm is not benchmarked"
     if name == "fp8":
         y = reference.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"))
-    elif name == "nvfp4" and fmt.activation_mode(q) == "none":  # weight-only
+    elif name == "nvfp4" and computes_weight_only(fmt.activation_mode(q), q.compute, x):  # weight-only
         y = x.float() @ fmt.dequantize(q).t()
     elif name == "nvfp4":
         y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
@@ -96,7 +98,7 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
     if name == "nvfp4":
         if not dispatch.nvfp4_supported(x, kind):
             return "reference"
-        act = "" if get_format(name).activation_mode(q) == "none" else "triton-nvfp4-act+"
+        act = "" if computes_weight_only(get_format(name).activation_mode(q), q.compute, x) else "triton-nvfp4-act+"
         return act + ("triton-nvfp4-gemm" if x.shape[0] < dispatch.DECODE_MIN_ROWS else "triton-decode+cublas-bf16")
     if name == "convrot_w4a4":
         return "triton-int4-quant+triton-gemm(int4 unpack)" if dispatch.int8_supported(x, "convrot") else "reference"
@@ -203,13 +205,14 @@ def run(args: argparse.Namespace) -> dict:
                         "ms": base_ms, "speedup_vs_bf16": 1.0, "ms_graph": base_graph, "speedup_graph": 1.0 if graph else None,
                         "rel_err_vs_reference": 0.0, "rel_err_vs_float": rel(y_base, y_float)})
         print(f"M={m} K={k} N={n}: {results[-1]['format']} {base_ms:.4f} ms, graph {base_graph}", flush=True)
-        for label, name, spec, prepack, ck_layout in rows:
+        for label, name, spec, settings, ck_layout in rows:
             fmt = get_format(name)
             if not fmt.supports_shape(n, k):
                 continue
             layer = QuantLinear(fmt.with_activations(fmt.quantize(w, spec), spec.activations), b).to(device)
-            if prepack:
+            if settings.get("prepack"):
                 layer.prepacked = layer.prepack()
+            layer.compute = settings.get("compute")
             ck = comfy_kitchen_time(ck_layout, x, w_lp, b, bench, y_float) if ck_layout and device == "cuda" else {}
             try:
                 with torch.no_grad():

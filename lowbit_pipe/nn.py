@@ -19,6 +19,8 @@ class QuantLinear(nn.Module):
     # Runtime tensors from Format.prepack (recipe quantize.prepack), or None. Derived from the buffers, so
     # anything that replaces or overwrites them clears it (`clear_prepacked`, `_load_from_state_dict`).
     prepacked: dict[str, torch.Tensor] | None = None
+    # QuantizedWeight.compute (recipe quantize.nvfp4_compute): how the forward computes; None: the default.
+    compute: str | None = None
 
     def __init__(self, qweight: QuantizedWeight, bias: torch.Tensor | None = None):
         super().__init__()
@@ -50,7 +52,8 @@ class QuantLinear(nn.Module):
     @property
     def qweight(self) -> QuantizedWeight:
         return QuantizedWeight(self.format.name, (self.out_features, self.in_features),
-                               {k: getattr(self, k) for k in self._quant_names}, self.record, self.prepacked or {})
+                               {k: getattr(self, k) for k in self._quant_names}, self.record, self.prepacked or {},
+                               self.compute)
 
     def prepack(self) -> dict[str, torch.Tensor] | None:
         """The format's runtime tensors for this layer (not set here: the caller records the attribute)."""

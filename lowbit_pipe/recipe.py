@@ -101,6 +101,11 @@ class QuantizeConfig:
     # the decoded int8 grid, +8 bits per weight, instead of a decode on every call); the report gives the bytes.
     # Memory only: exports are unchanged. Applies to layers quantized here and to ones loaded quantized.
     prepack: bool = False
+    # nvfp4 layers on a GPU without FP4 tensor cores (Hopper and older), where no GEMM takes NVFP4 activations:
+    # "auto" computes them weight-only, as stock ComfyUI does there (elsewhere the file's activations);
+    # "weight_only" everywhere; "nvfp4" emulates NVFP4 activations everywhere (Blackwell's numerics, to predict a
+    # Blackwell deployment on another GPU). Run time only: the export's records are unchanged.
+    nvfp4_compute: str = "auto"
 
 
 @dataclass

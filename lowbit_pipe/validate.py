@@ -162,6 +162,10 @@ def validate(recipe: Recipe) -> Recipe:
     if recipe.lora.mode not in LORA_MODES:
         raise RecipeError("lora.mode", f"must be one of {list(LORA_MODES)}, got '{recipe.lora.mode}'")
     q = recipe.quantize
+    from lowbit_pipe.formats.nvfp4 import NVFP4_COMPUTE
+
+    if q.nvfp4_compute not in NVFP4_COMPUTE:
+        raise RecipeError("quantize.nvfp4_compute", f"must be one of {', '.join(NVFP4_COMPUTE)}, got '{q.nvfp4_compute}'")
     if q.originals not in ("keep", "cpu", "drop"):
         raise RecipeError("quantize.originals", f"must be keep, cpu or drop, got '{q.originals}'")
     check_choice("quantize.default", q.default)

@@ -179,6 +179,8 @@ def test_quantized_linear_on_the_gpu_matches_the_reference(fmt, opts, prepack, d
     q = QuantLinear.from_linear(linear, FormatSpec(fmt, **opts))
     if prepack:
         q.prepacked = q.prepack()
+    if fmt == "nvfp4" and opts.get("activations") != "none":
+        q.compute = "nvfp4"  # NVFP4 activations (the default, "auto", computes weight-only on a GPU without FP4)
     g = copy.deepcopy(q).to("cuda", dtype)
     for m in (1, 37, dispatch.DECODE_MIN_ROWS + 3):
         x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
@@ -193,6 +195,24 @@ def test_quantized_linear_on_the_gpu_matches_the_reference(fmt, opts, prepack, d
         # the interpreter test. Everything else: 1e-2.
         tol = 2e-2 if fmt == "nvfp4" and opts.get("activations") != "none" else 1e-2
         assert _rel(y.cpu(), ref) < tol, f"{fmt} {opts} M={m}: {_rel(y.cpu(), ref):.3g}"
+
+
+def test_nvfp4_auto_computes_weight_only_on_a_gpu_without_fp4():
+    """A dynamic-activation nvfp4 layer under the default setting on Hopper: the weight-only numerics."""
+    from lowbit_pipe.formats import FormatSpec
+    from lowbit_pipe.kernels import dispatch
+    from lowbit_pipe.nn import QuantLinear
+
+    if not dispatch.lacks_fp4(torch.device("cuda")):
+        pytest.skip("this GPU has FP4 tensor cores")
+    gen = torch.Generator().manual_seed(25)
+    linear = nn.Linear(512, 256)
+    q = QuantLinear.from_linear(linear, FormatSpec("nvfp4"))
+    x = torch.randn(300, 512, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ q.dequantize().double().t() + linear.bias.detach().to(torch.bfloat16).double()
+    with torch.inference_mode():
+        y = copy.deepcopy(q).to("cuda", torch.bfloat16)(x.cuda())
+    assert _rel(y.cpu(), ref) < 1e-2
 
 
 @pytest.mark.parametrize("w_mode", [0, 1])

@@ -56,6 +56,9 @@ class QuantizedWeight:
     # Tensors derived from `tensors` for a faster forward (Format.prepack: w4a8's decoded int8 grid), held in
     # memory only: never exported, not counted in nbytes.
     runtime: dict[str, torch.Tensor] = field(default_factory=dict)
+    # How a forward computes, where the format offers a choice the file does not fix (nvfp4: NVFP4_COMPUTE);
+    # None: the format's default. A run-time setting: never exported.
+    compute: str | None = None
 
     @property
     def nbytes(self) -> int:

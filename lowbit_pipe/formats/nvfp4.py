@@ -35,6 +35,14 @@ from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedW
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
+NVFP4_COMPUTE = ("auto", "weight_only", "nvfp4")  # recipe quantize.nvfp4_compute (recipe.py says what each does)
+
+
+def computes_weight_only(mode: str, compute: str | None, x: torch.Tensor) -> bool:
+    """Whether an nvfp4 layer whose record says activations `mode` runs weight-only for input x under `compute`."""
+    if compute == "weight_only" or (compute != "nvfp4" and mode == "none"):
+        return True
+    return compute in (None, "auto") and dispatch.lacks_fp4(x.device)
 
 
 def _roundup(x: int, m: int) -> int:
@@ -91,10 +99,10 @@ class NVFP4(Format):
         return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """NVFP4 activations emulated (dynamic per-tensor global scale, or the stored input_scale),
-        or weight-only (record `full_precision_matrix_mult`): the same math on every device."""
+        """NVFP4 activations emulated (dynamic per-tensor global scale, or the stored input_scale), or weight-only
+        (record `full_precision_matrix_mult`, or `q.compute`: see computes_weight_only)."""
         kind, group = common.record_rotation(q.record, q.format)
-        if self.activation_mode(q) == "none":
+        if computes_weight_only(self.activation_mode(q), q.compute, x):
             if dispatch.nvfp4_supported(x, kind):  # GPU: the weight decoded in registers, never in memory
                 t = q.tensors
                 return dispatch.nvfp4_weight_only_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"],

@@ -195,6 +195,12 @@ def nvfp4_supported(x: torch.Tensor, rot: str) -> bool:
     return _gpu_input(x) and rot in FUSED_ROTATIONS
 
 
+def lacks_fp4(device: torch.device) -> bool:
+    """A CUDA GPU without FP4 tensor cores (compute capability below 10: Hopper and older), where stock ComfyUI
+    computes nvfp4 layers weight-only. The CPU is not one: there the file's numerics are kept."""
+    return device.type == "cuda" and torch.cuda.get_device_properties(device).major < 10
+
+
 # From this many rows the layer's weight is decoded once into a transient buffer (kernels.decode) for cuBLAS;
 # below, the register-decode GEMM reads 4.5 bits per weight instead of 16. H200, 6144 x 6144
 # (bench/results/linear_speed_h200_decode.md): the decode adds 0.034 ms to cuBLAS's 0.48 ms at M=4608, while

@@ -200,6 +200,25 @@ def prepack_layers(root: nn.Module, ledger) -> int:  # noqa: ANN001 - Ledger
     return total
 
 
+def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]:  # noqa: ANN001 - Ledger
+    """quantize.nvfp4_compute on every nvfp4 QuantLinear (through the ledger unless "auto", the default) and what
+    it resolves to on the model's device: the report's `quantize.nvfp4_compute`."""
+    from lowbit_pipe.formats.nvfp4 import computes_weight_only
+    from lowbit_pipe.kernels import dispatch
+
+    layers = [(n, m) for n, m in root.named_modules() if isinstance(m, QuantLinear) and m.format.name == "nvfp4"]
+    if not layers:
+        return {}
+    if compute != "auto":
+        for name, module in layers:
+            ledger.patch_attr(module, "compute", compute, f"{name}.compute")
+    device = next((t.device for _, m in layers for t in m.buffers()), torch.device("cpu"))
+    probe = torch.empty(0, device=device)
+    weight_only = sum(computes_weight_only(m.format.activation_mode(m.qweight), m.compute, probe) for _, m in layers)
+    return {"setting": compute, "device": str(device), "gpu_without_fp4": dispatch.lacks_fp4(device),
+            "weight_only_layers": weight_only, "nvfp4_activation_layers": len(layers) - weight_only}
+
+
 def example_runner(ctx: Context) -> Callable[[], None]:
     """Run the transformer on `quantize.calibration_samples` seeded example input sets (the arch's own); with
     `calibration_steps` > 0 each set is denoised by the Euler sampler, so every timestep's input is seen."""
@@ -299,6 +318,9 @@ class Quantize(Stage):
                                  fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples)
         if cfg.prepack:
             result["prepacked_bytes"] = prepack_layers(ctx.transformer, ctx.ledger)
+        nvfp4 = set_nvfp4_compute(ctx.transformer, cfg.nvfp4_compute, ctx.ledger)
+        if nvfp4:
+            result["nvfp4_compute"] = nvfp4
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
