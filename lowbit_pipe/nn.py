@@ -31,6 +31,10 @@ class QuantLinear(nn.Module):
         for key, tensor in qweight.tensors.items():
             self.register_buffer(key, tensor)
         self.register_buffer("comfy_quant", encode_record(self.record))
+        derived = self.format.derived_tensors(qweight)  # not exported (non-persistent), follow device moves only
+        self._derived_names = tuple(derived)
+        for key, tensor in derived.items():
+            self.register_buffer(key, tensor, persistent=False)
         if bias is not None:
             self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False)
         else:
@@ -51,9 +55,16 @@ class QuantLinear(nn.Module):
 
     @property
     def qweight(self) -> QuantizedWeight:
+        runtime = {**{k: getattr(self, k) for k in self._derived_names}, **(self.prepacked or {})}
         return QuantizedWeight(self.format.name, (self.out_features, self.in_features),
-                               {k: getattr(self, k) for k in self._quant_names}, self.record, self.prepacked or {},
-                               self.compute)
+                               {k: getattr(self, k) for k in self._quant_names}, self.record, runtime, self.compute)
+
+    def derived_for(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The derived buffers that go with `tensors` replacing some of this layer's stored tensors (a bake)."""
+        stored = {**{k: getattr(self, k) for k in self._quant_names}, **tensors}
+        q = QuantizedWeight(self.format.name, (self.out_features, self.in_features), stored, self.record)
+        return {k: t.to(getattr(self, k).device) for k, t in self.format.derived_tensors(q).items()
+                if k in self._derived_names}
 
     def prepack(self) -> dict[str, torch.Tensor] | None:
         """The format's runtime tensors for this layer (not set here: the caller records the attribute)."""
@@ -62,7 +73,10 @@ class QuantLinear(nn.Module):
 
     def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003 - torch's signature
         self.__dict__.pop("prepacked", None)  # the buffers are overwritten: a prepacked copy would be stale
-        return super()._load_from_state_dict(*args, **kwargs)
+        super()._load_from_state_dict(*args, **kwargs)
+        with torch.no_grad():  # derived buffers follow the loaded tensors
+            for key, tensor in self.derived_for({}).items():
+                getattr(self, key).copy_(tensor)
 
     def dequantize(self) -> torch.Tensor:
         """Float32 weight [out, in] in the original basis."""
@@ -84,7 +98,7 @@ class QuantLinear(nn.Module):
         # Quantized tensors follow device moves but never dtype casts:
         # model.to(torch.bfloat16) must not touch codes or fp32 scales. Children (the
         # LoRA stack) get the full `fn`: LoRA factors DO follow dtype casts.
-        names = self._quant_names + ("comfy_quant",)
+        names = self._quant_names + ("comfy_quant",) + self._derived_names
         kept = {n: self._buffers.pop(n) for n in names}
         try:
             super()._apply(fn, recurse)

@@ -153,7 +153,8 @@ def _poison() -> None:
 # Every format family's GPU path against its CPU reference (the same quantized math, fp32 / int64 there).
 FORMAT_CASES = [
     ("int8", {}, False), ("int8", {"rotation": "convrot"}, False), ("int8", {"rotation": "quarot"}, False),
-    ("fp8", {}, False), ("fp8", {"rotation": "convrot"}, False),
+    ("int8", {"rotation": "hadanorm"}, False), ("fp8", {}, False), ("fp8", {"rotation": "convrot"}, False),
+    ("fp8", {"rotation": "hadanorm"}, False),
     ("nvfp4", {}, False), ("nvfp4", {"rotation": "convrot"}, False), ("nvfp4", {"activations": "none"}, False),
     ("nvfp4", {"rotation": "convrot", "activations": "none"}, False),
     ("convrot_w4a4", {"rotation": "convrot"}, False),

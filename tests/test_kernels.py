@@ -492,6 +492,15 @@ def case_formats() -> None:
             y = dispatch.int8_linear(x, w8, t["weight_s_channel"], bias, "convrot", 256)
         assert y.shape == ref.shape and y.dtype == ref.dtype
         _close(y, ref, _tol(spec.rotation), f"{name} {spec.rotation} {spec.granularity}")
+    # hadanorm: torch centring + rotation, the int8 path unrotated, the mean term from the layer's row sums
+    from lowbit_pipe.nn import QuantLinear
+
+    layer = QuantLinear.from_linear(torch.nn.Linear(k, n), FormatSpec("int8", rotation="hadanorm"))
+    xm = x + 1.5  # a mean per group for the correction to carry
+    q, t = layer.qweight, layer.qweight.tensors
+    y = dispatch.hadanorm_linear(xm, 128, lambda xr: dispatch.int8_linear(xr, t["weight"], t["weight_scale"], layer.bias),
+                                 layer.hadanorm_rowsums)
+    _close(y, layer.format.linear(xm, q, layer.bias), 3e-4, "int8 hadanorm")
 
 
 def case_compile() -> None:

@@ -17,7 +17,8 @@ import torch
 from torch.nn import functional as F
 
 from lowbit_pipe.errors import FormatError
-from lowbit_pipe.formats.common import check_finite_weight, spec_rotation
+from lowbit_pipe.formats.common import check_finite_weight, record_rotation, spec_rotation
+from lowbit_pipe.kernels import rotation
 from lowbit_pipe.kernels.reference import low_rank_delta, positive_scale
 
 ROTATIONS = ("none", "convrot", "quarot", "hadanorm")
@@ -169,6 +170,19 @@ class Format(ABC):
     def attach_input_scale(self, q: QuantizedWeight, input_amax: float | torch.Tensor) -> QuantizedWeight:
         """Static activations: input_scale = input_amax / act_qmax (amax of the ROTATED input if rotated)."""
         return self.with_activations(q, "static", input_amax)
+
+    def derived_tensors(self, q: QuantizedWeight) -> dict[str, torch.Tensor]:
+        """Small tensors a forward needs that follow from `q.tensors` alone, computed once per layer (a QuantLinear
+        keeps them as non-exported buffers, recomputed when its tensors change): hadanorm's group row sums."""
+        kind, group = record_rotation(q.record, q.format)
+        if kind != "hadanorm":
+            return {}
+        return {"hadanorm_rowsums": rotation.group_rowsums(self.dequantize(q), group)}
+
+    def hadanorm_rowsums(self, q: QuantizedWeight, group: int) -> torch.Tensor:
+        """The layer's hadanorm row sums: its derived buffer, or computed from the weight (a bare QuantizedWeight)."""
+        rowsums = q.runtime.get("hadanorm_rowsums")
+        return rowsums if rowsums is not None else rotation.group_rowsums(self.dequantize(q), group)
 
     def prepack(self, q: QuantizedWeight) -> dict[str, torch.Tensor] | None:
         """Runtime tensors that make `linear` faster at a memory cost (recipe `quantize.prepack`), or None

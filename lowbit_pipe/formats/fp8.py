@@ -86,6 +86,11 @@ class FP8(Format):
         if self.activation_mode(q) == "none":
             return self.weight_only_linear(x, q, bias, lora)
         kind, group = common.record_rotation(q.record, q.format)
+        if kind == "hadanorm" and dispatch.fp8_supported(x, q.tensors["weight"], "none"):
+            t = q.tensors
+            return dispatch.hadanorm_linear(
+                x, group, lambda xr: dispatch.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"), bias),
+                self.hadanorm_rowsums(q, group), lora)
         if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + fp8 GEMM
             down, up = lora if lora is not None else (None, None)
             return dispatch.fp8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"),
@@ -95,7 +100,7 @@ class FP8(Format):
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = reference.fp8_linear(x_rot, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"))
         if mu is not None:
-            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+            y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:

@@ -77,6 +77,10 @@ class Int8(Format):
             return self.weight_only_linear(x, q, bias, lora)
         kind, group = common.record_rotation(q.record, q.format)
         static = q.tensors.get("input_scale")
+        w, ws = q.tensors["weight"], q.tensors["weight_scale"]
+        if kind == "hadanorm" and dispatch.int8_supported(x, "none"):
+            return dispatch.hadanorm_linear(x, group, lambda xr: dispatch.int8_linear(xr, w, ws, bias, input_scale=static),
+                                            self.hadanorm_rowsums(q, group), lora)
         if dispatch.int8_supported(x, kind):  # GPU: Triton quant (+rotation) and INT8 GEMM
             down, up = lora if lora is not None else (None, None)
             return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, kind, group,
@@ -86,7 +90,7 @@ class Int8(Format):
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = reference.int8_linear_fp32(x_rot, q.tensors["weight"], q.tensors["weight_scale"], static)
         if mu is not None:
-            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+            y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:

@@ -111,7 +111,7 @@ class MXFP8(Format):
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = fake_quant(x_rot) @ self._dequantize_rotated(q).to(x.device).t()
         if mu is not None:
-            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+            y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)
 
     # ---- fixed-grid rounding (GPTQ): the block exponents stay, the codes change --------------------

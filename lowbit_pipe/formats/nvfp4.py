@@ -120,7 +120,7 @@ class NVFP4(Format):
         xq = reference.nvfp4_fake_quant(x_rot, q.tensors.get("input_scale"))[..., :k]
         y = xq @ self._dequantize_rotated(q).t()
         if mu is not None:
-            y = y + rotation.mean_correction(mu, self.dequantize(q), group)
+            y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)
 
     def _block_totals(self, q: QuantizedWeight) -> torch.Tensor:

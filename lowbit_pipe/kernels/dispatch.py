@@ -18,7 +18,9 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 |                                       | Triton GEMM decoding e2m1/e4m3 in registers (bf16 tensor cores); |
 |                                       | M >= 256: Triton decode of the layer's weight + cuBLAS           |
 | nvfp4 weight-only (activations none)  | the same two paths on x as it is (W4A16)                         |
-| hadanorm rotation (any format)        | torch reference (its mean correction needs the whole weight)    |
+| hadanorm rotation: int8, fp8          | torch centring + rotation, the path above on the rotated input,  |
+|                                       | the mean term from the layer's precomputed group row sums        |
+| hadanorm rotation: other formats      | torch reference                                                  |
 
 Activations: "dynamic" and "static" (one calibrated `input_scale` for every row) run the paths
 above (the quantize kernel takes the static scale); "none" (weight-only) runs nvfp4's register-decoded
@@ -39,6 +41,8 @@ Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
@@ -130,6 +134,19 @@ def grid_decode(tensors: dict[str, torch.Tensor], k: int, bits: int, group_size:
 
     return grid_decode_int8_op(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits,
                                group_size)
+
+
+def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor], torch.Tensor],
+                    rowsums: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """hadanorm on the GPU: per-group centring + rotation in torch, then `linear` (a format's fused path with
+    rotation "none") on the rotated input, plus the mean term sum_g mu_g * rowsum_g(W) from the layer's row sums
+    (Format.derived_tensors: no weight is dequantized per call) and a LoRA branch on the unrotated input."""
+    x_rot, mu = rotation.rotate_activation(x, "hadanorm", group)
+    y = linear(x_rot.to(x.dtype))
+    y = y + rotation.mean_correction(mu, rowsums).to(y.dtype)
+    if lora is not None:
+        y = y + F.linear(F.linear(x, lora[0].to(x.dtype)), lora[1].to(x.dtype))
+    return y
 
 
 # ---------------------------------------------------------------------------

@@ -157,12 +157,14 @@ def rotate_activation(x: torch.Tensor, kind: str, group: int | None = None,
     return torch.matmul(grouped, h).reshape(xf.shape), mu
 
 
-def mean_correction(mu: torch.Tensor, weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
-    """hadanorm's full-precision term sum_g mu_g * rowsum_g(W): [..., out] in fp32.
-
-    `weight` is the dequantized weight in the ORIGINAL (unrotated) basis.
-    """
+def group_rowsums(weight: torch.Tensor, group: int | None = None) -> torch.Tensor:
+    """rowsum_g(W) [out, groups] fp32: each row of the dequantized weight (ORIGINAL, unrotated basis) summed
+    over each hadanorm group. Fixed by the weight: a layer computes it once (Format.derived_tensors)."""
     g = resolve_group("hadanorm", group)
     n, k = weight.shape
-    rowsums = weight.float().reshape(n, k // g, g).sum(dim=-1)  # [out, groups]
-    return mu.float() @ rowsums.t()
+    return weight.float().reshape(n, k // g, g).sum(dim=-1)
+
+
+def mean_correction(mu: torch.Tensor, rowsums: torch.Tensor) -> torch.Tensor:
+    """hadanorm's full-precision term sum_g mu_g * rowsum_g(W): [..., out] in fp32 (`rowsums`: group_rowsums)."""
+    return mu.float() @ rowsums.to(mu.device).t()

@@ -200,6 +200,8 @@ def _replace(layer: nn.Module, tensors: dict[str, torch.Tensor], where: str, led
             ledger.patch_attr(layer, "prepacked", None, f"{where}.prepacked (cleared by the bake)")
         else:
             layer.prepacked = None
+    if isinstance(layer, QuantLinear):  # its derived buffers (hadanorm row sums) follow the new tensors
+        tensors = {**tensors, **layer.derived_for(tensors)}
     originals = {}
     for key, t in tensors.items():
         table = layer._parameters if key in layer._parameters else layer._buffers
