@@ -57,6 +57,7 @@ VARIANTS = (
     ("krea2_nvfp4 (ConvRot NVFP4 + INT8), compiled", "krea2_nvfp4", QUANT, True),  # nvfp4_compute=auto
     ("krea2_nvfp4, NVFP4 activations emulated, compiled", "krea2_nvfp4", QUANT + ["quantize.nvfp4_compute=nvfp4"],
      True),
+    ("krea2_nvfp4, fp8 compute, compiled", "krea2_nvfp4", QUANT + ["quantize.nvfp4_compute=fp8"], True),
     ("fp8 + LoRA rank 32 on every block, compiled", "default",
      ["pipeline=[load,detect,quantize,lora,compile]", "quantize.default.format=fp8",
       "lora.files=[{path: 'example:peft:rank=32:seed=1', name: a}]"], True),

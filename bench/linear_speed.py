@@ -44,6 +44,7 @@ ROWS = (
     ("fp8", "fp8", FormatSpec("fp8"), {}, ("TensorCoreFP8Layout", {})),
     ("nvfp4", "nvfp4", FormatSpec("nvfp4"), {"compute": "nvfp4"}, None),  # NVFP4 activations emulated
     ("nvfp4 weight-only", "nvfp4", FormatSpec("nvfp4", activations="none"), {}, ("TensorCoreNVFP4Layout", {})),
+    ("nvfp4 fp8-compute", "nvfp4", FormatSpec("nvfp4"), {"compute": "fp8"}, None),
     ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot"), {},
      ("TensorCoreConvRotW4A4Layout", {})),
     ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot"), {}, ("AsymW4A8Int8Layout", {})),
@@ -67,6 +68,9 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
     assert mu is None, "hadanorm is not benchmarked"
     if name == "fp8":
         y = reference.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"))
+    elif name == "nvfp4" and q.compute == "fp8":  # fp8 compute: e4m3 weight per row, fp8 activations per token
+        rs = fmt.fp8_row_scale(q)
+        y = reference.fp8_linear(xr, reference.fp8_quantize(fmt._dequantize_rotated(q), rs.reshape(-1, 1)), rs)
     elif name == "nvfp4" and computes_weight_only(fmt.activation_mode(q), q.compute, x):  # weight-only
         y = x.float() @ fmt.dequantize(q).t()
     elif name == "nvfp4":
@@ -95,6 +99,8 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
         if not dispatch.fp8_supported(x, q.tensors["weight"], kind):
             return "reference"
         return "triton-quant+triton-fp8" if dispatch.fp8_triton_gemm(x) else "triton-quant+cublas-fp8"
+    if name == "nvfp4" and q.compute == "fp8":
+        return "triton-decode-fp8+triton-quant+fp8-gemm" if dispatch.nvfp4_supported(x, kind) else "reference"
     if name == "nvfp4":
         if not dispatch.nvfp4_supported(x, kind):
             return "reference"

@@ -104,7 +104,8 @@ class QuantizeConfig:
     # nvfp4 layers on a GPU without FP4 tensor cores (Hopper and older), where no GEMM takes NVFP4 activations:
     # "auto" computes them weight-only, as stock ComfyUI does there (elsewhere the file's activations);
     # "weight_only" everywhere; "nvfp4" emulates NVFP4 activations everywhere (Blackwell's numerics, to predict a
-    # Blackwell deployment on another GPU). Run time only: the export's records are unchanged.
+    # Blackwell deployment on another GPU); "fp8": the weight rounded to e4m3 per row in the GEMM's prologue, fp8
+    # activations per token, an fp8 GEMM (fp8 tensor cores; more error). Run time only: exports are unchanged.
     nvfp4_compute: str = "auto"
 
 

@@ -156,7 +156,8 @@ FORMAT_CASES = [
     ("int8", {"rotation": "hadanorm"}, False), ("fp8", {}, False), ("fp8", {"rotation": "convrot"}, False),
     ("fp8", {"rotation": "hadanorm"}, False),
     ("nvfp4", {}, False), ("nvfp4", {"rotation": "convrot"}, False), ("nvfp4", {"activations": "none"}, False),
-    ("nvfp4", {"rotation": "convrot", "activations": "none"}, False),
+    ("nvfp4", {"rotation": "convrot", "activations": "none"}, False), ("nvfp4", {"compute": "fp8"}, False),
+    ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False),
     ("convrot_w4a4", {"rotation": "convrot"}, False),
     ("w4a8", {}, False), ("w4a8", {}, True), ("w6a8", {}, False), ("w6a8", {}, True),
 ]
@@ -177,11 +178,14 @@ def test_quantized_linear_on_the_gpu_matches_the_reference(fmt, opts, prepack, d
     with torch.no_grad():
         linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
         linear.bias.copy_(linear.bias.to(dtype).float())  # the same bias on both sides
+    opts = dict(opts)
+    compute = opts.pop("compute", None)
     q = QuantLinear.from_linear(linear, FormatSpec(fmt, **opts))
     if prepack:
         q.prepacked = q.prepack()
     if fmt == "nvfp4" and opts.get("activations") != "none":
-        q.compute = "nvfp4"  # NVFP4 activations (the default, "auto", computes weight-only on a GPU without FP4)
+        # NVFP4 activations unless fp8 compute is asked for (the default, "auto", is weight-only without FP4)
+        q.compute = compute or "nvfp4"
     g = copy.deepcopy(q).to("cuda", dtype)
     for m in (1, 37, dispatch.DECODE_MIN_ROWS + 3):
         x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
@@ -194,7 +198,7 @@ def test_quantized_linear_on_the_gpu_matches_the_reference(fmt, opts, prepack, d
         # 4-bit activations (nvfp4 dynamic): a few codes at rounding boundaries land on the other side of them
         # (1.07e-2 measured at M=37 on the H200, against the format's ~1.3e-1 quantization error); 2e-2, as in
         # the interpreter test. Everything else: 1e-2.
-        tol = 2e-2 if fmt == "nvfp4" and opts.get("activations") != "none" else 1e-2
+        tol = 2e-2 if fmt == "nvfp4" and q.compute == "nvfp4" else 1e-2
         assert _rel(y.cpu(), ref) < tol, f"{fmt} {opts} M={m}: {_rel(y.cpu(), ref):.3g}"
 
 

@@ -441,6 +441,7 @@ def case_decode() -> None:
     """Weight decode kernels vs the formats' own decode: bit-exact (bf16 within one ulp: interpreter trap)."""
     from lowbit_pipe.formats import FormatSpec, get_format
     from lowbit_pipe.formats.w4a8 import decode_int8_grid
+    from lowbit_pipe.kernels import reference
     from lowbit_pipe.kernels.decode import grid_decode_int8, nvfp4_decode
 
     gen = torch.Generator().manual_seed(5)
@@ -453,6 +454,10 @@ def case_decode() -> None:
         assert torch.equal(y, ref), f"nvfp4_decode {n}x{k} fp32"
         y = nvfp4_decode(t["weight"], t["weight_scale"], t["weight_scale_2"], n, k, torch.bfloat16)
         _close(y, ref, 2 ** -7, f"nvfp4_decode {n}x{k} bf16")  # the store truncates here: one bf16 ulp
+        rs = fmt.fp8_row_scale(q)  # fp8 compute: e4m3 under a per-row scale
+        y8 = nvfp4_decode(t["weight"], t["weight_scale"], t["weight_scale_2"], n, k, torch.float8_e4m3fn, rs)
+        ref8 = reference.fp8_quantize(ref, rs.reshape(-1, 1))
+        assert float((_fp8_steps(y8, ref8) > 0).float().mean()) < 0.05, f"nvfp4_decode {n}x{k} fp8"  # cast trap
     for name, bits in (("w4a8", 4), ("w6a8", 6)):
         q = get_format(name).quantize(torch.randn(40, 512, generator=gen), FormatSpec(name))
         t = q.tensors

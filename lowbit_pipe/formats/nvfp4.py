@@ -35,11 +35,13 @@ from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedW
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
-NVFP4_COMPUTE = ("auto", "weight_only", "nvfp4")  # recipe quantize.nvfp4_compute (recipe.py says what each does)
+NVFP4_COMPUTE = ("auto", "weight_only", "nvfp4", "fp8")  # recipe quantize.nvfp4_compute (recipe.py says what each does)
 
 
 def computes_weight_only(mode: str, compute: str | None, x: torch.Tensor) -> bool:
     """Whether an nvfp4 layer whose record says activations `mode` runs weight-only for input x under `compute`."""
+    if compute == "fp8":
+        return False
     if compute == "weight_only" or (compute != "nvfp4" and mode == "none"):
         return True
     return compute in (None, "auto") and dispatch.lacks_fp4(x.device)
@@ -102,6 +104,8 @@ class NVFP4(Format):
         """NVFP4 activations emulated (dynamic per-tensor global scale, or the stored input_scale), or weight-only
         (record `full_precision_matrix_mult`, or `q.compute`: see computes_weight_only)."""
         kind, group = common.record_rotation(q.record, q.format)
+        if q.compute == "fp8":
+            return self._fp8_compute_linear(x, q, bias, kind, group)
         if computes_weight_only(self.activation_mode(q), q.compute, x):
             if dispatch.nvfp4_supported(x, kind):  # GPU: the weight decoded in registers, never in memory
                 t = q.tensors
@@ -119,6 +123,38 @@ class NVFP4(Format):
             x_rot = torch.nn.functional.pad(x_rot, (0, kp - k))
         xq = reference.nvfp4_fake_quant(x_rot, q.tensors.get("input_scale"))[..., :k]
         y = xq @ self._dequantize_rotated(q).t()
+        if mu is not None:
+            y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
+        return common.out_dtype_result(y, bias, x.dtype)
+
+    @staticmethod
+    def fp8_row_scale(q: QuantizedWeight) -> torch.Tensor:
+        """fp8 compute's per-row weight scale [N]: 6 * global * the row's largest block scale / 448, a bound on the
+        row's |value| read from the block scales alone (no decode), so every decoded value fits e4m3."""
+        n, _ = q.shape
+        np_, kp = q.tensors["weight"].shape[0], q.tensors["weight"].shape[1] * 2
+        block = reference.unswizzle_block_scales(q.tensors["weight_scale"], np_, kp // 16)[:n].float()
+        bound = block.amax(dim=1) * q.tensors["weight_scale_2"].float() * reference.E2M1_MAX
+        return reference.positive_scale(bound, reference.FP8_E4M3_MAX)
+
+    def _fp8_compute_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, kind: str,
+                            group: int) -> torch.Tensor:
+        """Compute "fp8" (Hopper has fp8 tensor cores, no FP4): the weight's e2m1 x block x global values rounded to
+        e4m3 under a per-row scale, per-token fp8 activations (a static NVFP4 input_scale does not apply), an fp8
+        GEMM. More error than NVFP4 weights alone: the weight's second rounding plus the activations'."""
+        n, k = q.shape
+        row_scale = self.fp8_row_scale(q)  # [N] from the block scales: a small reduction per call
+        t = q.tensors
+        fused = kind if kind != "hadanorm" else "none"
+        if dispatch.nvfp4_supported(x, fused) and dispatch.fp8_supported(x, t["weight"].view(torch.uint8), fused):
+            w8 = dispatch.nvfp4_fp8_weight(t["weight"], t["weight_scale"], t["weight_scale_2"], row_scale, n, k)
+            if kind == "hadanorm":
+                return dispatch.hadanorm_linear(x, group, lambda xr: dispatch.fp8_linear(xr, w8, row_scale, None, bias),
+                                                self.hadanorm_rowsums(q, group))
+            return dispatch.fp8_linear(x, w8, row_scale, None, bias, kind, group)
+        w8 = reference.fp8_quantize(self._dequantize_rotated(q), row_scale.reshape(-1, 1))
+        x_rot, mu = rotation.rotate_activation(x, kind, group)
+        y = reference.fp8_linear(x_rot, w8, row_scale)
         if mu is not None:
             y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)

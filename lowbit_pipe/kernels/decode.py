@@ -8,7 +8,8 @@ and competes with its MMAs. nvfp4 keeps its register-decode GEMM for calls of fe
 1. `nvfp4_decode`: e2m1 codes (even column in the HIGH nibble) x e4m3 block scales (cuBLAS swizzle) x a
    global scale -> [N, K] in the GEMM's dtype. The product is formed as the reference does,
    e2m1 * (global * block) in fp32, then rounded once to the output dtype: weight-only nvfp4 is what
-   stock ComfyUI computes on GPUs without FP4 (dequantize into the activation dtype, matmul).
+   stock ComfyUI computes on GPUs without FP4 (dequantize into the activation dtype, matmul). An e4m3
+   output (nvfp4's fp8 compute) divides each row by its scale first.
 2. `grid_decode_int8`: asym_w4a8_int8 codes (4-bit codebook or uniform 6-bit) x e4m3 group scales ->
    the int8 grid [N, K] the W8A8 GEMM consumes, clamp(rne(level * s_rel), +-127): bit-exact with
    formats.w4a8.decode_int8_grid.
@@ -27,8 +28,8 @@ BLOCK_K = 256
 
 
 @triton.jit
-def _nvfp4_decode_kernel(w_ptr, ws_ptr, g_ptr, out_ptr, N, K, SCALE_COLS, stride_wn, stride_on,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _nvfp4_decode_kernel(w_ptr, ws_ptr, g_ptr, rs_ptr, out_ptr, N, K, SCALE_COLS, stride_wn, stride_on,
+                         FP8: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # Whole bytes and whole 16-column scale blocks per program: contiguous loads, each scale read once and
     # broadcast over its 16 columns in registers.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -47,14 +48,21 @@ def _nvfp4_decode_kernel(w_ptr, ws_ptr, g_ptr, out_ptr, N, K, SCALE_COLS, stride
     block = tl.load(ws_ptr + s_idx, mask=r_ok[:, None] & (16 * kb < K)[None, :], other=0.0).to(tl.float32)
     total = tl.load(g_ptr) * block
     w = tl.reshape(tl.reshape(e2m1, (BLOCK_N, BLOCK_K // 16, 16)) * total[:, :, None], (BLOCK_N, BLOCK_K))
+    if FP8:  # reference.fp8_quantize(w, row_scale): times the reciprocal, clamped, rounded to e4m3
+        inv = tl.math.div_rn(tl.full((BLOCK_N,), 1.0, tl.float32), tl.load(rs_ptr + rows, mask=r_ok, other=1.0))
+        w = tl.clamp(w * inv[:, None], -448.0, 448.0)
     tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], w.to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (cols < K)[None, :])
 
 
 def nvfp4_decode(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
-                 out_dtype: torch.dtype) -> torch.Tensor:
+                 out_dtype: torch.dtype, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """w_packed uint8 [Np, Kp/2], w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], global_scale fp32
-    (one value) -> out_dtype [n, k] = e2m1 * (global * block) (n <= Np, k <= Kp: padding cropped)."""
+    (one value) -> out_dtype [n, k] = e2m1 * (global * block) (n <= Np, k <= Kp: padding cropped).
+    out_dtype float8_e4m3fn takes `row_scale` fp32 [n]: e4m3(clamp(value * (1 / row_scale), +-448))."""
+    fp8 = out_dtype == torch.float8_e4m3fn
+    if fp8 != (row_scale is not None) or (fp8 and row_scale.numel() != n):
+        raise ValueError(f"nvfp4_decode: an fp8 output takes a row_scale of {n} values, other outputs none")
     if w_packed.dim() != 2 or n > w_packed.shape[0] or k > w_packed.shape[1] * 2:
         raise ValueError(f"nvfp4_decode: [{n}, {k}] does not fit the packed weight {tuple(w_packed.shape)}")
     if global_scale.numel() != 1:
@@ -62,11 +70,12 @@ def nvfp4_decode(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: to
     w_packed = w_packed.view(torch.uint8).contiguous()
     w_block = w_block.view(torch.float8_e4m3fn).contiguous()
     g = global_scale.float().reshape(1).contiguous()
+    rs = row_scale.float().reshape(-1).contiguous() if fp8 else g  # dummy pointer without fp8
     out = torch.empty((n, k), dtype=out_dtype, device=w_packed.device)
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-        _nvfp4_decode_kernel[grid](w_packed, w_block, g, out, n, k, w_block.shape[1], w_packed.stride(0), out.stride(0),
-                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+        _nvfp4_decode_kernel[grid](w_packed, w_block, g, rs, out, n, k, w_block.shape[1], w_packed.stride(0),
+                                   out.stride(0), FP8=fp8, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
 
@@ -123,12 +132,12 @@ def grid_decode_int8(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.
 
 @torch.library.custom_op("lowbit_pipe::nvfp4_decode", mutates_args=())
 def nvfp4_decode_op(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
-                    out_dtype: torch.dtype) -> torch.Tensor:
-    return nvfp4_decode(w_packed, w_block, global_scale, n, k, out_dtype)
+                    out_dtype: torch.dtype, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return nvfp4_decode(w_packed, w_block, global_scale, n, k, out_dtype, row_scale)
 
 
 @nvfp4_decode_op.register_fake
-def _(w_packed, w_block, global_scale, n, k, out_dtype):
+def _(w_packed, w_block, global_scale, n, k, out_dtype, row_scale=None):
     return w_packed.new_empty((n, k), dtype=out_dtype)
 
 

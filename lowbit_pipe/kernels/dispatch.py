@@ -128,6 +128,14 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
+def nvfp4_fp8_weight(w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor, row_scale: torch.Tensor,
+                     n: int, k: int) -> torch.Tensor:
+    """nvfp4's fp8 compute: the weight decoded straight to e4m3 [n, k] under `row_scale` (kernels.decode)."""
+    from lowbit_pipe.kernels.decode import nvfp4_decode_op
+
+    return nvfp4_decode_op(w_packed, w_block, w_global.float().reshape(()), n, k, torch.float8_e4m3fn, row_scale)
+
+
 def grid_decode(tensors: dict[str, torch.Tensor], k: int, bits: int, group_size: int) -> torch.Tensor:
     """w4a8 / w6a8's int8 grid [N, K] decoded by the Triton kernel (formats.w4a8.decode_int8_grid's values)."""
     from lowbit_pipe.kernels.decode import grid_decode_int8_op

@@ -215,8 +215,10 @@ def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]: 
     device = next((t.device for _, m in layers for t in m.buffers()), torch.device("cpu"))
     probe = torch.empty(0, device=device)
     weight_only = sum(computes_weight_only(m.format.activation_mode(m.qweight), m.compute, probe) for _, m in layers)
+    fp8 = sum(m.compute == "fp8" for _, m in layers)
     return {"setting": compute, "device": str(device), "gpu_without_fp4": dispatch.lacks_fp4(device),
-            "weight_only_layers": weight_only, "nvfp4_activation_layers": len(layers) - weight_only}
+            "weight_only_layers": weight_only, "fp8_layers": fp8,
+            "nvfp4_activation_layers": len(layers) - weight_only - fp8}
 
 
 def example_runner(ctx: Context) -> Callable[[], None]:
