@@ -17,7 +17,7 @@ from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_
 
 class QuantLinear(nn.Module):
     # Runtime tensors from Format.prepack (recipe quantize.prepack), or None. Derived from the buffers, so
-    # anything that replaces or overwrites them clears it (`clear_prepacked`, `_load_from_state_dict`).
+    # whatever replaces or overwrites them clears it (a LoRA bake: lora.bake._replace; `_load_from_state_dict`).
     prepacked: dict[str, torch.Tensor] | None = None
     # QuantizedWeight.compute (recipe quantize.nvfp4_compute): how the forward computes; None: the default.
     compute: str | None = None

@@ -54,8 +54,8 @@ class QuantizedWeight:
     shape: tuple[int, int]  # logical (out_features, in_features)
     tensors: dict[str, torch.Tensor]  # suffix -> tensor, exactly as stored
     record: dict[str, Any] = field(default_factory=dict)  # the `.comfy_quant` JSON
-    # Tensors derived from `tensors` for a faster forward (Format.prepack: w4a8's decoded int8 grid), held in
-    # memory only: never exported, not counted in nbytes.
+    # Tensors derived from `tensors` for a faster forward (Format.derived_tensors: hadanorm's row sums;
+    # Format.prepack: w4a8's decoded int8 grid), held in memory only: never exported, not counted in nbytes.
     runtime: dict[str, torch.Tensor] = field(default_factory=dict)
     # How a forward computes, where the format offers a choice the file does not fix (nvfp4: NVFP4_COMPUTE);
     # None: the format's default. A run-time setting: never exported.

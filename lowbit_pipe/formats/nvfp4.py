@@ -107,7 +107,7 @@ class NVFP4(Format):
         if q.compute == "fp8":
             return self._fp8_compute_linear(x, q, bias, kind, group)
         if computes_weight_only(self.activation_mode(q), q.compute, x):
-            if dispatch.nvfp4_supported(x, kind):  # GPU: the weight decoded in registers, never in memory
+            if dispatch.nvfp4_supported(x, kind):  # GPU: decode kernel + cuBLAS, or the register-decode GEMM
                 t = q.tensors
                 return dispatch.nvfp4_weight_only_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"],
                                                          q.shape[0], bias, kind, group)

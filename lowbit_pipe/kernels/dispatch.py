@@ -23,10 +23,11 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | hadanorm rotation: other formats      | torch reference                                                  |
 
 Activations: "dynamic" and "static" (one calibrated `input_scale` for every row) run the paths
-above (the quantize kernel takes the static scale); "none" (weight-only) runs nvfp4's register-decoded
-GEMM on the unquantized input (what stock ComfyUI computes on GPUs without FP4 tensor cores, minus
-the dequantized weight it builds per call); other formats' weight-only layers never reach this module:
-Format.weight_only_linear dequantizes and calls F.linear, the same on every device.
+above (the quantize kernel takes the static scale); "none" (weight-only) runs nvfp4's two paths on the
+unquantized input (what stock ComfyUI computes on GPUs without FP4 tensor cores); other formats'
+weight-only layers never reach this module: Format.weight_only_linear dequantizes and calls F.linear, the
+same on every device. nvfp4's fp8 compute (quantize.nvfp4_compute=fp8) decodes its weight to e4m3 per row
+(kernels.decode) and runs the fp8 path below.
 No module state, no environment switches: each call decides from its arguments.
 
 LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
@@ -273,10 +274,10 @@ def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor,
 
 def nvfp4_weight_only_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor,
                              n: int, bias: torch.Tensor | None, rot: str = "none", group: int | None = None) -> torch.Tensor:
-    """Activations "none": y = x @ (e2m1 * block)^T * global, x in its own dtype (bf16/fp16 tensor cores, fp32
-    for the interpreter tests), the weight decoded per tile in registers. Stock ComfyUI's numerics on a GPU
-    without FP4 (it dequantizes the weight into x's dtype and calls a matmul) up to where the global scale
-    is applied: here in fp32 after the accumulation, there to each weight before it is rounded to x's dtype."""
+    """Activations "none": y = x @ (e2m1 * block * global)^T, x in its own dtype (bf16/fp16 tensor cores, fp32 for
+    the interpreter tests): stock ComfyUI's numerics on a GPU without FP4 (it dequantizes the weight into x's
+    dtype and calls a matmul). 256+ rows: exactly that, the decode being a Triton kernel; fewer: the
+    register-decode GEMM, which applies the global scale in fp32 after the accumulation instead."""
     k = x.shape[-1]
     kp = w_packed.shape[1] * 2
     x2 = x.reshape(-1, k)
