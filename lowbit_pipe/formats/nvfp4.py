@@ -146,7 +146,7 @@ class NVFP4(Format):
         row_scale = self.fp8_row_scale(q)  # [N] from the block scales: a small reduction per call
         t = q.tensors
         fused = kind if kind != "hadanorm" else "none"
-        if dispatch.nvfp4_supported(x, fused) and dispatch.fp8_supported(x, t["weight"].view(torch.uint8), fused):
+        if dispatch.nvfp4_supported(x, fused) and dispatch.fp8_shape_supported(x, n, k, fused):
             w8 = dispatch.nvfp4_fp8_weight(t["weight"], t["weight_scale"], t["weight_scale_2"], row_scale, n, k)
             if kind == "hadanorm":
                 return dispatch.hadanorm_linear(x, group, lambda xr: dispatch.fp8_linear(xr, w8, row_scale, None, bias),

@@ -170,8 +170,12 @@ def fp8_triton_gemm(x: torch.Tensor) -> bool:
 
 
 def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str) -> bool:
-    n, k = w.shape
-    if not (_gpu_input(x) and rot in FUSED_ROTATIONS and w.is_contiguous() and k % 16 == 0):
+    return w.is_contiguous() and fp8_shape_supported(x, *w.shape, rot)
+
+
+def fp8_shape_supported(x: torch.Tensor, n: int, k: int, rot: str) -> bool:
+    """fp8_supported for an [n, k] e4m3 weight made contiguous at call time (nvfp4's fp8 compute decodes one)."""
+    if not (_gpu_input(x) and rot in FUSED_ROTATIONS and k % 16 == 0):
         return False
     return fp8_triton_gemm(x) or (n % 16 == 0 and _rows(x) >= FP8_MIN_M)
 
