@@ -77,7 +77,8 @@ def _layer_error(linear: nn.Linear, spec: FormatSpec, x: torch.Tensor) -> tuple[
     ref = x @ w.float().t()
     out = fmt.linear(x, q, None).float()
     record_bytes = encode_record(q.record).numel()  # the `.comfy_quant` buffer is stored too
-    return rel_error(ref, out), q.nbytes + record_bytes
+    derived = sum(t.numel() * t.element_size() for t in fmt.derived_tensors(q).values())  # held in memory too
+    return rel_error(ref, out), q.nbytes + record_bytes + derived
 
 
 def plan_budget(model: nn.Module, plans: list[LayerPlan], candidates: list[FormatSpec], budget_bytes: int,

@@ -26,6 +26,16 @@ def test_budget_run_lands_within_two_percent_under(tmp_path, ratio):
     assert r.report["evaluate"]["rel_error"] < 0.05
 
 
+def test_budget_counts_the_memory_of_hadanorm_row_sums(tmp_path):
+    """hadanorm layers hold their group row sums in memory (a derived buffer): the plan's bytes include them."""
+    r = lowbit_pipe.run("default", ["quantize.budget_ratio=0.45", "pipeline=[load,detect,quantize]",
+                                    "quantize.budget_candidates=[{format: nvfp4, rotation: hadanorm}, {format: int8}]"],
+                        run_dir=tmp_path / "run")
+    b = r.report["quantize"]["budget"]
+    assert any("hadanorm_rowsums" in dict(m.named_buffers()) for m in r.model.modules())
+    assert tensor_bytes(r.model) == b["model_bytes"] == b["total_bytes"] <= b["budget_bytes"]
+
+
 def test_budget_below_minimum_is_refused(tmp_path):
     with pytest.raises(StageError, match="below the smallest possible size"):
         lowbit_pipe.run("default", ["quantize.budget_ratio=0.1"], run_dir=tmp_path / "run")
