@@ -61,12 +61,11 @@ class AWQW4A16(Format):
     bits_per_weight = 4.5  # 4-bit codes + bf16 scale and zero per 64
     rotations = ("none",)
     row_axes = {"weight_scale": 1, "weight_zeros": 1}
+    values_per_byte = 2
     no_static_reason = "activations stay in float (W4A16: 'dynamic' and 'none' both mean weight-only)"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
-        if in_features % GROUP:
-            return f"in_features {in_features} is not a multiple of the group {GROUP}"
-        return None
+        return common.group_problem(in_features, GROUP)
 
     def _pack(self, u: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, shape: tuple[int, int]) -> QuantizedWeight:
         packed = common.pack_nibbles(u.to(torch.int32), even_high=False).view(torch.int8)
@@ -126,9 +125,6 @@ class AWQW4A16(Format):
         scale, zero = self._grid(q)
         u = codes_on_grid(values, scale.repeat_interleave(GROUP, 1), zero.repeat_interleave(GROUP, 1))
         return self._pack(u, scale, zero, q.shape)
-
-    def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
-        return (int(weight_shape[0]), int(weight_shape[1]) * 2)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name

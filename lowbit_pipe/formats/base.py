@@ -99,6 +99,7 @@ class Format(ABC):
     # Stored tensors whose output rows are not on dim 0: 1 for those stored [.., N] (transposed), None for
     # input-side tensors that the parts of a fused layer share. The rest: per row on dim 0, or shared scalars.
     row_axes: ClassVar[dict[str, int | None]] = {}
+    values_per_byte: ClassVar[int] = 1  # stored `weight` columns hold this many inputs (packed 4-bit: 2)
 
     @abstractmethod
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
@@ -199,8 +200,8 @@ class Format(ABC):
         return y + low_rank_delta(x, *lora) if lora is not None else y
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
-        """Logical (out, in) of a layer from its stored `weight` shape (packed formats override)."""
-        return (int(weight_shape[0]), int(weight_shape[1]))
+        """Logical (out, in) of a layer from its stored `weight` shape (formats whose record says more override)."""
+        return (int(weight_shape[0]), int(weight_shape[1]) * self.values_per_byte)
 
     # ---- fixed-grid rounding (GPTQ) ----------------------------------------------------------
     def calibrated_grid(self, weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor) -> QuantizedWeight:
@@ -213,8 +214,6 @@ class Format(ABC):
         """(values, Hessian) GPTQ rounds on `q`'s grid: the weight in the stored basis and the Hessian of the input
         that meets it. Default: the rotated weight against the rotated input's Hessian; svdquant_w4a4 gives its
         smoothed residual (weight minus the low-rank branch, times the smoothing) and the smoothed input's."""
-        from lowbit_pipe.kernels import rotation
-
         kind, group = self.input_rotation(spec, weight.shape[1])
         return rotation.rotate_weight(weight, kind, group or None), hessian
 

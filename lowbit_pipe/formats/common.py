@@ -139,6 +139,20 @@ def require(tensors: dict[str, torch.Tensor], key: str, where: str, fmt: str) ->
     return t
 
 
+def block_problem(out_features: int, in_features: int, block: int, what: str) -> str | None:
+    """A format with square-ish blocks on both dims (nvfp4's 16, mxfp8's 32): why it cannot store this shape."""
+    if out_features % block or in_features % block:
+        return f"{out_features}x{in_features} is not a multiple of {block} on both sides ({what} blocks of {block})"
+    return None
+
+
+def group_problem(in_features: int, group: int, what: str = "the group") -> str | None:
+    """A format grouped along K (awq / svdquant's 64, ConvRot's 256): why it cannot store this many inputs."""
+    if in_features % group:
+        return f"in_features {in_features} is not a multiple of {what} {group}"
+    return None
+
+
 def packed_codes(tensors: dict[str, torch.Tensor], where: str, fmt: str, what: str = "packed codes") -> torch.Tensor:
     """The stored `weight` of a packed sub-byte format: int8 (uint8 read too) [N, packed K], viewed as int8."""
     w = require(tensors, "weight", where, fmt)

@@ -33,6 +33,7 @@ class ConvRotW4A4(Format):
     comfy_name = "convrot_w4a4"
     bits_per_weight = 4.0
     rotations = ("convrot", "none")  # "none" in a spec means "the format's own ConvRot"
+    values_per_byte = 2
     act_qmax = float(reference.INT4_MAX)
 
     def check_spec(self, spec: FormatSpec) -> None:
@@ -41,9 +42,7 @@ class ConvRotW4A4(Format):
             raise ValueError(f"convrot_w4a4: rotation_group must be {GROUP} (ComfyUI's loader), got {spec.rotation_group}")
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
-        if in_features % GROUP:
-            return f"in_features {in_features} is not a multiple of the ConvRot group {GROUP}"
-        return None
+        return common.group_problem(in_features, GROUP, "the ConvRot group")
 
     def input_rotation(self, spec: FormatSpec, in_features: int) -> tuple[str, int]:
         return "convrot", GROUP
@@ -93,9 +92,6 @@ class ConvRotW4A4(Format):
         codes = (values.float() / s).round().clamp(-reference.INT4_MAX, reference.INT4_MAX).to(torch.int8)
         packed = common.pack_nibbles(codes, even_high=False).view(torch.int8)
         return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": packed}, dict(q.record))
-
-    def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
-        return (int(weight_shape[0]), int(weight_shape[1]) * 2)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name

@@ -80,9 +80,7 @@ class MXFP8(Format):
     no_static_reason = "activations are scaled per block of 32 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
-        if out_features % BLOCK or in_features % BLOCK:
-            return f"{out_features}x{in_features} is not a multiple of 32 on both sides (MXFP8 blocks of 32)"
-        return None
+        return common.block_problem(out_features, in_features, BLOCK, "MXFP8")
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
         w = self.checked_weight(weight)

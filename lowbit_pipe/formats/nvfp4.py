@@ -63,9 +63,7 @@ class NVFP4(Format):
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         # Padding works in our reference and in comfy-kitchen's fast path, but ComfyUI's
         # dequantize fallback returns the padded shape, so only unpadded layers are safe.
-        if out_features % 16 or in_features % 16:
-            return f"{out_features}x{in_features} is not a multiple of 16 on both sides (NVFP4 blocks of 16)"
-        return None
+        return common.block_problem(out_features, in_features, 16, "NVFP4")
 
     def quantize(self, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
         w = common.check_finite_weight(weight)

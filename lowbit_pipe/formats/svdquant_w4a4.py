@@ -72,12 +72,11 @@ class SVDQuantW4A4(Format):
     rotations = ("none",)
     act_qmax = float(INT4_MAX)
     row_axes = {"weight_scale": 1, "weight_proj_down": None, "weight_smooth_factor": None}
+    values_per_byte = 2
     no_static_reason = "activations are scaled per row and group of 64 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
-        if in_features % GROUP:
-            return f"in_features {in_features} is not a multiple of the group {GROUP}"
-        return None
+        return common.group_problem(in_features, GROUP)
 
     @staticmethod
     def _rank(spec: FormatSpec, n: int, k: int) -> int:
@@ -172,9 +171,6 @@ class SVDQuantW4A4(Format):
         scale = t["weight_scale"].t()
         codes = _codes(values, scale.repeat_interleave(GROUP, 1))
         return self._pack(codes, scale, t["weight_proj_down"], t["weight_proj_up"], t["weight_smooth_factor"])
-
-    def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
-        return (int(weight_shape[0]), int(weight_shape[1]) * 2)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
         fmt = self.comfy_name

@@ -197,9 +197,7 @@ class W4A8(Format):
             raise ValueError(f"{self.name}: rotation_group must be {CONVROT_GROUP}, got {spec.rotation_group}")
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
-        if in_features % CONVROT_GROUP:
-            return f"in_features {in_features} is not a multiple of the ConvRot group {CONVROT_GROUP}"
-        return None
+        return common.group_problem(in_features, CONVROT_GROUP, "the ConvRot group")
 
     def input_rotation(self, spec: FormatSpec, in_features: int) -> tuple[str, int]:
         return "convrot", CONVROT_GROUP
