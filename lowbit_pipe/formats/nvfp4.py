@@ -125,6 +125,10 @@ class NVFP4(Format):
             y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)
 
+    def derived_tensors(self, q: QuantizedWeight) -> dict[str, torch.Tensor]:
+        """Format.derived_tensors plus fp8 compute's per-row scale (N floats), so no forward recomputes it."""
+        return {**super().derived_tensors(q), "fp8_row_scale": self.fp8_row_scale(q)}
+
     @staticmethod
     def fp8_row_scale(q: QuantizedWeight) -> torch.Tensor:
         """fp8 compute's per-row weight scale [N]: 6 * global * the row's largest block scale / 448, a bound on the
@@ -141,7 +145,9 @@ class NVFP4(Format):
         e4m3 under a per-row scale, per-token fp8 activations (a static NVFP4 input_scale does not apply), an fp8
         GEMM. More error than NVFP4 weights alone: the weight's second rounding plus the activations'."""
         n, k = q.shape
-        row_scale = self.fp8_row_scale(q)  # [N] from the block scales: a small reduction per call
+        row_scale = q.runtime.get("fp8_row_scale")  # the layer's derived buffer; a bare QuantizedWeight computes it
+        if row_scale is None:
+            row_scale = self.fp8_row_scale(q)
         t = q.tensors
         fused = kind if kind != "hadanorm" else "none"
         if dispatch.nvfp4_supported(x, fused) and dispatch.fp8_shape_supported(x, n, k, fused):

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_pipe.kernels.nvfp4_gemm import e2m1_half, scale_col_offsets, scale_row_offsets
+
 BLOCK_N = 32
 BLOCK_K = 256
 
@@ -40,11 +42,8 @@ def _nvfp4_decode_kernel(w_ptr, ws_ptr, g_ptr, rs_ptr, out_ptr, N, K, SCALE_COLS
     p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=r_ok[:, None] & (2 * kh < K)[None, :],
                 other=0).to(tl.int16)
     codes = tl.reshape(tl.join(p >> 4, p & 15), (BLOCK_N, BLOCK_K))  # even column = high nibble
-    half = (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14, exact
-    e2m1 = half.to(tl.float32) * 16384.0
-    r = rows % 128  # cuBLAS 128x4-tile swizzle of the block scales (reference.swizzle_block_scales)
-    s_idx = ((rows // 128) * (SCALE_COLS // 4) * 512 + (r % 32) * 16 + (r // 32) * 4)[:, None] \
-        + ((kb // 4) * 512 + kb % 4)[None, :]
+    e2m1 = e2m1_half(codes).to(tl.float32) * 16384.0
+    s_idx = scale_row_offsets(rows, SCALE_COLS)[:, None] + scale_col_offsets(kb)[None, :]
     block = tl.load(ws_ptr + s_idx, mask=r_ok[:, None] & (16 * kb < K)[None, :], other=0.0).to(tl.float32)
     total = tl.load(g_ptr) * block
     w = tl.reshape(tl.reshape(e2m1, (BLOCK_N, BLOCK_K // 16, 16)) * total[:, :, None], (BLOCK_N, BLOCK_K))

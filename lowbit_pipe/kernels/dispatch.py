@@ -48,7 +48,7 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
-from lowbit_pipe.kernels import rotation
+from lowbit_pipe.kernels import reference, rotation
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 FUSED_ROTATIONS = ("none", "convrot", "quarot")
@@ -154,7 +154,7 @@ def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor]
     y = linear(x_rot.to(x.dtype))
     y = y + rotation.mean_correction(mu, rowsums).to(y.dtype)
     if lora is not None:
-        y = y + F.linear(F.linear(x, lora[0].to(x.dtype)), lora[1].to(x.dtype))
+        y = y + reference.low_rank_delta(x, *lora)
     return y
 
 
@@ -258,7 +258,6 @@ def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor,
     weight) on bf16 tensor cores: both operands are exact in bf16 once the global scales are
     taken out, so only the fp32 accumulation order differs from the reference.
     `compute_dtype` fp32 exists for the CPU interpreter tests (its bf16 dot is broken)."""
-    from lowbit_pipe.kernels import reference
     from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant_op
 
     k = x.shape[-1]

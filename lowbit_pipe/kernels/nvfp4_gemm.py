@@ -12,8 +12,8 @@ Two kernels, each laid out kernel -> launcher -> custom op (fake impl for torch.
    With plain bf16 activations (a_scale 1) the same kernel is a W4A16 GEMM.
 
 The weight never exists in memory at more than 4.5 bits per value: no cached dequantized copy.
-e2m1 -> fp16 bits is a shift: ((c & 8) << 12) | ((c & 7) << 9) is the fp16 whose value is
-e2m1(c) * 2^-14 (normals and the 0.5 subnormal alike); the 2^14 folds into the block scale.
+e2m1 -> fp16 bits is a shift (`e2m1_half`); the 2^14 folds into the block scale. The decode pieces are
+shared with kernels.decode.
 """
 
 from __future__ import annotations
@@ -84,6 +84,30 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor, k_padded: int |
 
 
 # ---------------------------------------------------------------------------
+# weight decode pieces (this GEMM and kernels.decode)
+# ---------------------------------------------------------------------------
+
+@triton.jit
+def e2m1_half(codes):
+    """4-bit e2m1 codes (int16) -> fp16 e2m1(code) * 2^-14, exact: a shift puts sign, exponent and mantissa in
+    place (normals and the 0.5 subnormal alike); the caller folds the 2^14 into a scale."""
+    return (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def scale_row_offsets(rows, SCALE_COLS):
+    """Offset of each weight row's block-scale line in the cuBLAS 128x4-tile swizzle (reference.swizzle_block_scales)."""
+    r = rows % 128
+    return (rows // 128) * (SCALE_COLS // 4) * 512 + (r % 32) * 16 + (r // 32) * 4
+
+
+@triton.jit
+def scale_col_offsets(kb):
+    """Offset of block column `kb` (16 inputs each) within a row's line of the same swizzle."""
+    return (kb // 4) * 512 + kb % 4
+
+
+# ---------------------------------------------------------------------------
 # GEMM with the NVFP4 weight decoded in registers
 # ---------------------------------------------------------------------------
 
@@ -117,18 +141,16 @@ def _nvfp4_gemm_kernel(
     n_ok = offs_n < N
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + offs_n[:, None] * stride_wn + offs_kh[None, :]
-    # cuBLAS 128x4-tile swizzle of the block scales (reference.swizzle_block_scales)
-    r = offs_n % 128
-    s_row = (offs_n // 128) * (SCALE_COLS // 4) * 512 + (r % 32) * 16 + (r // 32) * 4
+    s_row = scale_row_offsets(offs_n, SCALE_COLS)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a = tl.load(a_ptrs, mask=m_ok[:, None] & ((k0 + offs_k)[None, :] < K), other=0.0)
         p = tl.load(w_ptrs, mask=n_ok[:, None] & ((k0 + 2 * offs_kh)[None, :] < K), other=0).to(tl.int16)
         codes = tl.reshape(tl.join(p >> 4, p & 15), (BLOCK_N, BLOCK_K))  # even column = high nibble
-        half = (((codes & 8) << 12) | ((codes & 7) << 9)).to(tl.float16, bitcast=True)  # e2m1 * 2^-14
+        half = e2m1_half(codes)
         kb = k0 // 16 + offs_kb
-        s_idx = s_row[:, None] + (kb // 4)[None, :] * 512 + (kb % 4)[None, :]
+        s_idx = s_row[:, None] + scale_col_offsets(kb)[None, :]
         bs = tl.load(ws_ptr + s_idx, mask=n_ok[:, None] & ((kb * 16)[None, :] < K), other=0.0).to(tl.float32) * 16384.0
         w = tl.reshape(tl.reshape(half.to(tl.float32), (BLOCK_N, BLOCK_K // 16, 16)) * bs[:, :, None], (BLOCK_N, BLOCK_K))
         w = tl.trans(w.to(a_ptr.dtype.element_ty))
