@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU figures this repo commits, in three device calls of under 10 minutes each (a call has a 600 s limit).
-# Run from the repo root on the device, wheels installed first (../shared/device/wheels.sh's header):
+# Run from the repo root on the GPU machine, the missing packages installed first (docs/testing.md, "GPU machine"):
 #   bash bench/gpu_suite.sh kernels "$OUT"   # GPU tests (every kernel path) + linear_speed with comfy-kitchen
 #   bash bench/gpu_suite.sh headline "$OUT"  # the full-size Krea 2 forward through the recipes (+ torchao)
 #   bash bench/gpu_suite.sh stream "$OUT"    # a 25.6 GB synthetic Krea 2 streamed file to file, per format
