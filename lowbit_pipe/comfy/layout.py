@@ -53,8 +53,7 @@ TENSOR_FIELDS = {"weight_scale": "scale", "weight_scale_2": "scale_2", "weight_z
 # Params field -> suffix relative to `<layer>.weight`, comfy-kitchen's `state_dict_tensors` convention
 # (ComfyUI calls `weight.state_dict(f"{prefix}weight")`). `input_scale` is not a suffix of `weight`: ComfyUI
 # writes it from the module's own `input_scale` parameter (the registry registers one, as stock does).
-_STATE_SUFFIX = {"scale": "_scale", "scale_2": "_scale_2", "zeros": "_zeros", "proj_down": "_proj_down",
-                 "proj_up": "_proj_up", "smooth_factor": "_smooth_factor"}
+_STATE_SUFFIX = {field: suffix[len("weight"):] for suffix, field in TENSOR_FIELDS.items() if suffix.startswith("weight")}
 
 _MISSING = object()
 aten = torch.ops.aten
@@ -93,8 +92,7 @@ class LowbitLayout(QuantizedLayout):
         transposed: bool = False  # set by aten.t: the tensor is logically weight.T
 
         def _tensor_fields(self) -> list[str]:
-            return [name for name in ("scale", "scale_2", "zeros", "proj_down", "proj_up", "smooth_factor", "input_scale")
-                    if getattr(self, name) is not None]
+            return [name for name in TENSOR_FIELDS.values() if getattr(self, name) is not None]
 
     # ---- comfy-kitchen layout API ---------------------------------------------------------------
     @classmethod
