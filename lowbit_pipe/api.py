@@ -51,7 +51,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     from lowbit_pipe.policy import plan_layers
     from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.stages.detect import linear_shapes
-    from lowbit_pipe.stages.quantize import native_groups, prepack_layers, quantize_module, set_nvfp4_compute
+    from lowbit_pipe.stages.quantize import native_groups, quantize_module, runtime_settings
 
     register_schema()
     if isinstance(config, dict):
@@ -76,12 +76,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     ledger = ledger if ledger is not None else Ledger()
     result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
                              gptq=config.gptq, run_examples=calibrate)
-    if config.prepack:
-        result["prepacked_bytes"] = prepack_layers(module, ledger)
-    nvfp4 = set_nvfp4_compute(module, config.nvfp4_compute, ledger)
-    if nvfp4:
-        result["nvfp4_compute"] = nvfp4
-    return result
+    return {**result, **runtime_settings(module, config, ledger)}
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,

@@ -18,7 +18,7 @@ from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.policy import LayerPlan, _spec, plan_layers, unfit
 from lowbit_pipe.progress import Console, progress
-from lowbit_pipe.recipe import GPTQConfig
+from lowbit_pipe.recipe import GPTQConfig, QuantizeConfig
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.detect import linear_shapes
@@ -221,6 +221,18 @@ def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]: 
             "nvfp4_activation_layers": len(layers) - weight_only - fp8}
 
 
+def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, Any]:  # noqa: ANN001 - Ledger
+    """The run-time settings of `quantize` (prepack, nvfp4_compute) on every QuantLinear under `root`, whether
+    quantized now or loaded quantized: the report entries they add."""
+    out: dict[str, Any] = {}
+    if cfg.prepack:
+        out["prepacked_bytes"] = prepack_layers(root, ledger)
+    nvfp4 = set_nvfp4_compute(root, cfg.nvfp4_compute, ledger)
+    if nvfp4:
+        out["nvfp4_compute"] = nvfp4
+    return out
+
+
 def example_runner(ctx: Context) -> Callable[[], None]:
     """Run the transformer on `quantize.calibration_samples` seeded example input sets (the arch's own); with
     `calibration_steps` > 0 each set is denoised by the Euler sampler, so every timestep's input is seen."""
@@ -318,11 +330,7 @@ class Quantize(Stage):
             run_examples = example_runner(ctx)
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
                                  fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples)
-        if cfg.prepack:
-            result["prepacked_bytes"] = prepack_layers(ctx.transformer, ctx.ledger)
-        nvfp4 = set_nvfp4_compute(ctx.transformer, cfg.nvfp4_compute, ctx.ledger)
-        if nvfp4:
-            result["nvfp4_compute"] = nvfp4
+        result.update(runtime_settings(ctx.transformer, cfg, ctx.ledger))
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
