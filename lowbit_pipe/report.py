@@ -44,11 +44,12 @@ def _get(data: Any, path: tuple[str, ...]) -> Any:
     return data
 
 
-def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1, "c": [2]}} -> {"a.b": 1, "a.c": "[2]"}: leaves by their key path, lists as JSON text."""
     if isinstance(data, dict):
         out: dict[str, Any] = {}
         for k, v in data.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         return out
     return {prefix[:-1]: json.dumps(data) if isinstance(data, list) else data}
 
@@ -66,7 +67,7 @@ def collect(dirs: list[Path]) -> list[dict[str, Any]]:
     """One row per run below `dirs`: run, overrides, figures. Ordered by Hydra job number, then path."""
     paths = sorted({p for d in dirs for p in ([d / "report.json"] if (d / "report.json").is_file() else d.rglob("report.json"))})
     reports = [(p.parent, json.loads(p.read_text())) for p in paths]
-    flat = [_flatten(r.get("recipe", {})) for _, r in reports]
+    flat = [flatten(r.get("recipe", {})) for _, r in reports]
     varying = sorted(k for k in set().union(*flat) if len({json.dumps(f.get(k)) for f in flat}) > 1) if flat else []
     per_run = [_overrides(d) or [f"{k}={recipe.get(k)}" for k in varying] for (d, _), recipe in zip(reports, flat)]
     common = set.intersection(*map(set, per_run)) if len(per_run) > 1 else set()  # shown once, in the title

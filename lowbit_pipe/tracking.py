@@ -33,6 +33,8 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from lowbit_pipe.report import flatten
+
 MLFLOW_MISSING = "hydra/callbacks=mlflow needs MLflow: `pip install '.[mlflow]'` (lowbit_pipe[mlflow])"
 CONFIG_KEY = "hydra.callbacks.mlflow"
 ARTIFACTS = ("report.json", "summary.txt", "images.png")
@@ -72,16 +74,6 @@ def default_store(run_or_sweep_dir: Path) -> tuple[str, str]:
     store = run_or_sweep_dir.resolve().parent / "mlflow"
     store.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{store / 'mlflow.db'}", (store / "artifacts").as_uri()
-
-
-def flatten(data: Any, prefix: str = "") -> dict[str, Any]:
-    """{"a": {"b": 1}} -> {"a.b": 1}; lists stay values."""
-    if isinstance(data, dict) and data:
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            out.update(flatten(value, f"{prefix}{key}."))
-        return out
-    return {prefix[:-1]: data} if prefix else {}
 
 
 def recipe_params(recipe: dict[str, Any]) -> dict[str, str]:
