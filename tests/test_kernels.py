@@ -509,7 +509,7 @@ def case_formats() -> None:
 
 
 def case_compile() -> None:
-    """torch.compile(fullgraph=True) through the custom ops: no graph break."""
+    """torch.compile(fullgraph=True) through the custom ops: no graph break; the quantization stays visible."""
     from lowbit_pipe.formats import FormatSpec, get_format
     from lowbit_pipe.kernels import dispatch
 
@@ -523,6 +523,19 @@ def case_compile() -> None:
     x = torch.randn(16, 256, generator=gen)
     y = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
     _close(y, f(x), 1e-6, "compiled")
+    # what Inductor gets: the rotation and the GEMM as opaque kernels, the activation quantization as plain
+    # torch ops it can fuse into the op that produced x
+    torch._dynamo.reset()
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append([str(node.target) for node in gm.graph.nodes if node.op in ("call_function", "call_method")])
+        return gm.forward
+
+    torch.compile(f, fullgraph=True, backend=record)(x)
+    targets = " ".join(graphs[0])
+    assert "rotate_groups" in targets and "int8_gemm" in targets and "quantize_act" not in targets, targets
+    assert "amax" in targets and "round" in targets, targets
 
 
 if __name__ == "__main__":

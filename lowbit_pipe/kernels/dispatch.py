@@ -7,20 +7,28 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 
 | format (rotation)                     | GPU path                                                        |
 |---------------------------------------|-----------------------------------------------------------------|
-| int8 (none / convrot / quarot)        | Triton per-token int8 quant (rotation fused) + Triton INT8 GEMM |
-| fp8  (none / convrot / quarot)        | Triton per-token fp8 quant (rotation fused) + on Hopper the      |
-|                                       | Triton TMA fp8 GEMM (K % 16 == 0), elsewhere torch._scaled_mm    |
-|                                       | (row-wise scales; K, N % 16 == 0 and M >= 16)                    |
-| convrot_w4a4                          | Triton int4 quant (ConvRot fused) + INT8 GEMM unpacking int4     |
+| int8 (none / convrot / quarot)        | rotation + per-token int8 quant (`quantize_activations`) +      |
+|                                       | Triton INT8 GEMM                                                |
+| fp8  (none / convrot / quarot)        | rotation + per-token fp8 quant + on Hopper the Triton TMA fp8   |
+|                                       | GEMM (K % 16 == 0), elsewhere torch._scaled_mm (row-wise        |
+|                                       | scales; K, N % 16 == 0 and M >= 16)                             |
+| convrot_w4a4                          | rotation + int4 quant + INT8 GEMM unpacking int4                |
 | w4a8 / w6a8 (no weight_correction)    | Triton int8-grid decode per call (or the prepacked grid) + the   |
-|                                       | int8 path above                                                  |
-| nvfp4 (none / convrot / quarot)       | [torch rotation] + Triton NVFP4 act emulation, then M < 256:     |
+|                                       | int8 path above                                                 |
+| nvfp4 (none / convrot / quarot)       | [rotation] + Triton NVFP4 act emulation, then M < 256:          |
 |                                       | Triton GEMM decoding e2m1/e4m3 in registers (bf16 tensor cores); |
 |                                       | M >= 256: Triton decode of the layer's weight + cuBLAS           |
 | nvfp4 weight-only (activations none)  | the same two paths on x as it is (W4A16)                         |
 | hadanorm rotation: int8, fp8          | torch centring + rotation, the path above on the rotated input,  |
 |                                       | the mean term from the layer's precomputed group row sums        |
 | hadanorm rotation: other formats      | torch reference                                                  |
+
+Rotation (convrot / quarot): x @ H per group as one tensor-core matmul in x's dtype (`rotate`), before
+anything else reads x: about one read and one write of x, where the quantize kernel's in-register rotation
+cost five times its plain pass (bench/results/linear_speed_h200*.md). Activation quantization: in eager
+the Triton kernel, launched directly; under torch.compile the reference's torch ops, which Inductor fuses
+into the op that produced x (see `quantize_activations`). Every kernel is a custom op inside torch.compile
+(one opaque node) and a direct call in eager (`launcher`).
 
 Activations: "dynamic" and "static" (one calibrated `input_scale` for every row) run the paths
 above (the quantize kernel takes the static scale); "none" (weight-only) runs nvfp4's two paths on the
@@ -32,9 +40,10 @@ No module state, no environment switches: each call decides from its arguments.
 
 LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
 `int8_linear` / `fp8_linear` add `(x @ down^T) @ up^T` (x unrotated) inside the linear. A branch
-must read x once more (as large as the layer's whole input), so xa = x @ down^T rides the quantize's read of x: one kernel reads x for the row amax and the down
-projection together (per K slice), and the codes kernel then needs one pass over x, not two
-(quantize_act with `down`). int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
+must read x once more (as large as the layer's whole input), so in eager xa = x @ down^T rides the
+quantize's read of x: one kernel reads x for the row amax and the down projection together (per K slice),
+and the codes kernel then needs one pass over x, not two (quantize_act with `down`; rotated, it reads the
+rotated x against the rotated factor). Under torch.compile xa is one cuBLAS product. int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
 cast). fp8 on Hopper: the Triton fp8 GEMM starts its accumulator at xa @ up^T (in the
 accumulator's units), so the branch costs no pass over y (bench/results/fp8_lora_gemm_h200.md);
 elsewhere cuBLAS (no epilogue hook) and an in-place `addmm_` into its output.
@@ -43,6 +52,7 @@ Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -86,17 +96,54 @@ def _lora_pair(x: torch.Tensor, lora_down: torch.Tensor | None, lora_up: torch.T
     return lora_down, lora_up
 
 
-def _quantize_with_down(x2: torch.Tensor, mode: str, rot: str, g: int, static: torch.Tensor | None,
-                        down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(codes, scales, xa = x2 @ down^T): one read of x for the row amax and the down projection,
-    then the codes pass (quantize_act with `down`); ranks above 128 (many stacked LoRAs) take the
-    plain quantize and one cuBLAS call."""
-    from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op
+def compiling() -> bool:
+    """Inside torch.compile the kernels are called through their custom ops (one opaque graph node each, with
+    a fake impl for shapes); outside, their Python launchers are called directly, since a custom op's
+    dispatcher costs host time on every eager call."""
+    return torch.compiler.is_compiling()
 
-    if down.shape[0] <= FUSED_DOWN_MAX_R:
-        return quantize_act_down_op(x2, mode, rot, g, static, down)
-    q, s = quantize_act_op(x2, mode, rot, g, static)
-    return q, s, F.linear(x2, down)
+
+def launcher(op: Callable, fn: Callable) -> Callable:
+    """A kernel's custom op inside torch.compile, its plain launcher (same arguments) in eager."""
+    return op if compiling() else fn
+
+
+def rotate(x2: torch.Tensor, rot: str, group: int | None) -> torch.Tensor:
+    """x2 @ H per group as a tensor-core matmul (rotation.rotate_groups), or x2 itself for rot "none"."""
+    if rot == "none":
+        return x2
+    return launcher(rotation.rotate_groups_op, rotation.rotate_groups)(x2, rot, rotation.resolve_group(rot, group))
+
+
+@dataclass(frozen=True)
+class Activations:
+    """The A operand of the int8 / fp8 GEMMs: codes [M, K] (int8 for int8 / int4 codes, else float8_e4m3fn),
+    fp32 per-token scales [M, 1], and xa = x @ down^T [M, R] (unrotated x, x's dtype) with a LoRA branch."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    xa: torch.Tensor | None = None
+
+
+def quantize_activations(x2: torch.Tensor, mode: str, rot: str, g: int, static: torch.Tensor | None,
+                         down: torch.Tensor | None = None) -> Activations:
+    """x2 [M, K] -> Activations for `mode` (int8 / int4 / fp8), per token or with one `static` scale.
+
+    The rotation runs first, on tensor cores (`rotate`); with a LoRA branch its down factor is rotated the same
+    way, since x @ down^T = (x H)(down H)^T for the orthogonal, symmetric H. Under torch.compile the
+    quantization is the reference's torch ops, which Inductor fuses into the kernel that produced x (a DiT
+    block's norm and modulation) instead of reading x once more, and xa is one cuBLAS product. In eager, one
+    Triton kernel quantizes, and with a branch (R <= 128) reads x once for both the row amax and xa."""
+    from lowbit_pipe.kernels.quantize_act import quantize_act, reference_quantize_act
+
+    xr = rotate(x2, rot, g or None)
+    if compiling():
+        codes, scale = reference_quantize_act(xr, mode, "none", None, static)
+        return Activations(codes, scale, F.linear(x2, down) if down is not None else None)
+    if down is None:
+        return Activations(*quantize_act(xr, mode, "none", None, static))
+    if down.shape[0] > FUSED_DOWN_MAX_R:  # many stacked LoRAs: the plain quantize and one cuBLAS call
+        return Activations(*quantize_act(xr, mode, "none", None, static), F.linear(x2, down))
+    return Activations(*quantize_act(xr, mode, "none", None, static, down=rotate(down, rot, g or None)))
 
 
 FUSED_DOWN_MAX_R = 128
@@ -110,38 +157,34 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     returns x.dtype [..., N].
 
     int4=False: int8 activations, w int8 [N, K]; int4=True: int4 activations (+-7), w packed
-    int4 [N, K/2] (low nibble first), both through the same int8 tensor-core GEMM.
+    int4 [N, K/2] (low nibble first), both through the same int8 tensor-core GEMM; a LoRA branch's
+    xa @ up^T runs in the GEMM's epilogue.
     """
-    from lowbit_pipe.kernels.int8_gemm import int8_gemm_op
-    from lowbit_pipe.kernels.quantize_act import quantize_act_op
+    from lowbit_pipe.kernels.int8_gemm import int8_gemm, int8_gemm_op
 
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
     g = rotation.resolve_group(rot, group) if rot != "none" else 0
-    mode = "int4" if int4 else "int8"
     pair = _lora_pair(x, lora_down, lora_up)
-    if pair is None:
-        q, s = quantize_act_op(x2, mode, rot, g, input_scale)
-        y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0)
-    else:  # xa = x @ down^T (unrotated x) from the quantize's read of x; xa @ up^T in the GEMM epilogue
-        q, s, xa = _quantize_with_down(x2, mode, rot, g, input_scale, pair[0])
-        y = int8_gemm_op(q, w, s, w_scale, bias, x.dtype, 1 if int4 else 0, xa, pair[1].t())
+    a = quantize_activations(x2, "int4" if int4 else "int8", rot, g, input_scale, pair[0] if pair else None)
+    lora = {"xa": a.xa, "up_t": pair[1].t()} if pair is not None else {}
+    y = launcher(int8_gemm_op, int8_gemm)(a.codes, w, a.scale, w_scale, bias, x.dtype, 1 if int4 else 0, **lora)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def nvfp4_fp8_weight(w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor, row_scale: torch.Tensor,
                      n: int, k: int) -> torch.Tensor:
     """nvfp4's fp8 compute: the weight decoded straight to e4m3 [n, k] under `row_scale` (kernels.decode)."""
-    from lowbit_pipe.kernels.decode import nvfp4_decode_op
+    from lowbit_pipe.kernels.decode import nvfp4_decode, nvfp4_decode_op
 
-    return nvfp4_decode_op(w_packed, w_block, w_global.float().reshape(()), n, k, torch.float8_e4m3fn, row_scale)
+    return launcher(nvfp4_decode_op, nvfp4_decode)(w_packed, w_block, w_global.float().reshape(()), n, k, torch.float8_e4m3fn, row_scale)
 
 
 def grid_decode(tensors: dict[str, torch.Tensor], k: int, bits: int, group_size: int) -> torch.Tensor:
     """w4a8 / w6a8's int8 grid [N, K] decoded by the Triton kernel (formats.w4a8.decode_int8_grid's values)."""
-    from lowbit_pipe.kernels.decode import grid_decode_int8_op
+    from lowbit_pipe.kernels.decode import grid_decode_int8, grid_decode_int8_op
 
-    return grid_decode_int8_op(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits,
+    return launcher(grid_decode_int8_op, grid_decode_int8)(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits,
                                group_size)
 
 
@@ -187,20 +230,18 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     Elsewhere torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
     tensor-wise when both scales are scalars (any out dtype); the weight goes in as w.t(): the
     column-major [K, N] operand cuBLAS wants, without a copy."""
-    from lowbit_pipe.kernels.fp8_gemm import fp8_gemm_op
-    from lowbit_pipe.kernels.quantize_act import quantize_act_op
+    from lowbit_pipe.kernels.fp8_gemm import fp8_gemm, fp8_gemm_op
 
     k = x.shape[-1]
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     g = rotation.resolve_group(rot, group) if rot != "none" else 0
     pair = _lora_pair(x, lora_down, lora_up)
-    if pair is None:
-        q, s = quantize_act_op(x2, "fp8", rot, g, input_scale)
-    else:  # xa = x @ down^T (unrotated x) from the quantize's read of x
-        q, s, xa = _quantize_with_down(x2, "fp8", rot, g, input_scale, pair[0])
+    a = quantize_activations(x2, "fp8", rot, g, input_scale, pair[0] if pair else None)
+    q, s, xa = a.codes, a.scale, a.xa
     if fp8_triton_gemm(x):
-        y = fp8_gemm_op(q, w, s, w_scale, bias, x.dtype, *((xa, pair[1].t()) if pair is not None else ()))
+        y = launcher(fp8_gemm_op, fp8_gemm)(q, w, s, w_scale, bias, x.dtype,
+                                            *((xa, pair[1].t()) if pair is not None else ()))
         return y.reshape(*x.shape[:-1], n)
     if input_scale is not None and w_scale.numel() == 1:
         out_dtype = x.dtype
@@ -242,12 +283,12 @@ DECODE_MIN_ROWS = 256
 def _nvfp4_product(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
     """a [M, Kp] @ (e2m1 * block)^T * scale (+ bias) -> out_dtype [M, n], by the path M calls for."""
-    from lowbit_pipe.kernels.decode import nvfp4_decode_op
-    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_gemm_op
+    from lowbit_pipe.kernels.decode import nvfp4_decode, nvfp4_decode_op
+    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemm_op
 
     if a.shape[0] < DECODE_MIN_ROWS:
-        return nvfp4_gemm_op(a, w_packed, w_block, scale, n, bias, out_dtype)
-    w = nvfp4_decode_op(w_packed, w_block, scale, n, a.shape[1], a.dtype)
+        return launcher(nvfp4_gemm_op, nvfp4_gemm)(a, w_packed, w_block, scale, n, bias, out_dtype)
+    w = launcher(nvfp4_decode_op, nvfp4_decode)(w_packed, w_block, scale, n, a.shape[1], a.dtype)
     return F.linear(a, w, bias.to(a.dtype) if bias is not None else None).to(out_dtype)
 
 
@@ -258,19 +299,18 @@ def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor,
     weight) on bf16 tensor cores: both operands are exact in bf16 once the global scales are
     taken out, so only the fp32 accumulation order differs from the reference.
     `compute_dtype` fp32 exists for the CPU interpreter tests (its bf16 dot is broken)."""
-    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant_op
+    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant, nvfp4_act_quant_op
 
     k = x.shape[-1]
     kp = w_packed.shape[1] * 2
     x2 = x.reshape(-1, k)
-    if rot != "none":  # the global scale needs the amax of the whole rotated tensor first
-        x2, _ = rotation.rotate_activation(x2, rot, group)
+    x2 = rotate(x2, rot, group)  # the global scale needs the amax of the whole rotated tensor first
     if input_scale is not None:
         gx = input_scale.float().reshape(())
     else:
         amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
         gx = reference.positive_scale(amax, reference.E2M1_MAX * reference.FP8_E4M3_MAX)
-    a = nvfp4_act_quant_op(x2, gx, kp, compute_dtype)
+    a = launcher(nvfp4_act_quant_op, nvfp4_act_quant)(x2, gx, kp, compute_dtype)
     y = _nvfp4_product(a, w_packed, w_block, gx * w_global.float().reshape(()), n, bias, x.dtype)
     return y.reshape(*x.shape[:-1], n)
 
@@ -284,8 +324,7 @@ def nvfp4_weight_only_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: t
     k = x.shape[-1]
     kp = w_packed.shape[1] * 2
     x2 = x.reshape(-1, k)
-    if rot != "none":
-        x2, _ = rotation.rotate_activation(x2, rot, group)
+    x2 = rotate(x2, rot, group)
     if kp != k:
         x2 = F.pad(x2, (0, kp - k))
     y = _nvfp4_product(x2, w_packed, w_block, w_global.float().reshape(()), n, bias, x.dtype)

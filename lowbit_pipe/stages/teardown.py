@@ -36,7 +36,7 @@ def _kernel_caches() -> list[tuple[str, Callable[[], int | None], Callable[[], N
     from lowbit_pipe.kernels import quantize_act, rotation
 
     caches = [
-        ("kernels.rotation (Hadamard matrices, host)", lambda: rotation._hadamard_cpu.cache_info().currsize,
+        ("kernels.rotation (Hadamard matrices, host and device)", rotation.cached_entries,
          rotation.clear_cache),
         ("kernels.quantize_act (Hadamard factors, device)", lambda: quantize_act._unnormalized_hadamard.cache_info().currsize,
          quantize_act.clear_cache),
