@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="the tiny config (a smoke run)")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--only", nargs="*", help="labels (prefixes) of the variants to run; default all")
+    p.add_argument("--only", nargs="*", help="labels (prefixes) of the variants to run ('torchao' for the torchao baseline); default all")
     p.add_argument("--no-torchao", action="store_true")
     p.add_argument("--out", default="bench/results/headline_h200.json")
     args = p.parse_args(argv)
@@ -238,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not args.no_torchao and not wanted:
+            write(rows, args, device, params, build_s, quiet=True)  # a run cut short keeps what it measured
+    if not args.no_torchao and (not wanted or any("torchao".startswith(w) for w in wanted)):
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -252,7 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device, params: int, build_s: float) -> None:
+def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device, params: int, build_s: float,
+          quiet: bool = False) -> None:
     base = next((r["ms"] for r in rows if r["variant"].startswith("bf16, compile")), None)
     cmd = "python bench/headline.py " + " ".join(sys.argv[1:])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
@@ -276,7 +278,8 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
                      f"{r['rel_err_vs_bf16']:.2e} |")
     extra = [f"\nLoRA recompiles ({r['variant']}): {json.dumps(r['lora_recompiles'])}" for r in rows if "lora_recompiles" in r]
     table = head + "\n".join(lines) + "\n" + "\n".join(extra) + "\n"
-    print(table)
+    if not quiet:
+        print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({"command": cmd, "device": name, "torch": torch.__version__,

@@ -54,6 +54,9 @@ ROWS = (
 )
 
 
+COMPILED_ROWS = ("int8", "int8+convrot", "fp8", "convrot_w4a4")  # --compiled: where Inductor generates the quantization
+
+
 def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
     """The format's reference math in fp32 on any device (int products summed in fp32: exact
     below 2^24, ~1e-7 relative above; CUDA has no int64 matmul for the CPU reference's path)."""
@@ -64,8 +67,9 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
         kind, group = "convrot", int(q.record.get("convrot_groupsize", 256))
     if name in ("w4a8", "w6a8"):
         kind, group = "convrot", int(q.record.get("convrot_groupsize", 256))
-    xr, mu = rotation.rotate_activation(x, kind, group)
-    assert mu is None, "hadanorm is not benchmarked"
+    assert kind != "hadanorm", "hadanorm is not benchmarked"
+    # rotated as the GPU paths rotate: in x's dtype, each value rounded once (dispatch.rotate)
+    xr = rotation.rotate_groups(x.double(), kind, group).to(x.dtype).float() if kind != "none" else x.float()
     if name == "fp8":
         y = reference.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"))
     elif name == "nvfp4" and q.compute == "fp8":  # fp8 compute: e4m3 weight per row, fp8 activations per token
@@ -134,20 +138,40 @@ def graph_timer(iters: int):
 
 
 def components(name: str, x: torch.Tensor, q, graph) -> dict:
-    """GPU time of the activation-quantization kernel and of the GEMM alone (int8 family)."""
+    """GPU time of the activation preparation (rotation + quantization, as the layer runs it) and of the GEMM
+    alone (int8 family); rotated, also the tensor-core rotation alone and the quantize kernel's own in-register
+    rotation (the path before the rotation became a matmul) for comparison."""
     from lowbit_pipe.kernels.int8_gemm import int8_gemm
-    from lowbit_pipe.kernels.quantize_act import quantize_act
 
     kind, group = common.record_rotation(q.record, q.format)
     if name == "convrot_w4a4":
         kind, group = "convrot", 256
     mode = "int4" if name == "convrot_w4a4" else "int8"
     t = q.tensors
-    xq, xs = quantize_act(x, mode, kind, group)
-    w_mode = 1 if name == "convrot_w4a4" else 0
-    quant_ms = graph(lambda: quantize_act(x, mode, kind, group))
-    gemm_ms = graph(lambda: int8_gemm(xq, t["weight"], xs, t["weight_scale"], None, x.dtype, w_mode))
-    return {"quant_ms_graph": quant_ms, "gemm_ms_graph": gemm_ms}
+    x2 = x.reshape(-1, x.shape[-1])
+    a = dispatch.quantize_activations(x2, mode, kind, group if kind != "none" else 0, None)
+    out = {"quant_ms_graph": graph(lambda: dispatch.quantize_activations(x2, mode, kind, group if kind != "none" else 0,
+                                                                         None)),
+           "gemm_ms_graph": graph(lambda: int8_gemm(a.codes, t["weight"], a.scale, t["weight_scale"], None, x.dtype,
+                                                    1 if name == "convrot_w4a4" else 0))}
+    if kind != "none":
+        from lowbit_pipe.kernels.quantize_act import quantize_act
+
+        out["rotate_ms_graph"] = graph(lambda: rotation.rotate_groups(x2, kind, group))
+        out["kernel_rot_quant_ms_graph"] = graph(lambda: quantize_act(x2, mode, kind, group))
+    return out
+
+
+def compiled_time(layer: QuantLinear, x: torch.Tensor, graph) -> dict:
+    """The layer under torch.compile (Inductor: the activation quantization as generated code, the GEMM as our
+    kernel), replayed from a CUDA graph, and its compile seconds."""
+    fn = torch.compile(layer)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(x)
+        torch.cuda.synchronize()
+        compile_s = time.perf_counter() - t0
+        return {"ms_compiled_graph": graph(lambda: fn(x)), "compile_s": compile_s}
 
 
 def comfy_kitchen_time(layout: tuple[str, dict], x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, bench,
@@ -190,7 +214,7 @@ def run(args: argparse.Namespace) -> dict:
     device = args.device
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 references must be fp32
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    shapes = SMALL_SHAPES if args.small else FULL_SHAPES
+    shapes = [s for s in (SMALL_SHAPES if args.small else FULL_SHAPES) if not args.m or s[0] in args.m]
     rows = [r for r in ROWS if not args.formats or r[0] in args.formats]
     bench = timer(device, args.rep_ms)
     graph = graph_timer(args.rep_ms) if device == "cuda" else None
@@ -227,6 +251,9 @@ def run(args: argparse.Namespace) -> dict:
                     ms = bench(lambda: layer(x))
                     ms_graph = graph(lambda: layer(x)) if graph else None
                     parts = components(name, x, layer.qweight, graph) if graph and name in ("int8", "convrot_w4a4") else {}
+                    if graph and args.compiled and label in COMPILED_ROWS and m >= 1024:
+                        parts.update(compiled_time(layer, x, graph))
+                        parts["speedup_compiled"] = base_graph / parts["ms_compiled_graph"]
             except Exception as err:  # a broken path is reported in the table and the run goes on
                 results.append({"M": m, "K": k, "N": n, "format": label, "path": path_of(name, x, layer.qweight),
                                 "error": f"{type(err).__name__}: {err}"[:500]})
@@ -263,23 +290,27 @@ def markdown(report: dict) -> str:
              "", "ms = forward incl. activation quantization; x = bf16 ms / format ms (>1 faster); "
              "err ref = vs the format's reference math; err float = vs the unquantized fp32 product", "",
              "ms graph / x graph: the same forward replayed from a CUDA graph (GPU time, no Python or launch "
-             "overhead); quant/gemm: graph time of the activation-quant kernel and of the GEMM alone", "",
+             "overhead); compiled: the layer under torch.compile, replayed the same way (--compiled); quant/gemm: "
+             "graph time of the activation preparation (rotation + quantization) and of the GEMM alone", "",
              "ck ms: comfy-kitchen's equivalent (QuantizedTensor + F.linear, the backend it picks), eager; "
              "vs ck = ck ms / our eager ms (> 1: ours faster)", "",
-             "| M | K | N | format | ms eager | x bf16 | ms graph | x graph | quant / gemm ms | ck ms | vs ck | err ref "
-             "| err float | path |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| M | K | N | format | ms eager | x bf16 | ms graph | x graph | compiled, graph (x bf16) | quant / gemm ms "
+             "| ck ms | vs ck | err ref | err float | path |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         if "error" in r:
-            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | error | | | | | | | | | "
+            lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | error | | | | | | | | | | "
                          f"{r['path']}: {r['error'][:120]} |")
             continue
         g = f"{r['ms_graph']:.4f} | {r['speedup_graph']:.2f}" if r.get("ms_graph") is not None else "- | -"
         parts = f"{r['quant_ms_graph']:.4f} / {r['gemm_ms_graph']:.4f}" if "quant_ms_graph" in r else ""
+        if "rotate_ms_graph" in r:
+            parts += f" (rotation {r['rotate_ms_graph']:.4f}; in-kernel rotation + quant {r['kernel_rot_quant_ms_graph']:.4f})"
+        comp = f"{r['ms_compiled_graph']:.4f} ({r['speedup_compiled']:.2f}x)" if "ms_compiled_graph" in r else ""
         ck = f"{r['ck_ms']:.4f} | {r['speedup_vs_ck']:.2f}" if "ck_ms" in r else \
             (f"failed: {r['ck_error'][:60]} | " if "ck_error" in r else " | ")
         lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | {r['ms']:.4f} | {r['speedup_vs_bf16']:.2f} | {g} | "
-                     f"{parts} | {ck} | {r['rel_err_vs_reference']:.1e} | {r['rel_err_vs_float']:.1e} | {r['path']} |")
+                     f"{comp} | {parts} | {ck} | {r['rel_err_vs_reference']:.1e} | {r['rel_err_vs_float']:.1e} | {r['path']} |")
     return "\n".join(lines) + "\n"
 
 
@@ -288,6 +319,9 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="small shapes (CPU smoke run)")
     parser.add_argument("--formats", nargs="*", default=None, help=f"subset of {[r[0] for r in ROWS]}")
+    parser.add_argument("--m", nargs="*", type=int, default=None, help="only these token counts (M)")
+    parser.add_argument("--compiled", action="store_true",
+                        help=f"also time {list(COMPILED_ROWS)} under torch.compile at M >= 1024 (one compile each)")
     parser.add_argument("--rep-ms", type=int, default=100, help="do_bench repetition time per measurement (CUDA)")
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here (and .md beside it)")
     args = parser.parse_args()
