@@ -35,16 +35,23 @@ print("RESULT", json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(r
 """
 
 
+PROBE_BYTES = 4 << 30  # enough for a steady rate; the whole 25.6 GB source twice more would cost minutes
+
+
 def disk_rates(path: Path, scratch: Path) -> dict[str, float]:
-    """MB/s reading `path` with the page cache dropped for it, and writing (+ fsync) as many bytes."""
-    size = path.stat().st_size
+    """MB/s reading up to PROBE_BYTES of `path` with the page cache dropped for it, and writing (+ fsync) as many."""
+    size = min(path.stat().st_size, PROBE_BYTES)
     fd = os.open(path, os.O_RDONLY)
     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     buf = bytearray(64 << 20)
     start = time.perf_counter()
     with os.fdopen(fd, "rb", buffering=0) as f:
-        while f.readinto(buf):
-            pass
+        left = size
+        while left > 0:
+            got = f.readinto(buf)
+            if not got:
+                break
+            left -= got
     read = size / (time.perf_counter() - start) / 1e6
     target = scratch / "disk_write_probe"
     start = time.perf_counter()
@@ -57,7 +64,7 @@ def disk_rates(path: Path, scratch: Path) -> dict[str, float]:
         os.fsync(f.fileno())
     write = size / (time.perf_counter() - start) / 1e6
     target.unlink()
-    return {"read_MBps": round(read, 1), "write_MBps": round(write, 1), "bytes": size}
+    return {"read_MBps": round(read, 1), "write_MBps": round(write, 1), "probe_bytes": size, "bytes": path.stat().st_size}
 
 
 def run_stream(source: Path, fmt: str, device: str, dtype: str, config: list[str], out_dir: Path) -> dict:
@@ -90,14 +97,21 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     overrides = {k: json.loads(v) for k, _, v in (s.partition("=") for s in args.set)}
     config = [f"+model.config.{k}={json.dumps(v)}" for k, v in overrides.items()]
+    if args.scratch:
+        Path(args.scratch).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.scratch) as tmp:
         tmp = Path(tmp)
         made = None
         source = Path(args.source) if args.source else tmp / "source.safetensors"
         if not args.source:
             made = make_checkpoint(source, "krea2", overrides)
+            print(f"source: {made['bytes'] / 1e9:.2f} GB written in {made['seconds']:.1f} s", flush=True)
         disk = disk_rates(source, tmp)
-        rows = [run_stream(source, fmt, args.device, args.dtype, config, tmp) for fmt in args.formats]
+        print(f"disk: read {disk['read_MBps']:.0f} MB/s, write {disk['write_MBps']:.0f} MB/s", flush=True)
+        rows = []
+        for fmt in args.formats:  # one line each as it ends, so a run cut short still says what it measured
+            rows.append(run_stream(source, fmt, args.device, args.dtype, config, tmp))
+            print(f"{fmt}: {json.dumps(rows[-1])}", flush=True)
     src_gb = disk["bytes"] / 1e9
     lines = [f"Source: {made['params'] / 1e9:.2f}B params, " if made else "Source: ",
              f"{src_gb:.2f} GB ({'synthetic Krea 2 ' + json.dumps(overrides) if made else args.source}); device "

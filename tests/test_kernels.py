@@ -176,8 +176,8 @@ def case_int8_gemm() -> None:
     _close(y, reference_int8_gemm(a4, packed, a_s, w_row, bias, torch.float32, 1), 1e-6, "packed int4")
     ref = (a4.long() @ codes.long().t()).float() * a_s * w_row.reshape(1, n) + bias
     _close(y, ref, 1e-6, "packed int4 vs unpacked")
-    # the TMA kernel (Hopper's path): K=96 is not a multiple of BLOCK_K=64, so the descriptors' zero padding
-    # carries the ragged tail, with the low-rank epilogue too
+    # the TMA kernel (Hopper's path for int8 weights): K=96 is not a multiple of BLOCK_K=64, so the descriptors'
+    # zero padding carries the ragged tail, with the low-rank epilogue too
     tma_cfg = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 64, "num_warps": 4, "num_stages": 2}
     xa, up_t = torch.randn(m, 8, generator=gen), torch.randn(8, n, generator=gen) * 0.1
     for w_scale in (w_row, torch.tensor(0.37)):
@@ -186,14 +186,13 @@ def case_int8_gemm() -> None:
             _close(y, reference_int8_gemm(a, w, a_s, w_scale, b), 1e-6, "int8 TMA")
     y = int8_gemm(a, w, a_s, w_row, bias, torch.float32, 0, tma_cfg, xa, up_t, tma=True)
     _close(y, reference_int8_gemm(a, w, a_s, w_row, bias, torch.float32, 0, xa, up_t), 1e-6, "int8 TMA + lora")
-    y = int8_gemm(a4, packed, a_s, w_row.reshape(n), bias, torch.float32, 1, tma_cfg, tma=True)
-    _close(y, ref, 1e-6, "packed int4 TMA vs unpacked")
-    try:
-        int8_gemm(a[:, :40], w[:, :40], a_s, w_row, tma=True)
-    except ValueError as e:
-        assert "TMA" in str(e) and "K=40" in str(e), e
-    else:
-        raise AssertionError("int8_gemm took K=40 through TMA")
+    for bad, w_mode, what in (((a[:, :40], w[:, :40]), 0, "K=40"), ((a4, packed), 1, "w_mode 1")):
+        try:
+            int8_gemm(*bad, a_s, w_row, None, torch.float32, w_mode, tma=True)
+        except ValueError as e:
+            assert "TMA" in str(e) and what in str(e), e
+        else:
+            raise AssertionError(f"int8_gemm took {what} through TMA")
 
 
 def case_int8_lora() -> None:

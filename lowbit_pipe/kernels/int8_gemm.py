@@ -21,9 +21,9 @@ The epilogue multiplies in the same order as the torch reference
 (`acc * xs * ws`, then `+ bias`, then the output cast), and the int32 accumulation
 is exact, so outputs match the reference to fp32 rounding of the scale products.
 
-Two kernels: on Hopper, when the operands allow it (`use_tma`), `_int8_tma_kernel` reads them through TMA
-descriptors (no masks in the K loop) with fp8_gemm's tiles, chosen by M, no autotuning; elsewhere the
-masked-load kernel below, autotuned. Its tiles: 256x128x128 / 128x256x128, 8 warps, 3 stages for M in the thousands (large tiles reuse
+Two kernels: on Hopper, for int8 weights at M >= 1024 when the operands allow it (`use_tma`), `_int8_tma_kernel`
+reads them through TMA descriptors (no masks in the K loop) with fp8_gemm's tiles, chosen by M, no autotuning;
+elsewhere the masked-load kernel below, autotuned. Its tiles: 256x128x128 / 128x256x128, 8 warps, 3 stages for M in the thousands (large tiles reuse
 each loaded operand tile across many outputs; the stage count from the H200 tile sweep in
 bench/results/lora_kernel_tune_h200.md); smaller tiles for M=256-ish calls, where large ones
 would leave SMs without a tile. Against bf16 on the H200: the GEMM column of
@@ -120,12 +120,12 @@ def _int8_tma_kernel(
     a_desc, b_desc, c_ptr, as_ptr, bs_ptr, bias_ptr, xa_ptr, up_ptr,
     M, N, K, R,
     stride_cm, stride_cn, stride_xam, stride_xar, stride_ur, stride_un,
-    W_MODE: tl.constexpr, B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
+    B_SCALAR: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_LORA: tl.constexpr, R_PAD: tl.constexpr, LORA_IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    """The same GEMM with its operands through TMA tensor descriptors (Hopper): out-of-range rows, columns and
-    K come back as zeros, so the K loop has no masks (what made the fp8 GEMM fast: fp8_gemm's module doc)."""
+    """The int8-weight GEMM with its operands through TMA tensor descriptors (Hopper): out-of-range rows, columns
+    and K come back as zeros, so the K loop has no masks (what made the fp8 GEMM fast: fp8_gemm's module doc)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     off_m = pid_m * BLOCK_M
     off_n = pid_n * BLOCK_N
@@ -136,13 +136,7 @@ def _int8_tma_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for i in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([off_m, i * BLOCK_K])
-        if W_MODE == 0:
-            b = b_desc.load([off_n, i * BLOCK_K])
-        else:
-            p = b_desc.load([off_n, i * (BLOCK_K // 2)])
-            lo = (p << 4).to(tl.int8) >> 4  # sign-extend the low nibble (even column)
-            hi = p >> 4  # arithmetic shift: the high nibble, sign-extended (odd column)
-            b = tl.reshape(tl.join(lo, hi), (BLOCK_N, BLOCK_K))
+        b = b_desc.load([off_n, i * BLOCK_K])
         acc = tl.dot(a, b.T, acc, out_dtype=tl.int32)
 
     y = scaled_tile(acc.to(tl.float32), as_ptr, bs_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, B_SCALAR, HAS_BIAS)
@@ -154,15 +148,24 @@ def _int8_tma_kernel(
 
 
 def tma_operands(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether a [M, K] and w [N, K or K/2] can go through TMA descriptors: K-contiguous rows starting on
-    16-byte boundaries (int8: one byte per value)."""
+    """Whether a [M, K] and w [N, K] can go through TMA descriptors: K-contiguous rows starting on 16-byte
+    boundaries (int8: one byte per value)."""
     return all(t.stride(1) == 1 and t.stride(0) % 16 == 0 and t.shape[1] % 16 == 0 and t.data_ptr() % 16 == 0
                for t in (a, w))
 
 
-def use_tma(a: torch.Tensor, w: torch.Tensor) -> bool:
-    """The TMA kernel on Hopper (sm90) when the operands allow it; elsewhere the masked-load kernel, autotuned."""
-    return a.is_cuda and torch.cuda.get_device_properties(a.device).major == 9 and tma_operands(a, w)
+# The TMA kernel was measured at M=4608 only; fewer rows keep the autotuned kernel and its measured figures.
+TMA_MIN_ROWS = 1024
+
+
+def use_tma(a: torch.Tensor, w: torch.Tensor, w_mode: int) -> bool:
+    """The TMA kernel on Hopper (sm90) for int8 weights from TMA_MIN_ROWS rows when the operands allow it;
+    otherwise the masked-load kernel, autotuned. H200 at M=4608 (bench/results/linear_speed_h200_tma.md against
+    linear_speed_h200_rotmm.md): int8 weights 0.299 ms through TMA against 0.347 masked at 6144 x 6144; packed
+    int4 unpacked from a TMA tile took 0.842 ms against 0.627 masked (the nibble shuffle, not the loads, bounds
+    that kernel), so int4 stays masked."""
+    return (w_mode == 0 and a.shape[0] >= TMA_MIN_ROWS and a.is_cuda
+            and torch.cuda.get_device_properties(a.device).major == 9 and tma_operands(a, w))
 
 
 _int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel)
@@ -179,7 +182,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
 
     `config`: explicit meta-parameters (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) instead of
     autotuning (the masked-load kernel) or fp8_gemm.launch_config (TMA); used by the interpreter tests.
-    `tma`: the TMA-descriptor kernel (None: `use_tma`, i.e. on Hopper when the operands allow it).
+    `tma`: the TMA-descriptor kernel, int8 weights only (None: `use_tma`, i.e. on Hopper when the operands allow it).
     """
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(f"int8_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w.shape)}")
@@ -199,28 +202,27 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    flags = {"W_MODE": w_mode, **ep.flags}
     if tma is None:
-        tma = use_tma(a, w)
+        tma = use_tma(a, w, w_mode)
     if tma:
-        if not tma_operands(a, w):
-            raise ValueError(f"int8_gemm: TMA needs K-contiguous operands with 16-byte aligned rows, got K={k}")
+        if w_mode != 0 or not tma_operands(a, w):
+            raise ValueError(f"int8_gemm: TMA needs int8 weights (w_mode 0) and K-contiguous operands with 16-byte "
+                             f"aligned rows, got w_mode {w_mode}, K={k}")
         from lowbit_pipe.kernels.fp8_gemm import launch_config  # the same tiles: int8 and fp8 wgmma share shapes
 
         cfg = dict(config or launch_config(m))
         warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
         cfg.setdefault("GROUP_M", 8)
         bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        kw = bk // 2 if w_mode == 1 else bk
         a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
-        b_desc = TensorDescriptor(w, [n, w.shape[1]], [w.stride(0), 1], [bn, kw])
+        b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
         grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
         _int8_tma_kernel[grid](a_desc, b_desc, c, *ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1),
-                               *ep.lora_strides, **flags, **cfg, num_warps=warps, num_stages=stages)
+                               *ep.lora_strides, **ep.flags, **cfg, num_warps=warps, num_stages=stages)
         return c
     args = (a, w, c, *ep.pointers, m, n, k, m_bucket(m), ep.r,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1), *ep.lora_strides)
-    launch_gemm(_int8_gemm_tuned, _int8_gemm_kernel, args, flags, m, n, config, a.is_cuda)
+    launch_gemm(_int8_gemm_tuned, _int8_gemm_kernel, args, {"W_MODE": w_mode, **ep.flags}, m, n, config, a.is_cuda)
     return c
 
 
