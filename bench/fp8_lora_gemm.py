@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowbit_pipe.kernels.fp8_gemm import fp8_gemm, reference_fp8_gemm  # noqa: E402
-from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op  # noqa: E402
+from lowbit_pipe.kernels.quantize_act import quantize_act  # noqa: E402
 
 M, RANK = 4608, 32
 SHAPES = [(6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536)]
@@ -68,8 +68,8 @@ def shape_rows(k: int, n: int, failures: list) -> dict:
     down = torch.randn(RANK, k, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
     up = torch.randn(n, RANK, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.01
     up_t = up.t()
-    q, s = quantize_act_op(x, "fp8", "none", 0, None)
-    _, _, xa = quantize_act_down_op(x, "fp8", "none", 0, None, down)
+    q, s = quantize_act(x, "fp8")
+    _, _, xa = quantize_act(x, "fp8", down=down)
     ref = reference_fp8_gemm(q, w, s, wrow)
     ref_lora = ref + xa.float() @ up_t.float()
 
@@ -108,10 +108,10 @@ def shape_rows(k: int, n: int, failures: list) -> dict:
     lin = row["linear_ms"]
     for fast in (False, True):
         tag = "fast" if fast else "acc"
-        lin[f"cublas_{tag}"] = bench(lambda: cublas(*quantize_act_op(x, "fp8", "none", 0, None), fast))
+        lin[f"cublas_{tag}"] = bench(lambda: cublas(*quantize_act(x, "fp8"), fast))
 
         def cublas_lora(fast=fast):
-            qq, ss, xx = quantize_act_down_op(x, "fp8", "none", 0, None, down)
+            qq, ss, xx = quantize_act(x, "fp8", down=down)
             return cublas(qq, ss, fast).addmm_(xx, up_t)
 
         lin[f"cublas_{tag}+addmm"] = bench(cublas_lora)
@@ -122,11 +122,11 @@ def shape_rows(k: int, n: int, failures: list) -> dict:
         row.setdefault("linear_choice", {})[f"p{p}"] = best[(p, "+lora")]
 
         def base(c=c, p=p):
-            qq, ss = quantize_act_op(x, "fp8", "none", 0, None)
+            qq, ss = quantize_act(x, "fp8")
             return fp8_gemm(qq, w, ss, wrow, None, torch.bfloat16, config=cfg_dict(c), promote=p)
 
         def with_lora(c=c, p=p):
-            qq, ss, xx = quantize_act_down_op(x, "fp8", "none", 0, None, down)
+            qq, ss, xx = quantize_act(x, "fp8", down=down)
             return fp8_gemm(qq, w, ss, wrow, None, torch.bfloat16, xx, up_t, config=cfg_dict(c), promote=p)
 
         lin[f"triton_p{p}"] = bench(base)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import json
 import platform
 import pstats
 import sys
@@ -25,7 +24,9 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from linear_speed import save  # noqa: E402
 from lowbit_pipe.formats import FormatSpec, get_format  # noqa: E402
 from lowbit_pipe.nn import QuantLinear  # noqa: E402
 
@@ -126,12 +127,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here (and .md beside it)")
     args = parser.parse_args()
     report = run(args)
-    md = markdown(report)
-    print(md)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        args.out.with_suffix(".md").write_text(md)
+    save(report, markdown(report), args.out)
 
 
 if __name__ == "__main__":

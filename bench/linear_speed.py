@@ -139,8 +139,8 @@ def graph_timer(iters: int):
 
 def components(name: str, x: torch.Tensor, q, graph) -> dict:
     """GPU time of the activation preparation (rotation + quantization, as the layer runs it) and of the GEMM
-    alone (int8 family); rotated, also the tensor-core rotation alone and the quantize kernel's own in-register
-    rotation (the path before the rotation became a matmul) for comparison."""
+    alone (int8 family); rotated, also the tensor-core rotation alone. (The quantize kernel's former
+    in-register rotation, 0.198 ms where the matmul takes 0.037: bench/results/linear_speed_h200_rotmm.md.)"""
     from lowbit_pipe.kernels.int8_gemm import int8_gemm
 
     kind, group = common.record_rotation(q.record, q.format)
@@ -155,10 +155,7 @@ def components(name: str, x: torch.Tensor, q, graph) -> dict:
            "gemm_ms_graph": graph(lambda: int8_gemm(a.codes, t["weight"], a.scale, t["weight_scale"], None, x.dtype,
                                                     1 if name == "convrot_w4a4" else 0))}
     if kind != "none":
-        from lowbit_pipe.kernels.quantize_act import quantize_act
-
         out["rotate_ms_graph"] = graph(lambda: rotation.rotate_groups(x2, kind, group))
-        out["kernel_rot_quant_ms_graph"] = graph(lambda: quantize_act(x2, mode, kind, group))
     return out
 
 
@@ -305,7 +302,8 @@ def markdown(report: dict) -> str:
         g = f"{r['ms_graph']:.4f} | {r['speedup_graph']:.2f}" if r.get("ms_graph") is not None else "- | -"
         parts = f"{r['quant_ms_graph']:.4f} / {r['gemm_ms_graph']:.4f}" if "quant_ms_graph" in r else ""
         if "rotate_ms_graph" in r:
-            parts += f" (rotation {r['rotate_ms_graph']:.4f}; in-kernel rotation + quant {r['kernel_rot_quant_ms_graph']:.4f})"
+            parts += f" (rotation {r['rotate_ms_graph']:.4f}" + (
+                f"; in-kernel rotation + quant {r['kernel_rot_quant_ms_graph']:.4f})" if "kernel_rot_quant_ms_graph" in r else ")")
         comp = f"{r['ms_compiled_graph']:.4f} ({r['speedup_compiled']:.2f}x)" if "ms_compiled_graph" in r else ""
         ck = f"{r['ck_ms']:.4f} | {r['speedup_vs_ck']:.2f}" if "ck_ms" in r else \
             (f"failed: {r['ck_error'][:60]} | " if "ck_error" in r else " | ")
@@ -326,12 +324,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the JSON report here (and .md beside it)")
     args = parser.parse_args()
     report = run(args)
-    md = markdown(report)
+    save(report, markdown(report), args.out)
+
+
+def save(report: dict, md: str, out: Path | None) -> None:
+    """Print the table; with `out`, write the JSON report there and the table as .md beside it."""
     print(md)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))
-        args.out.with_suffix(".md").write_text(md)
+    if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(report, indent=2))
+        out.with_suffix(".md").write_text(md)
 
 
 if __name__ == "__main__":

@@ -106,24 +106,24 @@ def variant_times(q: QuantLinear, stack: LoraStack, x: torch.Tensor, device: tor
     from torch.nn import functional as F
 
     from lowbit_pipe.kernels.int8_gemm import int8_gemm_op
-    from lowbit_pipe.kernels.quantize_act import quantize_act_down_op, quantize_act_op
+    from lowbit_pipe.kernels.quantize_act import quantize_act
 
     t = q.qweight.tensors
     down, up = stack.down, stack.up
     mode = "int8" if q.format.name == "int8" else "fp8"
-    out = {"quant": bench(lambda: quantize_act_op(x, mode, "none", 0, None), device, reps),
-           "quant_down": bench(lambda: quantize_act_down_op(x, mode, "none", 0, None, down), device, reps),
+    out = {"quant": bench(lambda: quantize_act(x, mode), device, reps),
+           "quant_down": bench(lambda: quantize_act(x, mode, down=down), device, reps),
            "xa_cublas": bench(lambda: F.linear(x, down), device, reps)}
     if mode == "int8":
         w, ws = t["weight"], t["weight_scale"]
-        q0, s0 = quantize_act_op(x, "int8", "none", 0, None)
+        q0, s0 = quantize_act(x, "int8")
         xa = F.linear(x, down)
         out["gemm"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 0), device, reps)
         out["gemm_epilogue"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 0, xa, up.t()), device, reps)
         out["gemm_then_addmm"] = bench(lambda: int8_gemm_op(q0, w, s0, ws, None, x.dtype, 0).addmm_(xa, up.t()), device, reps)
         # the previous wiring, for comparison: plain quantize + a cuBLAS x @ down^T + the epilogue GEMM
         def cublas_down() -> torch.Tensor:
-            q1, s1 = quantize_act_op(x, "int8", "none", 0, None)
+            q1, s1 = quantize_act(x, "int8")
             return int8_gemm_op(q1, w, s1, ws, None, x.dtype, 0, F.linear(x, down), up.t())
 
         out["full_cublas_down_epilogue"] = bench(cublas_down, device, reps)
@@ -131,7 +131,7 @@ def variant_times(q: QuantLinear, stack: LoraStack, x: torch.Tensor, device: tor
         from lowbit_pipe.kernels.fp8_gemm import fp8_gemm_op
 
         w, ws = t["weight"], t["weight_scale"]
-        q0, s0 = quantize_act_op(x, "fp8", "none", 0, None)
+        q0, s0 = quantize_act(x, "fp8")
         xa = F.linear(x, down)
         wrow = ws.float().reshape(1, -1).expand(1, w.shape[0]).contiguous()
         out["gemm"] = bench(lambda: fp8_gemm_op(q0, w, s0, ws, None, x.dtype), device, reps)

@@ -73,22 +73,18 @@ def test_fake_impls_give_shapes():
 
     from lowbit_pipe.kernels.int8_gemm import int8_gemm_op
     from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant_op, nvfp4_gemm_op
-    from lowbit_pipe.kernels.quantize_act import quantize_act_op
+    from lowbit_pipe.kernels.rotation import rotate_groups_op
 
     with FakeTensorMode():
         x = torch.empty(8, 256)
-        q, s = quantize_act_op(x, "fp8", "convrot", 256, None)
-        assert q.shape == (8, 256) and q.dtype == torch.float8_e4m3fn and s.shape == (8, 1)
+        assert rotate_groups_op(x, "convrot", 256).shape == (8, 256)
+        s = torch.empty(8, 1)
         w = torch.empty(24, 128, dtype=torch.int8)
         y = int8_gemm_op(torch.empty(8, 256, dtype=torch.int8), w, s, torch.empty(24), None, torch.bfloat16, 1)
         assert y.shape == (8, 24) and y.dtype == torch.bfloat16
         y = int8_gemm_op(torch.empty(8, 256, dtype=torch.int8), w, s, torch.empty(24), None, torch.bfloat16, 1,
                          torch.empty(8, 32, dtype=torch.bfloat16), torch.empty(32, 24, dtype=torch.bfloat16))
         assert y.shape == (8, 24) and y.dtype == torch.bfloat16
-        from lowbit_pipe.kernels.quantize_act import quantize_act_down_op
-
-        q, s, xa = quantize_act_down_op(x, "int8", "none", 0, None, torch.empty(32, 256))
-        assert q.shape == (8, 256) and s.shape == (8, 1) and xa.shape == (8, 32) and xa.dtype == x.dtype
         a = nvfp4_act_quant_op(x, torch.empty(()), 256, torch.bfloat16)
         assert a.shape == (8, 256)
         y = nvfp4_gemm_op(a, torch.empty(32, 128, dtype=torch.uint8), torch.empty(128, 16, dtype=torch.float8_e4m3fn),
@@ -243,8 +239,8 @@ def case_int8_lora() -> None:
 
 def case_quantize_down() -> None:
     """quantize_act with a LoRA `down` (slice kernel + one-pass codes kernel) against the plain call:
-    scales and codes EQUAL, bit for bit, rotated and not, dynamic and static, across slice / block
-    shapes (the row amax is one function on one tile shape in both paths); xa against x @ down^T."""
+    scales and codes EQUAL, bit for bit, dynamic and static, across slice / block shapes (the row amax is
+    max |x|, exact in any chunking); xa against x @ down^T."""
     from lowbit_pipe.kernels.quantize_act import quantize_act
 
     gen = torch.Generator().manual_seed(6)
@@ -254,8 +250,8 @@ def case_quantize_down() -> None:
         assert torch.equal(s0, s1), f"{what}: scales differ in {int((s0 != s1).sum())} rows"
         assert torch.equal(q0.view(torch.int8), q1.view(torch.int8)), f"{what}: codes differ"
 
-    # no rotation: M not a multiple of the 16 / 64 rows, K of the 128 chunk / 2048 slice. The plain
-    # calls take 16-row programs, the fused ones 8 (the interpreter's time grows with the programs)
+    # M not a multiple of the 16 / 64 rows, K of the 128 chunk / 2048 slice. The plain calls take
+    # 16-row programs, the fused ones 8 (the interpreter's time grows with the programs)
     xq = torch.randn(36, 520, generator=gen) * 2
     xq[4, 9] = 30.0
     dq = torch.randn(8, 520, generator=gen) * 0.1
@@ -272,25 +268,8 @@ def case_quantize_down() -> None:
             _close(fused[2], xq @ dq.t(), 1e-6, f"xa {mode} static={static} {cfg}")
     xb = xq.bfloat16()  # bf16 codes (xa skipped: the interpreter's bf16 dot is the garbage one)
     same(quantize_act(xb, "int8", config={"BLOCK_M": 16}), quantize_act(xb, "int8", down=dq, config=ragged), "int8 bf16")
-
-    # rotated (fp32: the interpreter's bf16 dot is broken): 24 rows = a 64-row slice block with one
-    # full, one partial and two empty 16-row sub-tiles; one slice or two, 16 / 32 / 64-row blocks
-    xr = torch.randn(24, 512, generator=gen) * 3
-    xr[7, 100] = 50.0
-    dr = torch.randn(24, 512, generator=gen) * 0.1
-    for rot, group, cfgs in (("convrot", 256, ({}, {"DOWN_SLICE": 256, "DOWN_BLOCK_M": 16})),
-                             ("quarot", 128, ({"DOWN_SLICE": 256, "DOWN_BLOCK_M": 32},))):
-        plain = quantize_act(xr, "int8", rot, group)
-        for cfg in cfgs:
-            fused = quantize_act(xr, "int8", rot, group, down=dr, config=cfg)
-            same(plain, fused, f"{rot} int8 {cfg}")
-            _close(fused[2], xr @ dr.t(), 1e-6, f"xa {rot} (unrotated x) {cfg}")
-        static = torch.tensor(0.04)
-        plain = quantize_act(xr, "int8", rot, group, static_scale=static)
-        same(plain, quantize_act(xr, "int8", rot, group, static_scale=static, down=dr), f"{rot} int8 static")
-    same(quantize_act(xr, "fp8", "convrot"), quantize_act(xr, "fp8", "convrot", down=dr), "convrot fp8")
     try:
-        quantize_act(xr, "int8", down=dr, config={"DOWN_BLOCK_M": 8})
+        quantize_act(xq, "int8", down=dq, config={"DOWN_BLOCK_M": 8})
     except ValueError as e:
         assert "DOWN_BLOCK_M" in str(e), e
     else:
@@ -364,25 +343,22 @@ def case_quantize_act() -> None:
     x[3] = 0.0  # all-zero row: scale rules (eps / 1)
     x[5, 7] = 40.0  # outlier
     for mode in ("int8", "int4", "fp8"):
-        for rot, group in (("none", None), ("convrot", 256), ("quarot", 128)):
-            for dtype in ((torch.float32, torch.bfloat16) if rot == "none" else (torch.float32,)):
-                xi = x.to(dtype)
-                q, s = quantize_act(xi, mode, rot, group, config={"BLOCK_M": 16})
-                qr, sr = reference_quantize_act(xi, mode, rot, group)
-                _close(s, sr, 1e-6, f"{mode}/{rot}/{dtype} scale")
-                if mode == "fp8":
-                    # the interpreter's fp8 cast mis-rounds ~2% of values (some by a binade): a budget
-                    assert float((_fp8_steps(q, qr) > 0).float().mean()) < 0.05, f"{mode}/{rot} codes"
-                else:
-                    diff = (q.int() - qr.int()).abs()
-                    assert int(diff.max()) <= (0 if rot == "none" else 1), f"{mode}/{rot}/{dtype} codes off by {int(diff.max())}"
-                    assert int((diff > 0).sum()) <= 2, f"{mode}/{rot} codes: {int((diff > 0).sum())} differ"
+        for dtype in (torch.float32, torch.bfloat16):
+            xi = x.to(dtype)
+            q, s = quantize_act(xi, mode, config={"BLOCK_M": 16})
+            qr, sr = reference_quantize_act(xi, mode)
+            _close(s, sr, 1e-6, f"{mode}/{dtype} scale")
+            if mode == "fp8":
+                # the interpreter's fp8 cast mis-rounds ~2% of values (some by a binade): a budget
+                assert float((_fp8_steps(q, qr) > 0).float().mean()) < 0.05, f"{mode} codes"
+            else:
+                assert torch.equal(q, qr), f"{mode}/{dtype} codes: {int((q != qr).sum())} differ"
     static = torch.tensor(0.05)
-    q, s = quantize_act(x, "fp8", "none", None, static_scale=static)
-    qr, _ = reference_quantize_act(x, "fp8", "none", None, static_scale=static)
+    q, s = quantize_act(x, "fp8", static_scale=static)
+    qr, _ = reference_quantize_act(x, "fp8", static_scale=static)
     assert float((_fp8_steps(q, qr) > 0).float().mean()) < 0.05 and torch.all(s == 0.05)
 
-    # static per-tensor scale, int8 / int4: codes = clamp(rne(x_rot / s), +-qmax), EXACTLY the
+    # static per-tensor scale, int8 / int4: codes = clamp(rne(x / s), +-qmax), EXACTLY the
     # reference's. Small s: many codes clamp, many land on .5 ties (x = 3 * 2^-5 with s = 2^-4).
     xi = (torch.randint(-40, 41, (20, 512), generator=gen) * 2.0**-5)
     xi[:, :8] = torch.tensor([3, -3, 5, -5, 1, -1, 7, -7]) * 2.0**-5  # exact ties 1.5, 2.5, 0.5, 3.5
@@ -393,16 +369,6 @@ def case_quantize_act() -> None:
                 qr, sr = reference_quantize_act(xi.to(dtype), mode, static_scale=static)
                 assert torch.equal(s, sr) and s.shape == (20, 1) and torch.all(s == static), f"{mode} static scale"
                 assert torch.equal(q, qr), f"{mode} static {float(static)} {dtype}: {int((q != qr).sum())} codes differ"
-            # rotated: convrot 256 with these dyadic inputs is exact in fp32 (+-1 sums of multiples
-            # of 2^-5, times 1/16), in the kernel and in the reference's matmul alike
-            q, s = quantize_act(xi, mode, "convrot", 256, static_scale=static)
-            qr, sr = reference_quantize_act(xi, mode, "convrot", 256, static_scale=static)
-            assert torch.equal(s, sr) and torch.equal(q, qr), f"{mode} convrot static: {int((q != qr).sum())} differ"
-        # quarot 128 (1/sqrt(128) is not dyadic: the fp32 sums may differ in the last bit)
-        q, _ = quantize_act(x, mode, "quarot", 128, static_scale=torch.tensor(0.05))
-        qr, _ = reference_quantize_act(x, mode, "quarot", 128, static_scale=torch.tensor(0.05))
-        diff = (q.int() - qr.int()).abs()
-        assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 2, f"{mode} quarot static"
     try:
         quantize_act(x, "int8", static_scale=torch.ones(2))
     except ValueError as e:

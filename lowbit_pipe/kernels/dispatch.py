@@ -137,13 +137,13 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, g: int, static: 
 
     xr = rotate(x2, rot, g or None)
     if compiling():
-        codes, scale = reference_quantize_act(xr, mode, "none", None, static)
+        codes, scale = reference_quantize_act(xr, mode, static)
         return Activations(codes, scale, F.linear(x2, down) if down is not None else None)
     if down is None:
-        return Activations(*quantize_act(xr, mode, "none", None, static))
+        return Activations(*quantize_act(xr, mode, static))
     if down.shape[0] > FUSED_DOWN_MAX_R:  # many stacked LoRAs: the plain quantize and one cuBLAS call
-        return Activations(*quantize_act(xr, mode, "none", None, static), F.linear(x2, down))
-    return Activations(*quantize_act(xr, mode, "none", None, static, down=rotate(down, rot, g or None)))
+        return Activations(*quantize_act(xr, mode, static), F.linear(x2, down))
+    return Activations(*quantize_act(xr, mode, static, down=rotate(down, rot, g or None)))
 
 
 FUSED_DOWN_MAX_R = 128

@@ -33,14 +33,9 @@ def _device_bytes() -> int:
 
 def _kernel_caches() -> list[tuple[str, Callable[[], int | None], Callable[[], None]]]:
     """(name, entries, clear) of every process-wide cache lowbit_pipe's kernels fill."""
-    from lowbit_pipe.kernels import quantize_act, rotation
+    from lowbit_pipe.kernels import rotation
 
-    caches = [
-        ("kernels.rotation (Hadamard matrices, host and device)", rotation.cached_entries,
-         rotation.clear_cache),
-        ("kernels.quantize_act (Hadamard factors, device)", lambda: quantize_act._unnormalized_hadamard.cache_info().currsize,
-         quantize_act.clear_cache),
-    ]
+    caches = [("kernels.rotation (Hadamard matrices, host and device)", rotation.cached_entries, rotation.clear_cache)]
     clear_cublas = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear_cublas is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         # cuBLAS keeps a workspace per stream in the caching allocator once a GEMM ran (32 MiB on Hopper).
