@@ -83,3 +83,20 @@ def test_cache_and_clear():
     rotation.clear_cache()
     assert rotation._hadamard_cpu.cache_info().currsize == 0
 
+
+
+@pytest.mark.parametrize("kind,group", [("convrot", 256), ("quarot", 128), ("convrot", 64)])
+def test_rotate_groups_is_the_reference_rotation_in_the_input_dtype(kind, group):
+    """The GPU paths' rotation (one matmul in x's dtype) against the fp32 reference: fp32 to rounding, bf16 to
+    one rounding of each rotated value; a width the group does not divide is refused, naming the group."""
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(3, 5, 512, generator=gen) * 4
+    ref, _ = rotation.rotate_activation(x, kind, group)
+    torch.testing.assert_close(rotation.rotate_groups(x, kind, group), ref, rtol=1e-5, atol=1e-5)
+    xb = x.bfloat16()
+    yb = rotation.rotate_groups(xb, kind, group)
+    assert yb.dtype == torch.bfloat16 and yb.shape == x.shape
+    refb, _ = rotation.rotate_activation(xb, kind, group)
+    assert float((yb.float() - refb).abs().max() / refb.abs().max()) < 2 ** -7
+    with pytest.raises(ValueError, match=f"rotation group {group}"):
+        rotation.rotate_groups(torch.randn(2, group + 16), kind, group)

@@ -43,8 +43,8 @@ LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths
 must read x once more (as large as the layer's whole input), so in eager xa = x @ down^T rides the
 quantize's read of x: one kernel reads x for the row amax and the down projection together (per K slice),
 and the codes kernel then needs one pass over x, not two (quantize_act with `down`; rotated, it reads the
-rotated x against the rotated factor). Under torch.compile xa is one cuBLAS product. int8 adds xa @ up^T in the GEMM's epilogue (fp32, before the output
-cast). fp8 on Hopper: the Triton fp8 GEMM starts its accumulator at xa @ up^T (in the
+rotated x against the rotated factor). Under torch.compile xa is one cuBLAS product. int8 adds xa @ up^T in
+the GEMM's epilogue (fp32, before the output cast). fp8 on Hopper: the Triton fp8 GEMM starts its accumulator at xa @ up^T (in the
 accumulator's units), so the branch costs no pass over y (bench/results/fp8_lora_gemm_h200.md);
 elsewhere cuBLAS (no epilogue hook) and an in-place `addmm_` into its output.
 Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
@@ -177,15 +177,16 @@ def nvfp4_fp8_weight(w_packed: torch.Tensor, w_block: torch.Tensor, w_global: to
     """nvfp4's fp8 compute: the weight decoded straight to e4m3 [n, k] under `row_scale` (kernels.decode)."""
     from lowbit_pipe.kernels.decode import nvfp4_decode, nvfp4_decode_op
 
-    return launcher(nvfp4_decode_op, nvfp4_decode)(w_packed, w_block, w_global.float().reshape(()), n, k, torch.float8_e4m3fn, row_scale)
+    decode = launcher(nvfp4_decode_op, nvfp4_decode)
+    return decode(w_packed, w_block, w_global.float().reshape(()), n, k, torch.float8_e4m3fn, row_scale)
 
 
 def grid_decode(tensors: dict[str, torch.Tensor], k: int, bits: int, group_size: int) -> torch.Tensor:
     """w4a8 / w6a8's int8 grid [N, K] decoded by the Triton kernel (formats.w4a8.decode_int8_grid's values)."""
     from lowbit_pipe.kernels.decode import grid_decode_int8, grid_decode_int8_op
 
-    return launcher(grid_decode_int8_op, grid_decode_int8)(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits,
-                               group_size)
+    decode = launcher(grid_decode_int8_op, grid_decode_int8)
+    return decode(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits, group_size)
 
 
 def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor], torch.Tensor],

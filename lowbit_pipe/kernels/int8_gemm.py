@@ -21,10 +21,11 @@ The epilogue multiplies in the same order as the torch reference
 (`acc * xs * ws`, then `+ bias`, then the output cast), and the int32 accumulation
 is exact, so outputs match the reference to fp32 rounding of the scale products.
 
-Two kernels: on Hopper, for int8 weights at M >= 1024 when the operands allow it (`use_tma`), `_int8_tma_kernel`
-reads them through TMA descriptors (no masks in the K loop) with fp8_gemm's tiles, chosen by M, no autotuning;
-elsewhere the masked-load kernel below, autotuned. Its tiles: 256x128x128 / 128x256x128, 8 warps, 3 stages for M in the thousands (large tiles reuse
-each loaded operand tile across many outputs; the stage count from the H200 tile sweep in
+Two kernels: on Hopper, for int8 weights at M >= 1024 when the operands allow it (`use_tma`),
+`_int8_tma_kernel` reads them through TMA descriptors (no masks in the K loop) with fp8_gemm's tiles,
+chosen by M, no autotuning; elsewhere the masked-load kernel, autotuned. Its tiles: 256x128x128 /
+128x256x128, 8 warps, 3 stages for M in the thousands (large tiles reuse each loaded operand tile across
+many outputs; the stage count from the H200 tile sweep in
 bench/results/lora_kernel_tune_h200.md); smaller tiles for M=256-ish calls, where large ones
 would leave SMs without a tile. Against bf16 on the H200: the GEMM column of
 bench/results/linear_speed_h200.md. Autotune keys on
@@ -182,7 +183,8 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
 
     `config`: explicit meta-parameters (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) instead of
     autotuning (the masked-load kernel) or fp8_gemm.launch_config (TMA); used by the interpreter tests.
-    `tma`: the TMA-descriptor kernel, int8 weights only (None: `use_tma`, i.e. on Hopper when the operands allow it).
+    `tma`: the TMA-descriptor kernel, int8 weights only (None: `use_tma`: on Hopper from TMA_MIN_ROWS rows when
+    the operands allow it).
     """
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(f"int8_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w.shape)}")
