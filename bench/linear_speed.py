@@ -47,6 +47,8 @@ ROWS = (
     ("nvfp4 fp8-compute", "nvfp4", FormatSpec("nvfp4"), {"compute": "fp8"}, None),
     ("convrot_w4a4", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot"), {},
      ("TensorCoreConvRotW4A4Layout", {})),
+    ("convrot_w4a4 prepacked", "convrot_w4a4", FormatSpec("convrot_w4a4", rotation="convrot"), {"prepack": True},
+     None),
     ("w4a8", "w4a8", FormatSpec("w4a8", rotation="convrot"), {}, ("AsymW4A8Int8Layout", {})),
     ("w4a8 prepacked", "w4a8", FormatSpec("w4a8", rotation="convrot"), {"prepack": True}, None),
     ("w6a8", "w6a8", FormatSpec("w6a8", rotation="convrot"), {}, ("AsymW4A8Int8Layout", {"bits": 6})),
@@ -54,7 +56,7 @@ ROWS = (
 )
 
 
-COMPILED_ROWS = ("int8", "int8+convrot", "fp8", "convrot_w4a4")  # --compiled: where Inductor generates the quantization
+COMPILED_ROWS = ("int8", "int8+convrot", "fp8", "convrot_w4a4", "convrot_w4a4 prepacked")  # --compiled: where Inductor generates the quantization
 
 
 def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.Tensor:
@@ -111,7 +113,9 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
         act = "" if computes_weight_only(get_format(name).activation_mode(q), q.compute, x) else "triton-nvfp4-act+"
         return act + ("triton-nvfp4-gemm" if x.shape[0] < dispatch.DECODE_MIN_ROWS else "triton-decode+cublas-bf16")
     if name == "convrot_w4a4":
-        return "triton-int4-quant+triton-gemm(int4 unpack)" if dispatch.int8_supported(x, "convrot") else "reference"
+        if not dispatch.int8_supported(x, "convrot"):
+            return "reference"
+        return "int4-quant+" + ("int8 gemm(prepacked codes)" if q.runtime else "triton-gemm(int4 unpack)")
     if name in ("w4a8", "w6a8"):
         if not dispatch.int8_supported(x, "convrot"):
             return "reference"
@@ -148,12 +152,13 @@ def components(name: str, x: torch.Tensor, q, graph) -> dict:
         kind, group = "convrot", 256
     mode = "int4" if name == "convrot_w4a4" else "int8"
     t = q.tensors
+    w = q.runtime.get("int8_codes", t["weight"])  # convrot_w4a4 prepacked: int8 codes, read as int8 weights
+    w_mode = 1 if name == "convrot_w4a4" and "int8_codes" not in q.runtime else 0
     x2 = x.reshape(-1, x.shape[-1])
     a = dispatch.quantize_activations(x2, mode, kind, group if kind != "none" else 0, None)
     out = {"quant_ms_graph": graph(lambda: dispatch.quantize_activations(x2, mode, kind, group if kind != "none" else 0,
                                                                          None)),
-           "gemm_ms_graph": graph(lambda: int8_gemm(a.codes, t["weight"], a.scale, t["weight_scale"], None, x.dtype,
-                                                    1 if name == "convrot_w4a4" else 0))}
+           "gemm_ms_graph": graph(lambda: int8_gemm(a.codes, w, a.scale, t["weight_scale"], None, x.dtype, w_mode))}
     if kind != "none":
         out["rotate_ms_graph"] = graph(lambda: rotation.rotate_groups(x2, kind, group))
     return out

@@ -98,7 +98,8 @@ class QuantizeConfig:
     calibration_steps: int = 4
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
     # Keep each quantized layer's runtime form next to its stored one where the format has one (w4a8 / w6a8:
-    # the decoded int8 grid, +8 bits per weight, instead of a decode on every call); the report gives the bytes.
+    # the decoded int8 grid, instead of a decode on every call; convrot_w4a4: its int4 codes unpacked to int8,
+    # which the GEMM reads without unpacking nibbles); +8 bits per weight, the report gives the bytes.
     # Memory only: exports are unchanged. Applies to layers quantized here and to ones loaded quantized.
     prepack: bool = False
     # nvfp4 layers on a GPU without FP4 tensor cores (Hopper and older), where no GEMM takes NVFP4 activations:

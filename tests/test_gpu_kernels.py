@@ -149,7 +149,7 @@ FORMAT_CASES = [
     ("nvfp4", {}, False), ("nvfp4", {"rotation": "convrot"}, False), ("nvfp4", {"activations": "none"}, False),
     ("nvfp4", {"rotation": "convrot", "activations": "none"}, False), ("nvfp4", {"compute": "fp8"}, False),
     ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False),
-    ("convrot_w4a4", {"rotation": "convrot"}, False),
+    ("convrot_w4a4", {"rotation": "convrot"}, False), ("convrot_w4a4", {"rotation": "convrot"}, True),
     ("w4a8", {}, False), ("w4a8", {}, True), ("w6a8", {}, False), ("w6a8", {}, True),
 ]
 

@@ -473,6 +473,10 @@ def case_formats() -> None:
             y = dispatch.int8_linear(x, t["weight"], t["weight_scale"], bias, kind, group)
         elif name == "convrot_w4a4":
             y = dispatch.int8_linear(x, t["weight"], t["weight_scale"], bias, "convrot", 256, int4=True)
+            # prepacked: the same int4 codes held in int8, read as int8 weights: the same integer sums
+            y8 = dispatch.int8_linear(x, fmt.codes(q), t["weight_scale"], bias, "convrot", 256, int4=True,
+                                      packed_weight=False)
+            assert torch.equal(y8, y), "convrot_w4a4 prepacked codes vs packed"
         else:
             from lowbit_pipe.formats.w4a8 import decode_int8_grid
 

@@ -1,5 +1,6 @@
-"""quantize.prepack: w4a8 / w6a8 keep their decoded int8 grid in memory. Same outputs, same exports, the bytes
-reported, and never stale: a bake or a state-dict load that changes the stored tensors drops it."""
+"""quantize.prepack: w4a8 / w6a8 keep their decoded int8 grid in memory, convrot_w4a4 its codes unpacked to int8.
+Same outputs, same exports, the bytes reported, and never stale: a bake or a state-dict load that changes the
+stored tensors drops it."""
 
 from __future__ import annotations
 
@@ -37,6 +38,26 @@ def test_prepacked_grid_gives_the_same_outputs_and_exports(fmt):
     sd_plain, sd_packed = plain.state_dict(), packed.state_dict()
     assert sd_plain.keys() == sd_packed.keys()  # nothing extra is exported
     assert all(torch.equal(sd_plain[k], sd_packed[k]) for k in sd_plain)
+
+
+def test_prepacked_w4a4_codes_give_the_same_outputs_and_exports():
+    from lowbit_pipe.formats import get_format
+
+    plain, packed = _stack(), _stack()
+    config = {"default": {"format": "convrot_w4a4", "rotation": "convrot"}, "arch_keep_float": False}
+    api.quantize(plain, config)
+    result = api.quantize(packed, {**config, "prepack": True}, ledger=Ledger())
+    layers = [m for m in packed if isinstance(m, QuantLinear)]
+    assert len(layers) == 3 and result["prepacked_bytes"] == sum(m.in_features * m.out_features for m in layers)
+    for m in layers:
+        codes = m.prepacked["int8_codes"]
+        assert codes.dtype == torch.int8 and codes.shape == (m.out_features, m.in_features)
+        assert int(codes.abs().max()) <= 7
+        assert torch.equal(codes, get_format("convrot_w4a4").codes(m.qweight))
+    x = torch.randn(3, 512)
+    assert torch.equal(plain(x), packed(x))
+    sd_plain, sd_packed = plain.state_dict(), packed.state_dict()
+    assert sd_plain.keys() == sd_packed.keys() and all(torch.equal(sd_plain[k], sd_packed[k]) for k in sd_plain)
 
 
 def test_a_bake_or_a_state_dict_load_drops_the_stale_grid():

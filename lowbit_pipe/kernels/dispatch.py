@@ -152,12 +152,13 @@ FUSED_DOWN_MAX_R = 128
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                 rot: str = "none", group: int | None = None, int4: bool = False,
                 lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
-                input_scale: torch.Tensor | None = None) -> torch.Tensor:
+                input_scale: torch.Tensor | None = None, packed_weight: bool | None = None) -> torch.Tensor:
     """y = quant(rotate(x)) @ w^T with per-token activation scales (or one static `input_scale`);
     returns x.dtype [..., N].
 
     int4=False: int8 activations, w int8 [N, K]; int4=True: int4 activations (+-7), w packed
-    int4 [N, K/2] (low nibble first), both through the same int8 tensor-core GEMM; a LoRA branch's
+    int4 [N, K/2] (low nibble first), or with packed_weight=False int4 codes held in int8 [N, K]
+    (convrot_w4a4 prepacked); all through the same int8 tensor-core GEMM; a LoRA branch's
     xa @ up^T runs in the GEMM's epilogue.
     """
     from lowbit_pipe.kernels.int8_gemm import int8_gemm, int8_gemm_op
@@ -168,7 +169,8 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     pair = _lora_pair(x, lora_down, lora_up)
     a = quantize_activations(x2, "int4" if int4 else "int8", rot, g, input_scale, pair[0] if pair else None)
     lora = {"xa": a.xa, "up_t": pair[1].t()} if pair is not None else {}
-    y = launcher(int8_gemm_op, int8_gemm)(a.codes, w, a.scale, w_scale, bias, x.dtype, 1 if int4 else 0, **lora)
+    w_mode = 1 if (int4 if packed_weight is None else packed_weight) else 0
+    y = launcher(int8_gemm_op, int8_gemm)(a.codes, w, a.scale, w_scale, bias, x.dtype, w_mode, **lora)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
