@@ -155,9 +155,8 @@ def components(name: str, x: torch.Tensor, q, graph) -> dict:
     w = q.runtime.get("int8_codes", t["weight"])  # convrot_w4a4 prepacked: int8 codes, read as int8 weights
     w_mode = 1 if name == "convrot_w4a4" and "int8_codes" not in q.runtime else 0
     x2 = x.reshape(-1, x.shape[-1])
-    a = dispatch.quantize_activations(x2, mode, kind, group if kind != "none" else 0, None)
-    out = {"quant_ms_graph": graph(lambda: dispatch.quantize_activations(x2, mode, kind, group if kind != "none" else 0,
-                                                                         None)),
+    a = dispatch.quantize_activations(x2, mode, kind, group, None)
+    out = {"quant_ms_graph": graph(lambda: dispatch.quantize_activations(x2, mode, kind, group, None)),
            "gemm_ms_graph": graph(lambda: int8_gemm(a.codes, w, a.scale, t["weight_scale"], None, x.dtype, w_mode))}
     if kind != "none":
         out["rotate_ms_graph"] = graph(lambda: rotation.rotate_groups(x2, kind, group))

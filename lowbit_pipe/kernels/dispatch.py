@@ -124,7 +124,7 @@ class Activations:
     xa: torch.Tensor | None = None
 
 
-def quantize_activations(x2: torch.Tensor, mode: str, rot: str, g: int, static: torch.Tensor | None,
+def quantize_activations(x2: torch.Tensor, mode: str, rot: str, group: int | None, static: torch.Tensor | None,
                          down: torch.Tensor | None = None) -> Activations:
     """x2 [M, K] -> Activations for `mode` (int8 / int4 / fp8), per token or with one `static` scale.
 
@@ -135,7 +135,7 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, g: int, static: 
     Triton kernel quantizes, and with a branch (R <= 128) reads x once for both the row amax and xa."""
     from lowbit_pipe.kernels.quantize_act import quantize_act, reference_quantize_act
 
-    xr = rotate(x2, rot, g or None)
+    xr = rotate(x2, rot, group)
     if compiling():
         codes, scale = reference_quantize_act(xr, mode, static)
         return Activations(codes, scale, F.linear(x2, down) if down is not None else None)
@@ -143,7 +143,7 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, g: int, static: 
         return Activations(*quantize_act(xr, mode, static))
     if down.shape[0] > FUSED_DOWN_MAX_R:  # many stacked LoRAs: the plain quantize and one cuBLAS call
         return Activations(*quantize_act(xr, mode, static), F.linear(x2, down))
-    return Activations(*quantize_act(xr, mode, static, down=rotate(down, rot, g or None)))
+    return Activations(*quantize_act(xr, mode, static, down=rotate(down, rot, group)))
 
 
 FUSED_DOWN_MAX_R = 128
@@ -163,11 +163,9 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
     """
     from lowbit_pipe.kernels.int8_gemm import int8_gemm, int8_gemm_op
 
-    k = x.shape[-1]
-    x2 = x.reshape(-1, k)
-    g = rotation.resolve_group(rot, group) if rot != "none" else 0
+    x2 = x.reshape(-1, x.shape[-1])
     pair = _lora_pair(x, lora_down, lora_up)
-    a = quantize_activations(x2, "int4" if int4 else "int8", rot, g, input_scale, pair[0] if pair else None)
+    a = quantize_activations(x2, "int4" if int4 else "int8", rot, group, input_scale, pair[0] if pair else None)
     lora = {"xa": a.xa, "up_t": pair[1].t()} if pair is not None else {}
     w_mode = 1 if (int4 if packed_weight is None else packed_weight) else 0
     y = launcher(int8_gemm_op, int8_gemm)(a.codes, w, a.scale, w_scale, bias, x.dtype, w_mode, **lora)
@@ -238,9 +236,8 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     k = x.shape[-1]
     n = w.shape[0]
     x2 = x.reshape(-1, k)
-    g = rotation.resolve_group(rot, group) if rot != "none" else 0
     pair = _lora_pair(x, lora_down, lora_up)
-    a = quantize_activations(x2, "fp8", rot, g, input_scale, pair[0] if pair else None)
+    a = quantize_activations(x2, "fp8", rot, group, input_scale, pair[0] if pair else None)
     q, s, xa = a.codes, a.scale, a.xa
     if fp8_triton_gemm(x):
         y = launcher(fp8_gemm_op, fp8_gemm)(q, w, s, w_scale, bias, x.dtype,

@@ -33,9 +33,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
-
-from lowbit_pipe.kernels.gemm_common import epilogue_args, grouped_tile, low_rank_tile, reference_epilogue, scaled_tile
+from lowbit_pipe.kernels.gemm_common import (
+    epilogue_args,
+    launch_tma_gemm,
+    low_rank_tile,
+    reference_epilogue,
+    scaled_tile,
+    tile_offsets,
+)
 
 
 @triton.jit
@@ -47,14 +52,7 @@ def _fp8_gemm_kernel(
     LORA_IEEE: tl.constexpr, PROMOTE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
+    off_m, off_n, offs_m, offs_n, m_ok, n_ok = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if HAS_LORA:  # the branch in the accumulator's units: acc0 = (xa @ up_t) / (a_scale w_scale)
         acc = low_rank_tile(acc, xa_ptr, up_ptr, offs_m, offs_n, m_ok, n_ok, R, stride_xam, stride_xar, stride_ur,
@@ -94,7 +92,7 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
 
     `xa` [M, R] and `up_t` [R, N] (one float dtype, any strides, R <= 128): the LoRA branch,
     out += xa @ up_t (fp32 products and sum). `config`: BLOCK_M/N/K, num_warps, num_stages
-    (default: `launch_config(M)`); `promote`: 0, or P >= 2 (see the module doc).
+    (default: gemm_common.tma_launch_config(M)); `promote`: 0, or P >= 2 (see the module doc).
     """
     if a.dim() != 2 or w.dim() != 2:
         raise ValueError(f"fp8_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w.shape)}")
@@ -112,29 +110,10 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    cfg = dict(config or launch_config(m))
-    warps, stages = cfg.pop("num_warps"), cfg.pop("num_stages")
-    cfg.setdefault("GROUP_M", 8)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
-    b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
-    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-    _fp8_gemm_kernel[grid](
-        a_desc, b_desc, c, *ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides,
-        **ep.flags, PROMOTE=promote, **cfg, num_warps=warps, num_stages=stages)
+    launch_tma_gemm(_fp8_gemm_kernel, a, w, c, config,
+                    (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides),
+                    {**ep.flags, "PROMOTE": promote})
     return c
-
-
-def launch_config(m: int) -> dict:
-    """128x256x128 tiles, 8 warps, 3 stages: fastest of the tiles swept on the H200 at M=4608, with and
-    without the branch, at all four Krea 2 shapes (bench/results/fp8_lora_gemm_h200.md). Fewer rows
-    take smaller tiles so the grid still covers the SMs: 128x128 (one warpgroup) up to M=1024,
-    64x128 up to M=64 (the time embedding, a batch of one)."""
-    if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-    if m <= 1024:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
 
 
 @torch.library.custom_op("lowbit_pipe::fp8_gemm", mutates_args=())

@@ -56,6 +56,47 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
+def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """This program's tile of the TMA GEMMs (grouped order): (first row, first column, its row offsets, its
+    column offsets, which rows are in range, which columns are in range)."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    off_m = pid_m * BLOCK_M
+    off_n = pid_n * BLOCK_N
+    offs_m = off_m + tl.arange(0, BLOCK_M)
+    offs_n = off_n + tl.arange(0, BLOCK_N)
+    return off_m, off_n, offs_m, offs_n, offs_m < M, offs_n < N
+
+
+def tma_launch_config(m: int) -> dict:
+    """Tiles of the TMA GEMMs (fp8, and int8 with int8 weights: their wgmma shapes are the same). 128x256x128,
+    8 warps, 3 stages: fastest of the tiles swept on the H200 at M=4608, with and without the branch, at all
+    four Krea 2 shapes (bench/results/fp8_lora_gemm_h200.md). Fewer rows take smaller tiles so the grid still
+    covers the SMs: 128x128 (one warpgroup) up to M=1024, 64x128 up to M=64 (the time embedding, a batch of one)."""
+    if m <= 64:
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if m <= 1024:
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+
+
+def launch_tma_gemm(kernel, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, config: dict | None,  # noqa: ANN001
+                    args: tuple, flags: dict) -> None:
+    """Launch a TMA GEMM kernel(a_desc, b_desc, c, *args, **flags, tiles) over c [M, N] = a [M, K] x w [N, K]^T,
+    on `config`'s tiles or `tma_launch_config`'s."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (m, k), n = a.shape, w.shape[0]
+    cfg = dict(config or tma_launch_config(m))
+    warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
+    cfg.setdefault("GROUP_M", 8)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
+    b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
+    grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
+    kernel[grid](a_desc, b_desc, c, *args, **flags, **cfg, num_warps=warps, num_stages=stages)
+
+
+@triton.jit
 def scaled_tile(acc, as_ptr, bs_ptr, bias_ptr, offs_m, offs_n, m_ok, n_ok, B_SCALAR: tl.constexpr,
                 HAS_BIAS: tl.constexpr):
     """acc (fp32) * a_scale[rows] * w_scale[cols or scalar] (+ bias[cols]): the torch reference's order."""

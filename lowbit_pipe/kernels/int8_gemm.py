@@ -37,16 +37,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from lowbit_pipe.kernels.gemm_common import (
     epilogue_args,
     grouped_tile,
     launch_gemm,
+    launch_tma_gemm,
     low_rank_tile,
     m_bucket,
     reference_epilogue,
     scaled_tile,
+    tile_offsets,
 )
 
 
@@ -127,13 +128,7 @@ def _int8_tma_kernel(
 ):
     """The int8-weight GEMM with its operands through TMA tensor descriptors (Hopper): out-of-range rows, columns
     and K come back as zeros, so the K loop has no masks (what made the fp8 GEMM fast: fp8_gemm's module doc)."""
-    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    off_m = pid_m * BLOCK_M
-    off_n = pid_n * BLOCK_N
-    offs_m = off_m + tl.arange(0, BLOCK_M)
-    offs_n = off_n + tl.arange(0, BLOCK_N)
-    m_ok = offs_m < M
-    n_ok = offs_n < N
+    off_m, off_n, offs_m, offs_n, m_ok, n_ok = tile_offsets(M, N, BLOCK_M, BLOCK_N, GROUP_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
     for i in range(0, tl.cdiv(K, BLOCK_K)):
         a = a_desc.load([off_m, i * BLOCK_K])
@@ -182,7 +177,7 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
     epilogue, out += xa @ up_t in fp32 before the output cast. Both or neither.
 
     `config`: explicit meta-parameters (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) instead of
-    autotuning (the masked-load kernel) or fp8_gemm.launch_config (TMA); used by the interpreter tests.
+    autotuning (the masked-load kernel) or gemm_common.tma_launch_config (TMA); used by the interpreter tests.
     `tma`: the TMA-descriptor kernel, int8 weights only (None: `use_tma`: on Hopper from TMA_MIN_ROWS rows when
     the operands allow it).
     """
@@ -210,17 +205,8 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         if w_mode != 0 or not tma_operands(a, w):
             raise ValueError(f"int8_gemm: TMA needs int8 weights (w_mode 0) and K-contiguous operands with 16-byte "
                              f"aligned rows, got w_mode {w_mode}, K={k}")
-        from lowbit_pipe.kernels.fp8_gemm import launch_config  # the same tiles: int8 and fp8 wgmma share shapes
-
-        cfg = dict(config or launch_config(m))
-        warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
-        cfg.setdefault("GROUP_M", 8)
-        bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-        a_desc = TensorDescriptor(a, [m, k], [a.stride(0), 1], [bm, bk])
-        b_desc = TensorDescriptor(w, [n, k], [w.stride(0), 1], [bn, bk])
-        grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
-        _int8_tma_kernel[grid](a_desc, b_desc, c, *ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1),
-                               *ep.lora_strides, **ep.flags, **cfg, num_warps=warps, num_stages=stages)
+        launch_tma_gemm(_int8_tma_kernel, a, w, c, config,
+                        (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides), ep.flags)
         return c
     args = (a, w, c, *ep.pointers, m, n, k, m_bucket(m), ep.r,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1), *ep.lora_strides)
