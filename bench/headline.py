@@ -229,12 +229,14 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            t = time.perf_counter()
             try:
                 rows.append(run_variant(label, recipe, overrides, compiled, model, arch, forward, ref, float_bytes,
                                         device, args.iters, Path(scratch) / f"run{i}"))
             except Exception as e:  # noqa: BLE001 -- one variant that fails is reported; the others still run
                 rows.append({"variant": label, "error": f"{type(e).__name__}: {e}"})
                 print(f"  {label}: FAILED {type(e).__name__}: {e}", flush=True)
+            rows[-1]["wall_s"] = time.perf_counter() - t  # run, measure and teardown: what a device call pays
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -243,7 +245,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            t = time.perf_counter()
             row = torchao_fp8_row(model, forward, device, args.iters, ref)
+            row["wall_s"] = time.perf_counter() - t
             row["peak_device_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
             rows.append(row)
         except Exception as e:  # noqa: BLE001 -- a baseline that cannot run is reported, not fatal

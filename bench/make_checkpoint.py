@@ -17,7 +17,11 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,9 +45,28 @@ def _value(key: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> t
     return t.to(dtype)
 
 
+def _in_order(lazy: dict[str, LazyTensor], workers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors in key order, made by `workers` threads, at most `workers` made ahead of the writer.
+    torch's seeded randn runs on one core per call and frees the GIL, so threads scale it; the values
+    do not depend on the thread count (one generator per key)."""
+    with ThreadPoolExecutor(workers) as pool:
+        window: deque[tuple[str, Future]] = deque()
+        for key, t in lazy.items():
+            window.append((key, pool.submit(t.materialize)))
+            if len(window) > workers:
+                done_key, future = window.popleft()
+                yield done_key, future.result()
+        while window:
+            done_key, future = window.popleft()
+            yield done_key, future.result()
+
+
 def make_checkpoint(path: str | Path, arch_id: str = "krea2", overrides: dict[str, Any] | None = None,
-                    dtype: torch.dtype = torch.bfloat16, seed: int = 0, native: bool = True) -> dict[str, Any]:
-    """Write the checkpoint; returns its figures (params, bytes, seconds)."""
+                    dtype: torch.dtype = torch.bfloat16, seed: int = 0, native: bool = True,
+                    workers: int | None = None) -> dict[str, Any]:
+    """Write the checkpoint; returns its figures (params, bytes, seconds). `workers` threads make the
+    values (default: the cores, at most 16); host memory holds about 2 x workers tensors."""
+    workers = workers or min(16, os.cpu_count() or 1)
     arch = get_arch(arch_id)
     kwargs = {**arch.default_kwargs(), **(overrides or {})}
     cls = arch.model_class()  # imported before the meta context (module-level tensors stay real)
@@ -57,12 +80,13 @@ def make_checkpoint(path: str | Path, arch_id: str = "krea2", overrides: dict[st
     header = 2 * sum(len(k) + 96 for k in lazy) + 4096
     start = time.perf_counter()
     with StreamingWriter(path, header) as writer:
-        for key, t in lazy.items():
-            writer.write(key, t.materialize())
+        for key, value in _in_order(lazy, workers):
+            writer.write(key, value)
         nbytes = writer.close({"synthetic": json.dumps({"arch": arch_id, "seed": seed, "overrides": overrides or {},
                                                         "dtype": str(dtype)})})
     return {"path": str(path), "arch": arch_id, "params": params, "bytes": nbytes, "tensors": len(lazy),
-            "seconds": round(time.perf_counter() - start, 2), "layout": "native" if native else "diffusers"}
+            "seconds": round(time.perf_counter() - start, 2), "layout": "native" if native else "diffusers",
+            "workers": workers}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arch", default="krea2")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=None, help="threads making values (default: cores, at most 16)")
     p.add_argument("--diffusers-names", action="store_true", help="diffusers key names instead of native ones")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="constructor overrides (JSON values)")
     args = p.parse_args(argv)
@@ -82,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         except json.JSONDecodeError:
             overrides[key] = value
     figures = make_checkpoint(args.path, args.arch, overrides, getattr(torch, args.dtype), args.seed,
-                              native=not args.diffusers_names)
+                              native=not args.diffusers_names, workers=args.workers)
     print(json.dumps(figures, indent=1))
     return 0
 

@@ -110,3 +110,16 @@ def test_peak_memory_does_not_grow_with_the_checkpoint(tmp_path):
     big_bytes, big_peak = _stream_peak(tmp_path, 8)
     assert big_bytes - small_bytes > 350e6
     assert big_peak - small_peak < 0.15 * (big_bytes - small_bytes), (small_peak, big_peak)
+
+
+def test_checkpoint_maker_bytes_do_not_depend_on_its_threads(tmp_path):
+    """bench/make_checkpoint.py makes values on several threads: the file is the same byte for byte as
+    one thread's (one generator per key), so a figure measured on one machine is reproducible on another."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    from make_checkpoint import make_checkpoint
+
+    tiny = {**SMALL, "num_layers": 1, "intermediate_size": 512, "num_text_layers": 1}
+    one = make_checkpoint(tmp_path / "one.safetensors", "krea2", tiny, torch.bfloat16, workers=1)
+    many = make_checkpoint(tmp_path / "many.safetensors", "krea2", tiny, torch.bfloat16, workers=3)
+    assert one["tensors"] == many["tensors"] > 20
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "many.safetensors").read_bytes()
