@@ -225,7 +225,16 @@ def run(args: argparse.Namespace) -> dict:
     bench = timer(device, args.rep_ms)
     graph = graph_timer(args.rep_ms) if device == "cuda" else None
     gen = torch.Generator(device="cpu").manual_seed(0)
-    results = []
+    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
+           "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    results: list[dict] = []
+    report = {"command": "python " + " ".join(sys.argv), "env": env, "dtype": str(dtype), "results": results}
     for m, k, n in shapes:
         x = torch.randn(m, k, generator=gen)
         x[:, torch.randperm(k, generator=gen)[: k // 100]] *= 20.0  # 1% outlier channels, as DiT activations have
@@ -275,18 +284,11 @@ def run(args: argparse.Namespace) -> dict:
             results.append(row)
             print(f"  {label:14s} {ms:.4f} ms  x{row['speedup_vs_bf16']:.2f}  graph {ms_graph} {parts} ref {row['rel_err_vs_reference']:.2e}  "
                   f"float {row['rel_err_vs_float']:.2e}  [{row['path']}]", flush=True)
-            del layer
+            layer = None  # frees this layer before the next is built
         if device == "cuda":
             torch.cuda.empty_cache()
-    env = {"torch": torch.__version__, "python": platform.python_version(), "device": device,
-           "device_name": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"}
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    return {"command": "python " + " ".join(sys.argv), "env": env, "dtype": str(dtype), "results": results}
+        save(report, markdown(report), args.out, quiet=True)  # a run cut short keeps the shapes it measured
+    return report
 
 
 def markdown(report: dict) -> str:
@@ -336,9 +338,10 @@ def main() -> None:
     save(report, markdown(report), args.out)
 
 
-def save(report: dict, md: str, out: Path | None) -> None:
-    """Print the table; with `out`, write the JSON report there and the table as .md beside it."""
-    print(md)
+def save(report: dict, md: str, out: Path | None, quiet: bool = False) -> None:
+    """Print the table (unless quiet); with `out`, write the JSON report there and the table as .md beside it."""
+    if not quiet:
+        print(md)
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(report, indent=2))
