@@ -26,12 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_checkpoint import make_checkpoint  # noqa: E402
 
 CHILD = """
-import resource, sys, time, json, lowbit_pipe
+import resource, sys, time, json, torch, lowbit_pipe
 start = time.perf_counter()
 r = lowbit_pipe.run("default", sys.argv[2:], run_dir=sys.argv[1])
 seconds = time.perf_counter() - start
+device_peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
 print("RESULT", json.dumps({"seconds": seconds, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                            "export": r.report["export"], "stages": {k: v.get("seconds") for k, v in r.report["stages"].items()}}))
+                            "peak_device": device_peak, "export": r.report["export"],
+                            "stages": {k: v.get("seconds") for k, v in r.report["stages"].items()}}))
 """
 
 
@@ -77,7 +79,8 @@ def run_stream(source: Path, fmt: str, device: str, dtype: str, config: list[str
         return {"format": fmt, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "failed"}
     result = json.loads(re.search(r"RESULT (.*)", proc.stdout).group(1))
     figures = {"format": fmt, "seconds": round(result["seconds"], 2), "export_seconds": result["stages"]["export"],
-               "peak_rss_bytes": result["peak_rss"], "export_bytes": result["export"]["bytes"],
+               "peak_rss_bytes": result["peak_rss"], "peak_device_bytes": result["peak_device"],
+               "export_bytes": result["export"]["bytes"],
                "quantized_layers": result["export"]["quantized_layers"]}
     out.unlink(missing_ok=True)
     return figures
@@ -108,32 +111,41 @@ def main(argv: list[str] | None = None) -> int:
             print(f"source: {made['bytes'] / 1e9:.2f} GB written in {made['seconds']:.1f} s", flush=True)
         disk = disk_rates(source, tmp)
         print(f"disk: read {disk['read_MBps']:.0f} MB/s, write {disk['write_MBps']:.0f} MB/s", flush=True)
-        rows = []
+        rows: list[dict] = []
         for fmt in args.formats:  # one line each as it ends, so a run cut short still says what it measured
             rows.append(run_stream(source, fmt, args.device, args.dtype, config, tmp))
             print(f"{fmt}: {json.dumps(rows[-1])}", flush=True)
+            write(rows, argv, args, made, overrides, disk, quiet=True)
+    write(rows, argv, args, made, overrides, disk)
+    return 0
+
+
+def write(rows: list[dict], argv: list[str], args: argparse.Namespace, made: dict | None, overrides: dict,
+          disk: dict, quiet: bool = False) -> None:
+    """The table (printed unless quiet) as .md and the figures as .json beside --out."""
     src_gb = disk["bytes"] / 1e9
-    lines = [f"Source: {made['params'] / 1e9:.2f}B params, " if made else "Source: ",
-             f"{src_gb:.2f} GB ({'synthetic Krea 2 ' + json.dumps(overrides) if made else args.source}); device "
-             f"{args.device}; disk read {disk['read_MBps']:.0f} MB/s, write {disk['write_MBps']:.0f} MB/s "
-             f"(reading the source alone: {disk['bytes'] / disk['read_MBps'] / 1e6:.1f} s)", "",
-             "| format | wall s (process) | export stage s | peak host memory | export size |", "|---|---|---|---|---|"]
-    lines = ["".join(lines[:2])] + lines[2:]
+    head = ((f"Source: {made['params'] / 1e9:.2f}B params, " if made else "Source: ")
+            + f"{src_gb:.2f} GB ({'synthetic Krea 2 ' + json.dumps(overrides) if made else args.source}); device "
+            f"{args.device}; disk read {disk['read_MBps']:.0f} MB/s, write {disk['write_MBps']:.0f} MB/s "
+            f"(reading the source alone: {disk['bytes'] / disk['read_MBps'] / 1e6:.1f} s)")
+    lines = [head, "", "| format | wall s (process) | export stage s | peak host memory | peak device memory | export size |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['format']} | failed: {r['error']} | | | |")
+            lines.append(f"| {r['format']} | failed: {r['error']} | | | | |")
             continue
+        dev = f"{r['peak_device_bytes'] / 2**30:.2f} GiB" if r.get("peak_device_bytes") is not None else "-"
         lines.append(f"| {r['format']} | {r['seconds']:.1f} | {r['export_seconds']:.1f} | "
-                     f"{r['peak_rss_bytes'] / 2**30:.2f} GiB | {r['export_bytes'] / 1e9:.2f} GB |")
+                     f"{r['peak_rss_bytes'] / 2**30:.2f} GiB | {dev} | {r['export_bytes'] / 1e9:.2f} GB |")
     table = "\n".join(lines)
-    print(table)
+    if not quiet:
+        print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(f"`python bench/stream_bench.py {' '.join(argv)}`\n\n{table}\n")
     out.with_suffix(".json").write_text(json.dumps({"command": "python bench/stream_bench.py " + " ".join(argv),
                                                     "machine": platform.platform(), "cpus": os.cpu_count(),
                                                     "synthetic": made, "disk": disk, "rows": rows}, indent=2) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
