@@ -143,7 +143,7 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, group: int | Non
     if compiling():
         codes, scale = reference_quantize_act(rotate(x2, rot, group), mode, static)
         return Activations(codes, scale, F.linear(x2, down) if down is not None else None)
-    if down is None and rot != "none" and fits(rotation.resolve_group(rot, group)):
+    if down is None and rot != "none" and fits(rotation.resolve_group(rot, group), x2):
         return Activations(*rotate_quantize(x2, mode, rot, rotation.resolve_group(rot, group), static))
     xr = rotate(x2, rot, group)
     if down is None:

@@ -35,9 +35,10 @@ LAUNCH = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
 INTERPRETER = {"BLOCK_M": 16}
 
 
-def fits(group: int) -> bool:
-    """Whether a rotation group takes this path (a power of two from 16 to MAX_GROUP)."""
-    return 16 <= group <= MAX_GROUP and group & (group - 1) == 0
+def fits(group: int, x: torch.Tensor) -> bool:
+    """Whether a call takes this path: a power-of-two group from 16 to MAX_GROUP, and on a GPU a bf16 / fp16 x
+    (an fp32 x needs an fp32 FMA dot of these tiles: its GPU test did not finish within minutes on the H200)."""
+    return 16 <= group <= MAX_GROUP and group & (group - 1) == 0 and (x.dtype != torch.float32 or not x.is_cuda)
 
 
 @triton.jit
@@ -102,8 +103,10 @@ def rotate_quantize(x: torch.Tensor, mode: str, kind: str, group: int, static_sc
         raise ValueError(f"rotate_quantize: mode must be one of {list(MODES)}, got '{mode}'")
     if x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"rotate_quantize: expected 2-D fp32/bf16/fp16 x, got {tuple(x.shape)} {x.dtype}")
-    if not fits(group):
+    if not 16 <= group <= MAX_GROUP or group & (group - 1):
         raise ValueError(f"rotate_quantize: group {group} is not a power of two from 16 to {MAX_GROUP}")
+    if x.is_cuda and x.dtype == torch.float32:
+        raise ValueError("rotate_quantize: an fp32 x on a GPU takes rotate_groups + quantize_act (see fits)")
     m, k = x.shape
     if k % group:
         raise ValueError(f"rotate_quantize: K={k} is not a multiple of the rotation group {group}")
