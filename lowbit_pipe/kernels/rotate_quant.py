@@ -9,8 +9,9 @@ H200 (bench/results/linear_speed_h200_rotmm.md). Here x is read twice and only t
 (~140 MB); the Hadamard products are recomputed in pass 2 instead of stored (for a 256 group: 2 x 14.5
 GFLOP at M=4608, K=6144, tens of microseconds on tensor cores).
 
-Numerics equal the unfused path's: each rotated value is the fp32 sum of the group's products, rounded
-once to x's dtype (what rotate_groups' matmul stores) before its amax and code; the codes and scales
+Numerics are the unfused path's up to the order of the fp32 sums (a code moves by one where a value sits
+on a rounding edge): each rotated value is the fp32 sum of the group's products, rounded once to x's
+dtype (what rotate_groups' matmul stores) before its amax and code; the codes and scales
 follow quantize_act's rules (`scale_of`, `codes_of`). Groups up to `MAX_GROUP` wide: a group's x tile
 and a column slice of H sit in shared memory; wider rotations (QuaRot over a whole large K) keep the
 unfused path.
@@ -31,7 +32,8 @@ from lowbit_pipe.kernels.quantize_act import MODES, codes_of, scale_of
 
 MAX_GROUP = 256
 LAUNCH = {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4}
-# Under TRITON_INTERPRET (CPU tests) its bf16 tl.dot returns garbage: operands go up to fp32 there.
+# CPU tensors reach this only under TRITON_INTERPRET (tests): 16-row blocks there (it runs every program in
+# Python), and fp32 dot operands (FP32_DOT: its bf16 tl.dot returns garbage).
 INTERPRETER = {"BLOCK_M": 16}
 
 
