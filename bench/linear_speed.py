@@ -142,13 +142,12 @@ def graph_timer(iters: int):
 
 
 def components(name: str, x: torch.Tensor, q, graph) -> dict:
-    """GPU time of the activation preparation (rotation + quantization, as the layer runs it: fused by
-    kernels.rotate_quant) and of the GEMM alone (int8 family); rotated, also the unfused preparation
-    (the tensor-core rotation matmul, then the quantize kernel) and that rotation alone. (The quantize
-    kernel's former in-register rotation, 0.198 ms where the matmul takes 0.037:
-    bench/results/linear_speed_h200_rotmm.md.)"""
+    """GPU time of the activation preparation (rotation + quantization, as the layer runs it) and of the GEMM
+    alone (int8 family); rotated, also the tensor-core rotation alone. (The quantize kernel's former
+    in-register rotation, 0.198 ms where the matmul takes 0.037: bench/results/linear_speed_h200_rotmm.md;
+    a rotation fused into the quantization by recomputing x @ H in both of its passes, 0.144 ms where the
+    two kernels take 0.072: bench/results/linear_speed_h200_rotquant.md.)"""
     from lowbit_pipe.kernels.int8_gemm import int8_gemm
-    from lowbit_pipe.kernels.quantize_act import quantize_act
 
     kind, group = common.record_rotation(q.record, q.format)
     if name == "convrot_w4a4":
@@ -164,7 +163,6 @@ def components(name: str, x: torch.Tensor, q, graph) -> dict:
     if kind != "none":
         g = rotation.resolve_group(kind, group)
         out["rotate_ms_graph"] = graph(lambda: rotation.rotate_groups(x2, kind, g))
-        out["unfused_quant_ms_graph"] = graph(lambda: quantize_act(rotation.rotate_groups(x2, kind, g), mode))
     return out
 
 
@@ -299,8 +297,7 @@ def markdown(report: dict) -> str:
              "err ref = vs the format's reference math; err float = vs the unquantized fp32 product", "",
              "ms graph / x graph: the same forward replayed from a CUDA graph (GPU time, no Python or launch "
              "overhead); compiled: the layer under torch.compile, replayed the same way (--compiled); quant/gemm: "
-             "graph time of the activation preparation (rotation + quantization, fused) and of the GEMM alone; "
-             "unfused: the rotation matmul then the quantize kernel", "",
+             "graph time of the activation preparation (rotation + quantization) and of the GEMM alone", "",
              "ck ms: comfy-kitchen's equivalent (QuantizedTensor + F.linear, the backend it picks), eager; "
              "vs ck = ck ms / our eager ms (> 1: ours faster)", "",
              "| M | K | N | format | ms eager | x bf16 | ms graph | x graph | compiled, graph (x bf16) | quant / gemm ms "
@@ -313,8 +310,10 @@ def markdown(report: dict) -> str:
             continue
         g = f"{r['ms_graph']:.4f} | {r['speedup_graph']:.2f}" if r.get("ms_graph") is not None else "- | -"
         parts = f"{r['quant_ms_graph']:.4f} / {r['gemm_ms_graph']:.4f}" if "quant_ms_graph" in r else ""
-        if "unfused_quant_ms_graph" in r:
+        if "unfused_quant_ms_graph" in r:  # linear_speed_h200_rotquant.md: the fused rotation's run
             parts += f" (unfused {r['unfused_quant_ms_graph']:.4f}, its rotation {r['rotate_ms_graph']:.4f})"
+        elif "rotate_ms_graph" in r:
+            parts += f" (rotation {r['rotate_ms_graph']:.4f})"
         comp = f"{r['ms_compiled_graph']:.4f} ({r['speedup_compiled']:.2f}x)" if "ms_compiled_graph" in r else ""
         ck = f"{r['ck_ms']:.4f} | {r['speedup_vs_ck']:.2f}" if "ck_ms" in r else \
             (f"failed: {r['ck_error'][:60]} | " if "ck_error" in r else " | ")

@@ -28,8 +28,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "rotate_quant", "nvfp4", "decode", "formats",
-         "compile")
+CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "formats", "compile")
 CHILD_TIMEOUT_S = 600
 
 
@@ -232,10 +231,8 @@ def case_int8_lora() -> None:
         t = q.tensors
         y = dispatch.int8_linear(x, t["weight"], t["weight_scale"], bias, kind, group, lora_down=down, lora_up=upf)
         assert y.shape == ref.shape and y.dtype == ref.dtype
-        # the branch alone: the same kernels without it (same codes: rotated first, as the branch's path does,
-        # where a plain call fuses the rotation into the quantization) plus the unfused branch
-        xr = dispatch.rotate(x.reshape(-1, 512), kind, group).reshape(x.shape)
-        base = dispatch.int8_linear(xr, t["weight"], t["weight_scale"], bias, "none")
+        # the branch alone: the same kernels without it (same codes) plus the unfused branch
+        base = dispatch.int8_linear(x, t["weight"], t["weight_scale"], bias, kind, group)
         _close(y, base + F.linear(F.linear(x, down), upf), 1e-6, f"int8 {spec.rotation} fused lora vs base + branch")
         _close(y, ref, _tol(kind), f"int8 {spec.rotation} fused lora")
 
@@ -328,8 +325,7 @@ def case_fp8_gemm() -> None:
         kind, group = common.record_rotation(q.record, q.format)
         t = q.tensors
         for static in (None, torch.tensor(0.02)):
-            xr = dispatch.rotate(x.reshape(-1, 512), kind, group).reshape(x.shape)  # the branch's path: same codes
-            base = dispatch.fp8_linear(xr, t["weight"], t["weight_scale"], static, bias, "none")
+            base = dispatch.fp8_linear(x, t["weight"], t["weight_scale"], static, bias, kind, group)
             y = dispatch.fp8_linear(x, t["weight"], t["weight_scale"], static, bias, kind, group,
                                     lora_down=down, lora_up=upf)
             assert y.shape == (2, 20, n) and y.dtype == x.dtype
@@ -379,63 +375,6 @@ def case_quantize_act() -> None:
         assert "one value" in str(e), e
     else:
         raise AssertionError("a two-value static scale was accepted")
-
-
-def case_rotate_quant() -> None:
-    """The fused rotation + quantization against a float64 oracle (x @ H in float64, rounded to x's dtype, then
-    the reference quantization) and against the unfused path (rotate_groups, then quantize_act): modes, static
-    scales, an all-zero row, ragged row blocks, several groups per row, convrot and quarot."""
-    from lowbit_pipe.kernels import rotation
-    from lowbit_pipe.kernels.quantize_act import quantize_act, reference_quantize_act
-    from lowbit_pipe.kernels.rotate_quant import rotate_quantize
-
-    gen = torch.Generator().manual_seed(7)
-
-    def oracle(x: torch.Tensor, kind: str, group: int) -> torch.Tensor:
-        h = rotation.hadamard(kind, group, dtype=torch.float64)
-        return (x.double().reshape(-1, group) @ h).reshape(x.shape).to(x.dtype)
-
-    def codes_close(q: torch.Tensor, qr: torch.Tensor, what: str, budget: float) -> None:
-        if q.dtype == torch.float8_e4m3fn:
-            steps = _fp8_steps(q, qr)
-        else:
-            steps = (q.int() - qr.int()).abs()
-            assert int(steps.max()) <= 1, f"{what}: a code off by {int(steps.max())}"
-        assert float((steps > 0).float().mean()) <= budget, f"{what}: {int((steps > 0).sum())} codes differ"
-
-    for kind, group, k in (("convrot", 256, 512), ("quarot", 64, 192), ("convrot", 16, 48)):
-        x = torch.randn(37, k, generator=gen) * torch.rand(37, 1, generator=gen) * 4
-        x[3] = 0.0
-        x[5, 7] = 60.0
-        for mode in ("int8", "int4", "fp8"):
-            for static in (None, torch.tensor(0.03)):
-                what = f"{kind}/{group} {mode} static={static is not None}"
-                q, s = rotate_quantize(x, mode, kind, group, static)
-                qr, sr = reference_quantize_act(oracle(x, kind, group).float(), mode, static)
-                assert q.shape == x.shape and s.shape == (37, 1)
-                _close(s, sr, 1e-6, f"{what} scale")
-                # fp32 sums in another order may move a value across a rounding edge; the interpreter's
-                # fp8 cast mis-rounds some values on its own (case_quantize_act)
-                codes_close(q, qr, what, 0.05 if mode == "fp8" else 2e-3)
-                qu, su = quantize_act(rotation.rotate_groups(x, kind, group), mode, static, config={"BLOCK_M": 16})
-                _close(s, su, 1e-6, f"{what} scale vs unfused")
-                codes_close(q, qu, f"{what} vs unfused", 0.05 if mode == "fp8" else 2e-3)
-        # bf16: the interpreter's fp32 -> bf16 cast does not round to nearest, which moves ~10% of the codes by
-        # one here: only the wiring is checked (tests/test_gpu_kernels.py checks bf16 and fp16 on the GPU)
-        xb = x.to(torch.bfloat16)
-        q, s = rotate_quantize(xb, "int8", kind, group)
-        qr, sr = reference_quantize_act(oracle(xb, kind, group).float(), "int8")
-        _close(s, sr, 1e-2, f"{kind} bf16 scale")
-        codes_close(q, qr, f"{kind} bf16 codes", 0.2)
-    for bad, match in ((dict(group=300), "power of two"), (dict(group=512), "power of two"),
-                       (dict(static_scale=torch.ones(2)), "one value")):
-        args = {"group": 256, "static_scale": None, **bad}
-        try:
-            rotate_quantize(torch.randn(4, 512), "int8", "convrot", args["group"], args["static_scale"])
-        except ValueError as e:
-            assert match in str(e), e
-        else:
-            raise AssertionError(f"{bad} was accepted")
 
 
 def case_nvfp4() -> None:

@@ -7,7 +7,7 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 
 | format (rotation)                     | GPU path                                                        |
 |---------------------------------------|-----------------------------------------------------------------|
-| int8 (none / convrot / quarot)        | [rotation +] per-token int8 quant (`quantize_activations`) +    |
+| int8 (none / convrot / quarot)        | rotation + per-token int8 quant (`quantize_activations`) +      |
 |                                       | Triton INT8 GEMM                                                |
 | fp8  (none / convrot / quarot)        | rotation + per-token fp8 quant + on Hopper the Triton TMA fp8   |
 |                                       | GEMM (K % 16 == 0), elsewhere torch._scaled_mm (row-wise        |
@@ -23,11 +23,9 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 |                                       | the mean term from the layer's precomputed group row sums        |
 | hadanorm rotation: other formats      | torch reference                                                  |
 
-Rotation (convrot / quarot): x @ H per group on tensor cores, rounded to x's dtype, before anything else
-reads x. In eager, for groups up to 256 without a LoRA branch, inside the quantization's two passes
-(kernels.rotate_quant: x read twice, no rotated copy written); otherwise one matmul (`rotate`), about one
-read and one write of x (the quantize kernel's former in-register rotation cost five times its plain pass,
-bench/results/linear_speed_h200*.md). Activation quantization: in eager
+Rotation (convrot / quarot): x @ H per group as one tensor-core matmul in x's dtype (`rotate`), before
+anything else reads x: about one read and one write of x, where the quantize kernel's in-register rotation
+cost five times its plain pass (bench/results/linear_speed_h200*.md). Activation quantization: in eager
 the Triton kernel, launched directly; under torch.compile the reference's torch ops, which Inductor fuses
 into the op that produced x (see `quantize_activations`). Every kernel is a custom op inside torch.compile
 (one opaque node) and a direct call in eager (`launcher`).
@@ -134,18 +132,13 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, group: int | Non
     way, since x @ down^T = (x H)(down H)^T for the orthogonal, symmetric H. Under torch.compile the
     quantization is the reference's torch ops, which Inductor fuses into the kernel that produced x (a DiT
     block's norm and modulation) instead of reading x once more, and xa is one cuBLAS product. In eager, one
-    Triton kernel quantizes, and with a branch (R <= 128) reads x once for both the row amax and xa; a
-    rotation of groups up to 256 without a branch is fused into the quantization (kernels.rotate_quant:
-    no rotated copy of x in memory)."""
+    Triton kernel quantizes, and with a branch (R <= 128) reads x once for both the row amax and xa."""
     from lowbit_pipe.kernels.quantize_act import quantize_act, reference_quantize_act
-    from lowbit_pipe.kernels.rotate_quant import fits, rotate_quantize
 
-    if compiling():
-        codes, scale = reference_quantize_act(rotate(x2, rot, group), mode, static)
-        return Activations(codes, scale, F.linear(x2, down) if down is not None else None)
-    if down is None and rot != "none" and fits(rotation.resolve_group(rot, group), x2):
-        return Activations(*rotate_quantize(x2, mode, rot, rotation.resolve_group(rot, group), static))
     xr = rotate(x2, rot, group)
+    if compiling():
+        codes, scale = reference_quantize_act(xr, mode, static)
+        return Activations(codes, scale, F.linear(x2, down) if down is not None else None)
     if down is None:
         return Activations(*quantize_act(xr, mode, static))
     if down.shape[0] > FUSED_DOWN_MAX_R:  # many stacked LoRAs: the plain quantize and one cuBLAS call

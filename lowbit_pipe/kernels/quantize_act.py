@@ -43,29 +43,6 @@ MODES = {"int8": (0, 127.0, 1e-12), "int4": (0, 7.0, 1e-10), "fp8": (1, 448.0, 0
 
 
 @triton.jit
-def scale_of(amax, QMAX: tl.constexpr, EPS: tl.constexpr, FP8: tl.constexpr):
-    """Per-row scale from the row amax (the reference's rule for each mode)."""
-    if FP8:
-        scale = tl.math.div_rn(amax, QMAX)
-        scale = tl.where(scale > 0, scale, 1.0)
-    else:
-        scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
-    return scale
-
-
-@triton.jit
-def codes_of(v, scale, inv, QMAX: tl.constexpr, FP8: tl.constexpr, CODE_TY: tl.constexpr):
-    """fp32 values [rows, cols] -> codes under the per-row `scale` (`inv` = 1 / scale, for fp8)."""
-    if FP8:
-        q = tl.clamp(v * inv[:, None], -QMAX, QMAX).to(CODE_TY)
-    else:
-        t = tl.math.div_rn(v, scale[:, None])
-        t = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds half to even (|t| < 2**22), like torch.round
-        q = tl.clamp(t, -QMAX, QMAX).to(tl.int8)
-    return q
-
-
-@triton.jit
 def _amax_down_kernel(
     x_ptr, down_ptr, amax_ptr, xa_ptr,
     M, K, SLICE, stride_xm, R, stride_dk, stride_dr,
@@ -131,13 +108,23 @@ def _quant_rows_kernel(
             for k0 in range(0, K, BLOCK_K):
                 x = tl.load(x_row + (k0 + cols)[None, :], mask=r_ok[:, None] & ((k0 + cols)[None, :] < K), other=0.0)
                 amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
-        scale = scale_of(amax, QMAX, EPS, FP8)
+        if FP8:
+            scale = tl.math.div_rn(amax, QMAX)
+            scale = tl.where(scale > 0, scale, 1.0)
+        else:
+            scale = tl.math.div_rn(tl.maximum(amax, EPS), QMAX)
         tl.store(s_ptr + rows, scale, mask=r_ok)
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale)
     for k0 in range(0, K, BLOCK_K):
         oc = k0 + cols
         x = tl.load(x_row + oc[None, :], mask=r_ok[:, None] & (oc[None, :] < K), other=0.0)
-        q = codes_of(x.to(tl.float32), scale, inv, QMAX, FP8, q_ptr.dtype.element_ty)
+        v = x.to(tl.float32)
+        if FP8:
+            q = tl.clamp(v * inv[:, None], -QMAX, QMAX).to(q_ptr.dtype.element_ty)
+        else:
+            t = tl.math.div_rn(v, scale[:, None])
+            t = (t + 12582912.0) - 12582912.0  # 1.5 * 2**23: rounds half to even (|t| < 2**22), like torch.round
+            q = tl.clamp(t, -QMAX, QMAX).to(tl.int8)
         tl.store(q_ptr + rows[:, None] * stride_qm + oc[None, :], q, mask=r_ok[:, None] & (oc[None, :] < K))
 
 

@@ -106,20 +106,20 @@ def hadamard(kind: str, n: int, device: torch.device | str | None = None, dtype:
 
 
 @functools.lru_cache(maxsize=32)
-def device_hadamard(kind: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _hadamard_on(kind: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`hadamard(kind, n)` in `dtype` on `device`, kept (a few hundred KB at most per entry)."""
     return hadamard(kind, n, device, dtype).contiguous()
 
 
 def cached_entries() -> int:
     """How many Hadamard matrices the caches hold (masters and device copies)."""
-    return _hadamard_cpu.cache_info().currsize + device_hadamard.cache_info().currsize
+    return _hadamard_cpu.cache_info().currsize + _hadamard_on.cache_info().currsize
 
 
 def clear_cache() -> None:
     """Free the cached Hadamard matrices."""
     _hadamard_cpu.cache_clear()
-    device_hadamard.cache_clear()
+    _hadamard_on.cache_clear()
 
 
 def rotate_groups(x: torch.Tensor, kind: str, group: int) -> torch.Tensor:
@@ -130,7 +130,7 @@ def rotate_groups(x: torch.Tensor, kind: str, group: int) -> torch.Tensor:
     `rotate_activation` is the fp32 reference of the same product."""
     k = x.shape[-1]
     _check_divisible(k, group, "activation")
-    h = device_hadamard(kind, int(group), x.dtype, x.device)
+    h = _hadamard_on(kind, int(group), x.dtype, x.device)
     return torch.mm(x.reshape(-1, group), h).reshape(x.shape)
 
 
