@@ -259,10 +259,17 @@ def main(argv: list[str] | None = None) -> int:
 def torchao_baseline(build: Callable[[], torch.nn.Module], forward_of: Callable, device: torch.device, iters: int,
                      ref: torch.Tensor) -> dict[str, Any]:
     """torchao fp8-row on a second model of the same weights (checked: its bf16 output against `ref`), freed after,
-    with dynamo's caches, so the recipe variants start as they would without it."""
+    with dynamo's caches, so the recipe variants start as they would without it. torchao's quantize_ also sets
+    Inductor options process-wide and never restores them (its recommended_inductor_config_setter: coordinate
+    descent tuning and others; in the H200 run where they leaked, every later compile took 44-60 s instead of
+    3-9 s): the options are restored here after it, and the ones it changed are named in the row."""
+    import torch._inductor.config as inductor_config
+
     label = "torchao fp8-row on the block linears, compiled"
     t = time.perf_counter()
     twin = None
+    saved = inductor_config.get_config_copy()
+    changed: dict[str, Any] = {}
     try:
         twin = build()
         forward = forward_of(twin)
@@ -277,12 +284,16 @@ def torchao_baseline(build: Callable[[], torch.nn.Module], forward_of: Callable,
         row = {"variant": label, "error": f"{type(e).__name__}: {e}"}
         print(f"  torchao: {type(e).__name__}: {e}", flush=True)
     finally:
+        now = inductor_config.get_config_copy()
+        changed = {k: repr(v) for k, v in now.items() if k in saved and v != saved[k]}
+        inductor_config.load_config(saved)
         del twin
         torch._dynamo.reset()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     row["wall_s"] = time.perf_counter() - t
+    row["inductor_options_it_set"] = changed
     return row
 
 
