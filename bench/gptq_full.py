@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowbit_pipe  # noqa: E402
-from headline import SMALL_CONFIG  # noqa: E402
+from headline import SMALL_CONFIG, save_outputs  # noqa: E402
 
 
 def run_format(model: torch.nn.Module, fmt: str, hessian_gb: float, samples: int, steps: int, run_dir: Path,
@@ -107,11 +107,8 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
                      f"{r['rtn_fallback_layers']} | {loss} | {peak} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "device": name, "torch": torch.__version__,
-                                                    "params": params, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(table)
+    save_outputs(args.out, table, {"command": cmd, "device": name, "torch": torch.__version__, "params": params,
+                                   "rows": rows})
 
 
 if __name__ == "__main__":

@@ -325,11 +325,19 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
     table = head + "\n".join(lines) + "\n" + "\n".join(extra) + "\n"
     if not quiet:
         print(table)
-    out = Path(args.out)
+    save_outputs(args.out, table, {"command": cmd, "device": name, "torch": torch.__version__, "params": params,
+                                   "rows": rows})
+
+
+def save_outputs(out: str | Path, table: str, payload: dict[str, Any]) -> None:
+    """`payload` as JSON at `out` (suffix .json) and the markdown `table` beside it (.md), each written to a
+    temporary file and renamed over the old one (a run killed mid-write leaves the previous table whole)."""
+    out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"command": cmd, "device": name, "torch": torch.__version__,
-                                                    "params": params, "rows": rows}, indent=1))
-    out.with_suffix(".md").write_text(table)
+    for path, text in ((out.with_suffix(".json"), json.dumps(payload, indent=1)), (out.with_suffix(".md"), table)):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        tmp.replace(path)
 
 
 if __name__ == "__main__":
