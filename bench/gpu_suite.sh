@@ -6,9 +6,13 @@
 #   bash bench/gpu_suite.sh headline "$OUT"  # the full-size Krea 2 forward through the recipes (+ torchao)
 #   bash bench/gpu_suite.sh stream "$OUT"    # a 25.6 GB synthetic Krea 2 streamed file to file, per format
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
+#   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
+# Seconds measured on the H200 (2026-12-03): kernels 234; linear without --compiled ~60 (the compiled rows add
+# one compile each); stream: source 26, then int8 45 and fp8 52 per format; headline: torchao 74, each recipe
+# variant ~10-20 once Inductor's options are not left changed by torchao (44-64 s each when they were).
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream or pipeline}
+part=${1:?part: kernels, linear, headline, stream, pipeline or gptq}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -39,5 +43,8 @@ case "$part" in
     timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_pipeline.py tests/test_recipe.py \
       tests/test_export_load.py 2>&1 | tail -5 > "$out/pytest.log"
     tail -3 "$out/pytest.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline)"; exit 2 ;;
+  gptq)
+    timeout 560 python3 bench/gptq_full.py --formats int8 nvfp4 --out "$out/gptq_full_h200.json" > "$out/gptq_full.log" 2>&1
+    tail -8 "$out/gptq_full.log" ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq)"; exit 2 ;;
 esac
