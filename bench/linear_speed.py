@@ -53,6 +53,9 @@ ROWS = (
     ("w4a8 prepacked", "w4a8", FormatSpec("w4a8", rotation="convrot"), {"prepack": True}, None),
     ("w6a8", "w6a8", FormatSpec("w6a8", rotation="convrot"), {}, ("AsymW4A8Int8Layout", {"bits": 6})),
     ("w6a8 prepacked", "w6a8", FormatSpec("w6a8", rotation="convrot"), {"prepack": True}, None),
+    # weight-only: the Triton decode into bf16 + cuBLAS (comfy-kitchen's AWQ layout is load-only: no from_float)
+    ("awq_w4a16", "awq_w4a16", FormatSpec("awq_w4a16"), {}, None),
+    ("mxfp8 weight-only", "mxfp8", FormatSpec("mxfp8", activations="none"), {}, ("TensorCoreMXFP8Layout", {})),
 )
 
 
@@ -77,7 +80,8 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
     elif name == "nvfp4" and q.compute == "fp8":  # fp8 compute: e4m3 weight per row, fp8 activations per token
         rs = fmt.fp8_row_scale(q)
         y = reference.fp8_linear(xr, reference.fp8_quantize(fmt._dequantize_rotated(q), rs.reshape(-1, 1)), rs)
-    elif name == "nvfp4" and computes_weight_only(fmt.activation_mode(q), q.compute, x):  # weight-only
+    elif (name == "nvfp4" and computes_weight_only(fmt.activation_mode(q), q.compute, x)) or \
+            fmt.activation_mode(q) == "none" or name == "awq_w4a16":  # weight-only
         y = x.float() @ fmt.dequantize(q).t()
     elif name == "nvfp4":
         y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
@@ -120,6 +124,8 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
         if not dispatch.int8_supported(x, "convrot"):
             return "reference"
         return ("prepacked" if q.runtime else "triton-decode") + "+triton-quant+triton-int8"
+    if name in ("awq_w4a16", "mxfp8"):
+        return "triton-decode+cublas" if dispatch.decode_supported(x, q.tensors["weight"]) else "reference"
     return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"
 
 

@@ -307,6 +307,39 @@ def test_grid_decode_is_bit_exact_on_the_gpu(fmt, bits):
     assert torch.equal(y.cpu(), decode_int8_grid(q.tensors, 1536, bits, 16))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_awq_and_mxfp8_weight_decodes_on_the_gpu(dtype):
+    """The Triton decodes of the weight-only formats: bit-exact with the torch dequantize rounded to the input's
+    dtype, and a weight-only QuantLinear on the GPU (decode + cuBLAS) against its CPU reference."""
+    from lowbit_pipe.formats import FormatSpec, get_format
+    from lowbit_pipe.kernels.decode import awq_decode, mxfp8_decode
+    from lowbit_pipe.nn import QuantLinear
+
+    gen = torch.Generator().manual_seed(25)
+    n, k = 160, 320
+    for fmt, opts in (("awq_w4a16", {}), ("mxfp8", {"activations": "none"})):
+        f = get_format(fmt)
+        linear = nn.Linear(k, n, bias=True)
+        with torch.no_grad():
+            linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+            linear.bias.copy_(linear.bias.to(dtype).float())
+        q = QuantLinear.from_linear(linear, FormatSpec(fmt, **opts))
+        t = {key: v.cuda() for key, v in q.qweight.tensors.items()}
+        _poison()
+        if fmt == "awq_w4a16":
+            w = awq_decode(t["weight"], t["weight_scale"], t["weight_zeros"], k, dtype)
+        else:
+            w = mxfp8_decode(t["weight"], t["weight_scale"], dtype)
+        assert torch.equal(w.cpu(), f.dequantize(q.qweight).to(dtype)), f"{fmt} decode {dtype}"
+        g = copy.deepcopy(q).to("cuda", dtype)
+        for m in (1, 37, 300):
+            x = (torch.randn(m, k, generator=gen) * 2).to(dtype)
+            ref = q(x.float()).double()
+            with torch.inference_mode():
+                y = g(x.cuda())
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert _rel(y.cpu(), ref) < 1e-2, f"{fmt} M={m}: {_rel(y.cpu(), ref):.3g}"
+
 def test_example_lora_attaches_to_a_model_on_the_gpu(tiny_model):
     """An example LoRA generated for, and attached to, a quantized model that lives on CUDA (the factors are
     drawn on the CPU and moved to each layer's device)."""

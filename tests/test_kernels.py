@@ -95,6 +95,14 @@ def test_fake_impls_give_shapes():
         y = fp8_gemm_op(torch.empty(8, 256, dtype=torch.float8_e4m3fn), torch.empty(24, 256, dtype=torch.float8_e4m3fn),
                         s, torch.empty(24), None, torch.float16, torch.empty(8, 32), torch.empty(32, 24))
         assert y.shape == (8, 24) and y.dtype == torch.float16
+        from lowbit_pipe.kernels.decode import awq_decode_op, mxfp8_decode_op
+
+        y = awq_decode_op(torch.empty(24, 64, dtype=torch.int8), torch.empty(2, 24, dtype=torch.bfloat16),
+                          torch.empty(2, 24, dtype=torch.bfloat16), 128, torch.float16)
+        assert y.shape == (24, 128) and y.dtype == torch.float16
+        y = mxfp8_decode_op(torch.empty(32, 64, dtype=torch.float8_e4m3fn), torch.empty(128, 4, dtype=torch.uint8),
+                            torch.bfloat16)
+        assert y.shape == (32, 64) and y.dtype == torch.bfloat16
 
 
 def test_cpu_inputs_take_the_reference():
@@ -446,6 +454,40 @@ def case_decode() -> None:
         t = q.tensors
         y = grid_decode_int8(t["weight"], t["weight_s_rel"], t.get("weight_codebook"), 512, bits)
         assert torch.equal(y, decode_int8_grid(t, 512, bits, 16)), f"grid_decode_int8 {name}"
+    # awq_w4a16: (u - 8) * scale + zero, each step rounded to the scales' dtype. fp16 scales compare exactly; the
+    # interpreter's fp32 -> bf16 cast truncates, so bf16 ones only within bf16's precision (the GPU test: exact)
+    from lowbit_pipe.formats import common
+    from lowbit_pipe.formats.awq_w4a16 import GROUP, decode
+    from lowbit_pipe.kernels.decode import awq_decode, mxfp8_decode
+
+    awq = get_format("awq_w4a16")
+    for n, k in ((48, 256), (130, 320), (7, 64)):  # 320: a ragged last 256-column block
+        w = torch.randn(n, k, generator=gen) * 0.02
+        w[0, :64] = 0.0  # an all-zero group
+        t = awq.quantize(w, FormatSpec("awq_w4a16")).tensors
+        u = common.unpack_nibbles(t["weight"], even_high=False)
+        s16, z16 = t["weight_scale"].half(), t["weight_zeros"].half()
+        ref16 = decode(u, s16.t().repeat_interleave(GROUP, 1), z16.t().repeat_interleave(GROUP, 1))
+        assert torch.equal(awq_decode(t["weight"], s16, z16, k, torch.float32), ref16), f"awq_decode {n}x{k} fp16"
+        ref = decode(u, t["weight_scale"].t().repeat_interleave(GROUP, 1), t["weight_zeros"].t().repeat_interleave(GROUP, 1))
+        y = awq_decode(t["weight"], t["weight_scale"], t["weight_zeros"], k, torch.float32)
+        _close(y, ref, 2 ** -7, f"awq_decode {n}x{k} bf16")
+    for bad in (dict(k=100), dict(scale=torch.ones(4, 48))):
+        args = {"k": 256, "scale": t["weight_scale"], **bad}
+        try:
+            awq_decode(t["weight"], args["scale"], t["weight_zeros"], args["k"], torch.float32)
+        except ValueError as e:
+            assert "awq_decode" in str(e), e
+        else:
+            raise AssertionError(f"awq_decode accepted {bad}")
+    # mxfp8: e4m3 x 2^(e-127), exact in fp32
+    mx = get_format("mxfp8")
+    for n, k in ((64, 256), (160, 96), (32, 32)):  # 160 rows: two 128-row scale tiles; 96: a ragged scale tile
+        w = torch.randn(n, k, generator=gen) * 0.02
+        w[1, :32] = 0.0  # a zero block (e = 0)
+        q = mx.quantize(w, FormatSpec("mxfp8"))
+        y = mxfp8_decode(q.tensors["weight"], q.tensors["weight_scale"], torch.float32)
+        assert torch.equal(y, mx._dequantize_rotated(q)), f"mxfp8_decode {n}x{k}"
 
 
 def case_formats() -> None:

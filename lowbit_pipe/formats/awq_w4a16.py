@@ -26,6 +26,7 @@ from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
+from lowbit_pipe.kernels import dispatch
 
 GROUP = 64
 SCALE_DTYPE = torch.bfloat16
@@ -109,6 +110,12 @@ class AWQW4A16(Format):
     def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         scale, zero = self._grid(q)
         return decode(self.codes(q), scale.repeat_interleave(GROUP, 1), zero.repeat_interleave(GROUP, 1))
+
+    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        t = q.tensors
+        if not dispatch.decode_supported(x, t["weight"]):
+            return super().dequantize_like(q, x)
+        return dispatch.awq_weight(t["weight"], t["weight_scale"], t["weight_zeros"], q.shape[1], x.dtype)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         return self.weight_only_linear(x, q, bias)

@@ -195,9 +195,14 @@ class Format(ABC):
                            lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Activations "none": x @ dequantize(W)^T in x's dtype (what stock ComfyUI computes for a
         weight-only layer), on any device; a LoRA branch is added after."""
-        w = self.dequantize(q).to(device=x.device, dtype=x.dtype)
+        w = self.dequantize_like(q, x)
         y = F.linear(x, w, bias.to(x.dtype) if bias is not None else None)
         return y + low_rank_delta(x, *lora) if lora is not None else y
+
+    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """The dequantized weight [N, K] in x's dtype on x's device, for a weight-only matmul: `dequantize` in torch;
+        formats with a GPU decode kernel (kernels.decode) override it for GPU inputs, with the same values."""
+        return self.dequantize(q).to(device=x.device, dtype=x.dtype)
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
         """Logical (out, in) of a layer from its stored `weight` shape (formats whose record says more override)."""

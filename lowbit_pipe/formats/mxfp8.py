@@ -28,7 +28,7 @@ from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.kernels import reference, rotation
+from lowbit_pipe.kernels import dispatch, reference, rotation
 
 BLOCK = 32
 E8M0_BIAS = 127
@@ -101,6 +101,13 @@ class MXFP8(Format):
     def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
         kind, group = common.record_rotation(q.record, q.format)
         return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
+
+    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        t = q.tensors
+        kind, _ = common.record_rotation(q.record, q.format)
+        if kind != "none" or not dispatch.decode_supported(x, t["weight"]):  # rotated: unrotated in torch
+            return super().dequantize_like(q, x)
+        return dispatch.mxfp8_weight(t["weight"], t["weight_scale"], x.dtype)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self.activation_mode(q) == "none":

@@ -13,6 +13,14 @@ and competes with its MMAs. nvfp4 keeps its register-decode GEMM for calls of fe
 2. `grid_decode_int8`: asym_w4a8_int8 codes (4-bit codebook or uniform 6-bit) x e4m3 group scales ->
    the int8 grid [N, K] the W8A8 GEMM consumes, clamp(rne(level * s_rel), +-127): bit-exact with
    formats.w4a8.decode_int8_grid.
+3. `awq_decode`: awq_w4a16's uint4 codes (column 2j in the LOW nibble) with a scale and zero per group of
+   64 ([K/64, N], bf16 or fp16) -> (u - 8) * scale + zero, each operation rounded to the scales' dtype as
+   torch rounds it (formats.awq_w4a16.decode, comfy-kitchen's arithmetic): bit-exact.
+4. `mxfp8_decode`: e4m3 codes x 2^(e - 127) per block of 32 (E8M0 exponents in the same swizzle as
+   nvfp4's block scales; e = 0 a zero block): exact in fp32, then rounded once to the output dtype
+   (formats.mxfp8.dequantize_blocks).
+Weight-only layers of awq_w4a16 and mxfp8 on a GPU decode with 3. and 4. into the input's dtype, then
+cuBLAS: stock ComfyUI's arithmetic there, without the torch decode's fp32 intermediates.
 
 Each is kernel -> launcher -> custom op with a fake impl (torch.compile keeps it one node).
 """
@@ -129,6 +137,90 @@ def grid_decode_int8(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.
     return out
 
 
+@triton.jit
+def _awq_decode_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sg, stride_on,
+                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Whole bytes per program (joined back into column order in registers), each (group, row) scale and
+    # zero read once and broadcast over its 64 columns.
+    tl.static_assert(BLOCK_K % GROUP == 0)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    kg = tl.program_id(1) * (BLOCK_K // GROUP) + tl.arange(0, BLOCK_K // GROUP)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_ok = rows < N
+    p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=r_ok[:, None] & (2 * kh < K)[None, :],
+                other=0).to(tl.int32)
+    u = tl.reshape(tl.join(p & 15, (p >> 4) & 15), (BLOCK_N, BLOCK_K))  # even column = LOW nibble
+    g_ok = r_ok[:, None] & (GROUP * kg < K)[None, :]
+    s_off = kg[None, :] * stride_sg + rows[:, None]  # scales and zeros are [K/64, N]
+    s = tl.load(s_ptr + s_off, mask=g_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptr + s_off, mask=g_ok, other=0.0).to(tl.float32)
+    # (u - 8) * s is exact in fp32 (a 4-bit integer times an 8/11-bit significand): rounding it, then the sum,
+    # to the scales' dtype is what torch does for each of the two operations in that dtype
+    t = tl.reshape(tl.reshape((u - 8).to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None],
+                   (BLOCK_N, BLOCK_K))
+    t = t.to(s_ptr.dtype.element_ty).to(tl.float32)
+    v = tl.reshape(tl.reshape(t, (BLOCK_N, BLOCK_K // GROUP, GROUP)) + z[:, :, None], (BLOCK_N, BLOCK_K))
+    v = v.to(s_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cols < K)[None, :])
+
+
+def awq_decode(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int,
+               out_dtype: torch.dtype) -> torch.Tensor:
+    """awq_w4a16 storage -> out_dtype [N, k]: weight int8 [N, k/2] (uint4, column 2j low), scale and zero
+    [k/64, N] in bf16 or fp16. Same values as formats.awq_w4a16.decode, then cast to out_dtype."""
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] * 2 != k or k % 64:
+        raise ValueError(f"awq_decode: weight {tuple(weight.shape)} does not hold [{n}, {k}] (k a multiple of 64)")
+    if tuple(scale.shape) != (k // 64, n) or scale.shape != zero.shape or scale.dtype != zero.dtype \
+            or scale.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"awq_decode: scale {tuple(scale.shape)} {scale.dtype} / zero {tuple(zero.shape)} "
+                         f"{zero.dtype} are not both [{k // 64}, {n}] bf16 or fp16")
+    w = weight.view(torch.uint8).contiguous()
+    s, z = scale.contiguous(), zero.contiguous()
+    out = torch.empty((n, k), dtype=out_dtype, device=weight.device)
+    if n and k:
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
+        _awq_decode_kernel[grid](w, s, z, out, n, k, w.stride(0), s.stride(0), out.stride(0),
+                                 GROUP=64, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
+@triton.jit
+def _mxfp8_decode_kernel(w_ptr, e_ptr, out_ptr, N, K, SCALE_COLS, stride_wn, stride_on,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r_ok = rows < N
+    c = tl.load(w_ptr + rows[:, None] * stride_wn + cols[None, :], mask=r_ok[:, None] & (cols < K)[None, :],
+                other=0.0).to(tl.float32)
+    e_idx = scale_row_offsets(rows, SCALE_COLS)[:, None] + scale_col_offsets(kb)[None, :]
+    e = tl.load(e_ptr + e_idx, mask=r_ok[:, None] & (32 * kb < K)[None, :], other=0).to(tl.int32)
+    scale = tl.where(e == 0, 0.0, (e << 23).to(tl.float32, bitcast=True))  # 2^(e - 127); e = 0: a zero block
+    v = tl.reshape(tl.reshape(c, (BLOCK_N, BLOCK_K // 32, 32)) * scale[:, :, None], (BLOCK_N, BLOCK_K))
+    tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], v.to(out_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & (cols < K)[None, :])
+
+
+def mxfp8_decode(weight: torch.Tensor, exponents: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """mxfp8 storage -> out_dtype [N, K]: weight e4m3 [N, K] (K a multiple of 32), exponents E8M0 (or uint8)
+    swizzled [roundup(N,128), roundup(K/32,4)]. Same values as formats.mxfp8.dequantize_blocks, then cast."""
+    n, k = weight.shape if weight.dim() == 2 else (0, 1)
+    if weight.dim() != 2 or k % 32 or exponents.dim() != 2 or exponents.shape[0] < n or exponents.shape[1] * 32 < k:
+        raise ValueError(f"mxfp8_decode: weight {tuple(weight.shape)} / exponents {tuple(exponents.shape)} do not "
+                         "describe an mxfp8 layer (K a multiple of 32, swizzled exponents covering it)")
+    w = weight.view(torch.float8_e4m3fn).contiguous()
+    e = exponents.view(torch.uint8).contiguous()
+    out = torch.empty((n, k), dtype=out_dtype, device=weight.device)
+    if n and k:
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
+        _mxfp8_decode_kernel[grid](w, e, out, n, k, e.shape[1], w.stride(0), out.stride(0),
+                                   BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
+
+
 @torch.library.custom_op("lowbit_pipe::nvfp4_decode", mutates_args=())
 def nvfp4_decode_op(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
                     out_dtype: torch.dtype, row_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -149,3 +241,24 @@ def grid_decode_int8_op(weight: torch.Tensor, s_rel: torch.Tensor, codebook: tor
 @grid_decode_int8_op.register_fake
 def _(weight, s_rel, codebook, k, bits, group_size):
     return weight.new_empty((weight.shape[0], k), dtype=torch.int8)
+
+
+@torch.library.custom_op("lowbit_pipe::awq_decode", mutates_args=())
+def awq_decode_op(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    return awq_decode(weight, scale, zero, k, out_dtype)
+
+
+@awq_decode_op.register_fake
+def _(weight, scale, zero, k, out_dtype):
+    return weight.new_empty((weight.shape[0], k), dtype=out_dtype)
+
+
+@torch.library.custom_op("lowbit_pipe::mxfp8_decode", mutates_args=())
+def mxfp8_decode_op(weight: torch.Tensor, exponents: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return mxfp8_decode(weight, exponents, out_dtype)
+
+
+@mxfp8_decode_op.register_fake
+def _(weight, exponents, out_dtype):
+    return weight.new_empty(tuple(weight.shape), dtype=out_dtype)

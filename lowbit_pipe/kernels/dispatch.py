@@ -22,6 +22,8 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | hadanorm rotation: int8, fp8          | torch centring + rotation, the path above on the rotated input,  |
 |                                       | the mean term from the layer's precomputed group row sums        |
 | hadanorm rotation: other formats      | torch reference                                                  |
+| awq_w4a16, mxfp8 weight-only (mxfp8   | Triton decode of the layer's weight into x's dtype + cuBLAS      |
+| unrotated)                            | (`decode_supported`, Format.dequantize_like)                     |
 
 Rotation (convrot / quarot): x @ H per group as one tensor-core matmul in x's dtype (`rotate`), before
 anything else reads x: about one read and one write of x, where the quantize kernel's in-register rotation
@@ -187,6 +189,26 @@ def grid_decode(tensors: dict[str, torch.Tensor], k: int, bits: int, group_size:
 
     decode = launcher(grid_decode_int8_op, grid_decode_int8)
     return decode(tensors["weight"], tensors["weight_s_rel"], tensors.get("weight_codebook"), k, bits, group_size)
+
+
+def decode_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """The Triton weight decodes of weight-only layers (awq_w4a16, mxfp8): a GPU input in a float dtype, its layer's
+    weight on the same device."""
+    return _gpu_input(x) and weight.device == x.device
+
+
+def awq_weight(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """awq_w4a16's weight [N, k] in `dtype` (kernels.decode.awq_decode: formats.awq_w4a16.decode's values)."""
+    from lowbit_pipe.kernels.decode import awq_decode, awq_decode_op
+
+    return launcher(awq_decode_op, awq_decode)(weight, scale, zero, k, dtype)
+
+
+def mxfp8_weight(weight: torch.Tensor, exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """mxfp8's (unrotated) weight [N, K] in `dtype` (kernels.decode.mxfp8_decode: dequantize_blocks' values)."""
+    from lowbit_pipe.kernels.decode import mxfp8_decode, mxfp8_decode_op
+
+    return launcher(mxfp8_decode_op, mxfp8_decode)(weight, exponents, dtype)
 
 
 def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor], torch.Tensor],
