@@ -83,8 +83,9 @@ SMALL = {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size"
          "text_intermediate_size": 1024, "num_text_layers": 4}
 
 
-def _stream_peak(tmp_path: Path, layers: int) -> tuple[int, int]:
-    """(file bytes, peak resident bytes of a fresh process streaming it to int8)."""
+def _stream_peak(tmp_path: Path, layers: int, runs: int = 2) -> tuple[int, int]:
+    """(file bytes, peak resident bytes of a fresh process streaming it to int8: the least of `runs` processes, since
+    one process's peak varies by up to ~100 MB from run to run on a 2-core machine)."""
     sys.path.insert(0, str(ROOT / "bench"))
     from make_checkpoint import make_checkpoint
 
@@ -94,12 +95,16 @@ def _stream_peak(tmp_path: Path, layers: int) -> tuple[int, int]:
     script = ("import resource, sys, lowbit_pipe\n"
               f"r = lowbit_pipe.run('default', sys.argv[1:], run_dir={str(tmp_path / f'run{layers}')!r})\n"
               "print('PEAK', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)\n")
-    proc = subprocess.run([sys.executable, "-c", script, f"model.path={src}", "model.stream=true",
-                           "pipeline=[load,detect,quantize,export]", f"export.path={tmp_path / f'out{layers}.safetensors'}",
-                           *config], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    peaks = []
+    for _ in range(runs):
+        proc = subprocess.run([sys.executable, "-c", script, f"model.path={src}", "model.stream=true",
+                               "pipeline=[load,detect,quantize,export]",
+                               f"export.path={tmp_path / f'out{layers}.safetensors'}", *config],
+                              capture_output=True, text=True, cwd=ROOT, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        peaks.append(int(re.search(r"PEAK (\d+)", proc.stdout).group(1)))
     src.unlink()
-    return figures["bytes"], int(re.search(r"PEAK (\d+)", proc.stdout).group(1))
+    return figures["bytes"], min(peaks)
 
 
 @pytest.mark.slow
