@@ -41,6 +41,7 @@ from lowbit_pipe import lora  # noqa: E402
 from lowbit_pipe.arch import get_arch  # noqa: E402
 from lowbit_pipe.lora.make_example import example_lora  # noqa: E402
 from lowbit_pipe.stages.compile import dynamo_counters  # noqa: E402
+from outputs import save_outputs  # noqa: E402
 
 SMALL_CONFIG = {"in_channels": 16, "num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "intermediate_size": 512, "timestep_embed_dim": 64, "text_hidden_dim": 64,
@@ -334,17 +335,6 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
         print(table)
     save_outputs(args.out, table, {"command": cmd, "device": name, "torch": torch.__version__, "params": params,
                                    "rows": rows})
-
-
-def save_outputs(out: str | Path, table: str, payload: dict[str, Any]) -> None:
-    """`payload` as JSON at `out` (suffix .json) and the markdown `table` beside it (.md), each written to a
-    temporary file and renamed over the old one (a run killed mid-write leaves the previous table whole)."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    for path, text in ((out.with_suffix(".json"), json.dumps(payload, indent=1)), (out.with_suffix(".md"), table)):
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
 
 
 if __name__ == "__main__":

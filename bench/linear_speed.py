@@ -15,7 +15,6 @@ Timing: triton.testing.do_bench (L2 flushed between calls, mean ms) on CUDA; wal
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
@@ -31,6 +30,7 @@ from lowbit_pipe.formats.nvfp4 import computes_weight_only  # noqa: E402
 from lowbit_pipe.formats.w4a8 import decode_int8_grid  # noqa: E402
 from lowbit_pipe.kernels import dispatch, reference, rotation  # noqa: E402
 from lowbit_pipe.nn import QuantLinear  # noqa: E402
+from outputs import save_outputs  # noqa: E402
 
 KREA2_KN = ((6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536))
 FULL_SHAPES = [(4608, k, n) for k, n in KREA2_KN] + [(256, k, n) for k, n in KREA2_KN]
@@ -316,9 +316,7 @@ def markdown(report: dict) -> str:
             continue
         g = f"{r['ms_graph']:.4f} | {r['speedup_graph']:.2f}" if r.get("ms_graph") is not None else "- | -"
         parts = f"{r['quant_ms_graph']:.4f} / {r['gemm_ms_graph']:.4f}" if "quant_ms_graph" in r else ""
-        if "unfused_quant_ms_graph" in r:  # linear_speed_h200_rotquant.md: the fused rotation's run
-            parts += f" (unfused {r['unfused_quant_ms_graph']:.4f}, its rotation {r['rotate_ms_graph']:.4f})"
-        elif "rotate_ms_graph" in r:
+        if "rotate_ms_graph" in r:
             parts += f" (rotation {r['rotate_ms_graph']:.4f})"
         comp = f"{r['ms_compiled_graph']:.4f} ({r['speedup_compiled']:.2f}x)" if "ms_compiled_graph" in r else ""
         ck = f"{r['ck_ms']:.4f} | {r['speedup_vs_ck']:.2f}" if "ck_ms" in r else \
@@ -348,9 +346,7 @@ def save(report: dict, md: str, out: Path | None, quiet: bool = False) -> None:
     if not quiet:
         print(md)
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(report, indent=2))
-        out.with_suffix(".md").write_text(md)
+        save_outputs(out, md, report)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_checkpoint import make_checkpoint  # noqa: E402
+from outputs import save_outputs  # noqa: E402
 
 CHILD = """
 import resource, sys, time, json, torch, lowbit_pipe
@@ -140,12 +141,10 @@ def write(rows: list[dict], argv: list[str], args: argparse.Namespace, made: dic
     table = "\n".join(lines)
     if not quiet:
         print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(f"`python bench/stream_bench.py {' '.join(argv)}`\n\n{table}\n")
-    out.with_suffix(".json").write_text(json.dumps({"command": "python bench/stream_bench.py " + " ".join(argv),
-                                                    "machine": platform.platform(), "cpus": os.cpu_count(),
-                                                    "synthetic": made, "disk": disk, "rows": rows}, indent=2) + "\n")
+    command = "python bench/stream_bench.py " + " ".join(argv)
+    save_outputs(args.out, f"`{command}`\n\n{table}\n", {"command": command, "machine": platform.platform(),
+                                                        "cpus": os.cpu_count(), "synthetic": made, "disk": disk,
+                                                        "rows": rows})
 
 
 if __name__ == "__main__":
