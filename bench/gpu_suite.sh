@@ -7,7 +7,7 @@
 #   bash bench/gpu_suite.sh stream "$OUT"    # a 25.6 GB synthetic Krea 2 streamed file to file, per format
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
 #   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
-# Seconds measured on the H200 (2026-12-03): kernels 234; linear without --compiled ~60 (the compiled rows add
+# Seconds measured on the H200 (2026-12-03/04): kernels 226 (59 tests); linear without --compiled ~80 (every row, --rep-ms 20) (the compiled rows add
 # one compile each); stream: source 26, then int8 45 and fp8 52 per format; headline: torchao 74, each recipe
 # variant ~10-20 once Inductor's options are not left changed by torchao (44-64 s each when they were).
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.

@@ -295,11 +295,34 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
+def summary(report: dict) -> list[str]:
+    """One line per shape, one column per format: the speed-up over bf16 in a CUDA graph replay (eager where there
+    is no graph), with comfy-kitchen's eager ms over ours in brackets (> 1: ours faster), "err" for a failed cell."""
+    results = [r for r in report["results"] if r["format"] not in ("bf16", "fp32")]
+    labels = list(dict.fromkeys(r["format"] for r in results))
+    shapes = list(dict.fromkeys((r["M"], r["K"], r["N"]) for r in results))
+    cells = {(r["M"], r["K"], r["N"], r["format"]): r for r in results}
+
+    def cell(r: dict | None) -> str:
+        if r is None:
+            return "-"
+        if "error" in r:
+            return "err"
+        x = r["speedup_graph"] if r.get("speedup_graph") is not None else r["speedup_vs_bf16"]
+        return f"{x:.2f}x" + (f" ({r['speedup_vs_ck']:.2f})" if "speedup_vs_ck" in r else "")
+    lines = ["| M | K x N | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+    for m, k, n in shapes:
+        lines.append(f"| {m} | {k} x {n} | " + " | ".join(cell(cells.get((m, k, n, f))) for f in labels) + " |")
+    return lines
+
+
 def markdown(report: dict) -> str:
     env = report["env"]
     lines = [f"`{report['command']}`", "",
              f"device: {env['device_name']} | torch {env['torch']} | triton {env['triton']} | activations {report['dtype']}",
-             "", "ms = forward incl. activation quantization; x = bf16 ms / format ms (>1 faster); "
+             "", "Summary: x bf16 in a CUDA graph replay (eager without a graph); in brackets comfy-kitchen's eager ms "
+             "over ours (> 1: ours faster)", "", *summary(report), "",
+             "ms = forward incl. activation quantization; x = bf16 ms / format ms (>1 faster); "
              "err ref = vs the format's reference math; err float = vs the unquantized fp32 product", "",
              "ms graph / x graph: the same forward replayed from a CUDA graph (GPU time, no Python or launch "
              "overhead); compiled: the layer under torch.compile, replayed the same way (--compiled); quant/gemm: "
