@@ -56,6 +56,8 @@ ROWS = (
     # weight-only: the Triton decode into bf16 + cuBLAS (comfy-kitchen's AWQ layout is load-only: no from_float)
     ("awq_w4a16", "awq_w4a16", FormatSpec("awq_w4a16"), {}, None),
     ("mxfp8 weight-only", "mxfp8", FormatSpec("mxfp8", activations="none"), {}, ("TensorCoreMXFP8Layout", {})),
+    ("svdquant_w4a4", "svdquant_w4a4", FormatSpec("svdquant_w4a4"), {}, None),  # rank 32, round-to-nearest
+    ("svdquant_w4a4 prepacked", "svdquant_w4a4", FormatSpec("svdquant_w4a4"), {"prepack": True}, None),
 )
 
 
@@ -85,6 +87,14 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
         y = x.float() @ fmt.dequantize(q).t()
     elif name == "nvfp4":
         y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
+    elif name == "svdquant_w4a4":  # both operands dequantized in fp32 (exact: small integers times bf16 scales)
+        from lowbit_pipe.formats.svdquant_w4a4 import GROUP, quantize_activations
+
+        x2 = x.reshape(-1, x.shape[-1]).to(t["weight_scale"].dtype)
+        codes, scales = quantize_activations(x2, t["weight_smooth_factor"])
+        act = (codes.float().view(codes.shape[0], -1, GROUP) * scales.float().unsqueeze(-1)).view(codes.shape)
+        y = act @ fmt._residual(q, torch.float32).t() + \
+            (x2.float() @ t["weight_proj_down"].float()) @ t["weight_proj_up"].float().t()
     else:
         if name == "convrot_w4a4":
             xq, xs = reference.quantize_rows_int4(xr)
@@ -124,6 +134,10 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
         if not dispatch.int8_supported(x, "convrot"):
             return "reference"
         return ("prepacked" if q.runtime else "triton-decode") + "+triton-quant+triton-int8"
+    if name == "svdquant_w4a4":
+        if not dispatch.svdquant_supported(x, q.tensors["weight"]):
+            return "reference"
+        return "torch-quant+triton-svdquant-gemm" + ("(int8 codes)" if q.runtime else "(int4 unpack)")
     if name in ("awq_w4a16", "mxfp8"):
         return "triton-decode+cublas" if dispatch.decode_supported(x, q.tensors["weight"]) else "reference"
     return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"
