@@ -57,7 +57,6 @@ ROWS = (
     ("awq_w4a16", "awq_w4a16", FormatSpec("awq_w4a16"), {}, None),
     ("mxfp8 weight-only", "mxfp8", FormatSpec("mxfp8", activations="none"), {}, ("TensorCoreMXFP8Layout", {})),
     ("svdquant_w4a4", "svdquant_w4a4", FormatSpec("svdquant_w4a4"), {}, None),  # rank 32, round-to-nearest
-    ("svdquant_w4a4 prepacked", "svdquant_w4a4", FormatSpec("svdquant_w4a4"), {"prepack": True}, None),
 )
 
 
@@ -134,10 +133,8 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
         if not dispatch.int8_supported(x, "convrot"):
             return "reference"
         return ("prepacked" if q.runtime else "triton-decode") + "+triton-quant+triton-int8"
-    if name == "svdquant_w4a4":
-        if not dispatch.svdquant_supported(x, q.tensors["weight"]):
-            return "reference"
-        return "torch-quant+triton-svdquant-gemm" + ("(int8 codes)" if q.runtime else "(int4 unpack)")
+    if name == "svdquant_w4a4":  # no kernel: the format's torch forward on any device
+        return "torch (quant, residual dequant, bf16 matmul)"
     if name in ("awq_w4a16", "mxfp8"):
         return "triton-decode+cublas" if dispatch.decode_supported(x, q.tensors["weight"]) else "reference"
     return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"

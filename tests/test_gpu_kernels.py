@@ -151,7 +151,6 @@ FORMAT_CASES = [
     ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False),
     ("convrot_w4a4", {"rotation": "convrot"}, False), ("convrot_w4a4", {"rotation": "convrot"}, True),
     ("w4a8", {}, False), ("w4a8", {}, True), ("w6a8", {}, False), ("w6a8", {}, True),
-    ("svdquant_w4a4", {}, False), ("svdquant_w4a4", {}, True),
 ]
 
 
@@ -269,42 +268,6 @@ def test_int8_gemm_every_config_matches_the_oracle(w_mode):
         _poison()
         y = int8_gemm(a2.cuda(), cuda[1], a2_s.cuda(), cuda[3], cuda[4], torch.float32, w_mode)
         assert _rel(y.cpu(), reference_int8_gemm(a2, w, a2_s, w_s, bias, torch.float32, w_mode)) < 1e-6, f"M={mm}"
-
-
-@pytest.mark.parametrize("packed", [True, False])
-def test_svdquant_gemm_every_config_matches_the_oracle(packed):
-    """Each named autotune config of svdquant_w4a4's group-scaled W4A4 GEMM (packed int4 or int8 codes), with and
-    without its low-rank epilogue, on an odd shape, and the default launch at 1 and 1500 rows, against the
-    float64 oracle of the same integer sums and scales."""
-    from lowbit_pipe.formats import common
-    from lowbit_pipe.kernels.svdquant_gemm import CONFIGS, reference_svdquant_gemm, svdquant_gemm
-
-    gen = torch.Generator().manual_seed(23)
-    m, k, n = 333, 1280, 392
-    a = torch.randint(-7, 8, (m, k), generator=gen, dtype=torch.int8)
-    codes = torch.randint(-7, 8, (n, k), generator=gen)
-    w = common.pack_nibbles(codes & 0xF, even_high=False).view(torch.int8) if packed else codes.to(torch.int8)
-    sa = (torch.rand(m, k // 64, generator=gen) * 1e-2).bfloat16()
-    sw = (torch.rand(k // 64, n, generator=gen) * 1e-2).bfloat16()
-    bias, xa, up_t = torch.randn(n, generator=gen), torch.randn(m, 32, generator=gen), torch.randn(32, n, generator=gen)
-    ref = reference_svdquant_gemm(a, sa, w, sw, bias, packed)
-    ref_l = reference_svdquant_gemm(a, sa, w, sw, bias, packed, xa.bfloat16(), up_t.bfloat16())
-    cuda = [t.cuda() for t in (a, sa, w, sw, bias)]
-    xa_c, up_c = xa.bfloat16().cuda(), up_t.bfloat16().cuda()
-    configs = [(name, {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}) for name, cfg in CONFIGS.items()]
-    configs.append(("default tiles", None))  # autotuned at M=333
-    for name, config in configs:
-        _poison()
-        y = svdquant_gemm(*cuda, torch.float32, packed, config=config)
-        assert _rel(y.cpu(), ref) < 1e-6, name
-        y = svdquant_gemm(*cuda, torch.bfloat16, packed, xa_c, up_c, config=config)
-        assert _rel(y.cpu(), ref_l) < 1e-2, f"{name} + low rank"
-    for mm in (1, 1500):
-        a2 = torch.randint(-7, 8, (mm, k), generator=gen, dtype=torch.int8)
-        sa2 = (torch.rand(mm, k // 64, generator=gen) * 1e-2).bfloat16()
-        _poison()
-        y = svdquant_gemm(a2.cuda(), sa2.cuda(), *cuda[2:], torch.float32, packed)
-        assert _rel(y.cpu(), reference_svdquant_gemm(a2, sa2, w, sw, bias, packed)) < 1e-6, f"M={mm}"
 
 
 def test_nvfp4_gemm_every_config_and_decode_match_the_reference():

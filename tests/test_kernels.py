@@ -28,8 +28,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "formats", "compile",
-         "svdquant")
+CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "formats", "compile")
 CHILD_TIMEOUT_S = 600
 
 
@@ -104,11 +103,6 @@ def test_fake_impls_give_shapes():
         y = mxfp8_decode_op(torch.empty(32, 64, dtype=torch.float8_e4m3fn), torch.empty(128, 4, dtype=torch.uint8),
                             torch.bfloat16)
         assert y.shape == (32, 64) and y.dtype == torch.bfloat16
-        from lowbit_pipe.kernels.svdquant_gemm import svdquant_gemm_op
-
-        y = svdquant_gemm_op(torch.empty(8, 256, dtype=torch.int8), torch.empty(8, 4), torch.empty(24, 128, dtype=torch.int8),
-                             torch.empty(4, 24), None, torch.float16, True, torch.empty(8, 32), torch.empty(32, 24))
-        assert y.shape == (8, 24) and y.dtype == torch.float16
 
 
 def test_cpu_inputs_take_the_reference():
@@ -571,70 +565,6 @@ def case_compile() -> None:
     targets = " ".join(graphs[0])
     assert "rotate_groups" in targets and "int8_gemm" in targets and "quantize_act" not in targets, targets
     assert "amax" in targets and "round" in targets, targets
-
-
-def case_svdquant() -> None:
-    """svdquant_w4a4's group-scaled W4A4 GEMM vs a float64 oracle of the same integer sums and scales (packed and
-    int8 codes, bias, low-rank epilogue, ragged M and N), its argument errors, and the format's GPU path
-    (SVDQuantW4A4.kernel_linear) vs the format's own forward, LoRA and prepack included, eager and compiled."""
-    from lowbit_pipe.formats import FormatSpec, common, get_format
-    from lowbit_pipe.formats.base import QuantizedWeight
-    from lowbit_pipe.kernels import reference
-    from lowbit_pipe.kernels.svdquant_gemm import reference_svdquant_gemm, svdquant_gemm
-
-    gen = torch.Generator().manual_seed(6)
-    m, k, n = 37, 192, 40  # three groups of 64; 37 rows and 40 columns: partial tiles
-    a = torch.randint(-7, 8, (m, k), dtype=torch.int8, generator=gen)
-    codes = torch.randint(-7, 8, (n, k), generator=gen)
-    packed = common.pack_nibbles(codes & 0xF, even_high=False).view(torch.int8)
-    sa = (torch.rand(m, k // 64, generator=gen) + 0.5).bfloat16()
-    sw = (torch.rand(k // 64, n, generator=gen) + 0.5).bfloat16()
-    bias = torch.randn(n, generator=gen)
-    xa, up_t = torch.randn(m, 8, generator=gen), torch.randn(8, n, generator=gen)
-    # a scale that differs per group, so a kernel applying one group's scale to another's sum is caught
-    sa[:, 1] *= 4.0
-    for is_packed, w in ((True, packed), (False, codes.to(torch.int8))):
-        for b in (None, bias):
-            for branch in ((None, None), (xa, up_t)):
-                y = svdquant_gemm(a, sa, w, sw, b, torch.float32, is_packed, *branch)
-                _close(y, reference_svdquant_gemm(a, sa, w, sw, b, is_packed, *branch), 1e-6,
-                       f"svdquant_gemm packed={is_packed} bias={b is not None} branch={branch[0] is not None}")
-    y = svdquant_gemm(a, sa, packed, sw, bias, torch.float16, True, config={"BLOCK_M": 16, "BLOCK_N": 32})
-    assert y.dtype == torch.float16
-    _close(y, reference_svdquant_gemm(a, sa, packed, sw, bias), 1e-3, "svdquant_gemm fp16 out, 16x32 tiles")
-    for bad, what in ((dict(a=a[:, :100]), "K mismatch"), (dict(a=a[:, :96], w=packed[:, :48]), "multiple"),
-                      (dict(sa=sa[:, :2]), "a_scale"), (dict(sw=sw.t()), "w_scale")):
-        args = {"a": a, "sa": sa, "w": packed, "sw": sw, **bad}
-        try:
-            svdquant_gemm(args["a"], args["sa"], args["w"], args["sw"])
-        except ValueError as e:
-            assert "svdquant_gemm" in str(e) and what in str(e), e
-        else:
-            raise AssertionError(f"svdquant_gemm accepted {bad}")
-    # the format's GPU path in fp16 (the interpreter's bf16 dot is broken): within the contract's own roundings
-    fmt = get_format("svdquant_w4a4")
-    w = torch.randn(48, 256, generator=gen) * 0.02
-    w[:, 7] *= 30.0  # an outlier input channel, which the branch takes
-    q = fmt.quantize(w, FormatSpec("svdquant_w4a4", rank=8))
-    q = QuantizedWeight(q.format, q.shape, {key: t.half() if t.is_floating_point() else t for key, t in q.tensors.items()},
-                        q.record)
-    x = torch.randn(2, 19, 256, generator=gen).half()
-    b16 = torch.randn(48, generator=gen).half()
-    y = fmt.kernel_linear(x, q, b16)
-    assert y.shape == (2, 19, 48) and y.dtype == torch.float16
-    _close(y, fmt.linear(x, q, b16), 2e-3, "svdquant_w4a4 GPU path vs its forward")
-    down, up = torch.randn(4, 256, generator=gen).half() * 0.1, torch.randn(48, 4, generator=gen).half() * 0.1
-    with_lora = fmt.linear(x, q, b16) + reference.low_rank_delta(x, down, up)
-    y = fmt.kernel_linear(x, q, b16, (down, up))  # the LoRA concatenated to the SVD branch
-    _close(y, with_lora, 2e-3, "svdquant_w4a4 GPU path + LoRA")
-    wide = (torch.randn(124, 256, generator=gen).half() * 0.01, torch.randn(48, 124, generator=gen).half() * 0.01)
-    y = fmt.kernel_linear(x, q, b16, wide)  # 8 + 124 > 128: the LoRA is added after the GEMM
-    _close(y, fmt.linear(x, q, b16) + reference.low_rank_delta(x, *wide), 2e-3, "svdquant_w4a4 GPU path + wide LoRA")
-    prepacked = QuantizedWeight(q.format, q.shape, q.tensors, q.record, runtime=fmt.prepack(q))
-    assert torch.equal(fmt.kernel_linear(x, prepacked, b16, (down, up)), fmt.kernel_linear(x, q, b16, (down, up))), \
-        "svdquant_w4a4 prepacked codes vs packed"
-    compiled = torch.compile(lambda t: fmt.kernel_linear(t, q, b16), fullgraph=True, backend="aot_eager")
-    _close(compiled(x), fmt.kernel_linear(x, q, b16), 1e-3, "svdquant_w4a4 GPU path compiled")
 
 
 if __name__ == "__main__":

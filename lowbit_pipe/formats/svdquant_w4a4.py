@@ -12,10 +12,7 @@ Forward (comfy-kitchen's eager contract, reproduced bit for bit for inputs in th
 cast to the layer's dtype; main path x / smooth, quantized per row and group of 64 (scale absmax / 7,
 codes rounded and clamped to [-7, 7]), times the dequantized residual (codes * scale), in that dtype;
 plus (x @ proj_down) @ proj_up^T accumulated in fp32 and cast; plus bias. Activations "none": x times the
-effective weight (residual / smooth + proj_up proj_down^T) in the input's dtype. On the GPU
-(`kernel_linear`): the same activation codes and scales, then kernels.svdquant_gemm, exact integer sums per
-group of 64 scaled in fp32, the branch (and a LoRA's factors, concatenated to it) in its epilogue: within the
-contract's own bf16 roundings of it (~1e-3), not bit for bit.
+effective weight (residual / smooth + proj_up proj_down^T) in the input's dtype.
 
 Quantization. Without calibration (`Format.quantize`): smooth = 1, the rank-R truncated SVD of W is the
 branch (its bf16 factors), the residual W - proj_up proj_down^T is rounded to nearest per group. With
@@ -36,14 +33,12 @@ from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.kernels import dispatch, reference
 
 GROUP = 64
 INT4_MAX = 7
 RANK = 32
 DTYPE = torch.bfloat16
 ALPHA = 0.5  # SmoothQuant's migration strength
-BRANCH_MAX_R = 128  # the GEMM epilogue's largest rank: SVD branch + LoRA beyond it add the LoRA after
 SIDE = ("weight_scale", "weight_proj_down", "weight_proj_up", "weight_smooth_factor")
 
 
@@ -78,7 +73,6 @@ class SVDQuantW4A4(Format):
     act_qmax = float(INT4_MAX)
     row_axes = {"weight_scale": 1, "weight_proj_down": None, "weight_smooth_factor": None}
     values_per_byte = 2
-    fused_lora_on_cuda = True
     no_static_reason = "activations are scaled per row and group of 64 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
@@ -147,16 +141,9 @@ class SVDQuantW4A4(Format):
         smooth = t["weight_smooth_factor"].float()
         return self._residual(q, torch.float32) / smooth + t["weight_proj_up"].float() @ t["weight_proj_down"].float().t()
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
-               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """`lora` (down [R, K], up [N, R]): a LoRA residual; on the GPU concatenated to the SVD branch in the GEMM's
-        epilogue, elsewhere added after the reference as (x @ down^T) @ up^T."""
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
         if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias, lora)
-        if dispatch.svdquant_supported(x, q.tensors["weight"]):
-            return self.kernel_linear(x, q, bias, lora)
-        if lora is not None:
-            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
+            return self.weight_only_linear(x, q, bias)
         t = q.tensors
         dtype = t["weight_scale"].dtype
         x2 = x.reshape(-1, x.shape[-1]).to(dtype)
@@ -169,33 +156,6 @@ class SVDQuantW4A4(Format):
         if bias is not None:
             y = y + bias.to(y.dtype)
         return y.to(x.dtype).reshape(*x.shape[:-1], n)
-
-    def kernel_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
-                      lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """The GPU path (any device under the Triton interpreter): activations quantized as `linear` quantizes them
-        (torch ops, which Inductor fuses under torch.compile), then kernels.svdquant_gemm on the int4 codes (int8
-        codes when prepacked) with the SVD branch, and a LoRA's factors concatenated to it, in its epilogue."""
-        t = q.tensors
-        n, k = q.shape
-        dtype = t["weight_scale"].dtype
-        x2 = x.reshape(-1, k).to(dtype)
-        codes, scales = quantize_activations(x2, t["weight_smooth_factor"])
-        down_t, up = t["weight_proj_down"], t["weight_proj_up"]  # [K, R], [N, R]
-        if lora is not None and down_t.shape[1] + lora[0].shape[0] <= BRANCH_MAX_R:
-            down_t = torch.cat([down_t, lora[0].t().to(dtype)], dim=1)
-            up = torch.cat([up, lora[1].to(dtype)], dim=1)
-            lora = None
-        codes8 = q.runtime.get("int8_codes")
-        w = codes8 if codes8 is not None else t["weight"]
-        y = dispatch.svdquant_gemm(codes, scales, w, t["weight_scale"], bias, x.dtype, codes8 is None, x2 @ down_t,
-                                   up.t())
-        y = y.reshape(*x.shape[:-1], n)
-        return y + reference.low_rank_delta(x, *lora) if lora is not None else y
-
-    def prepack(self, q: QuantizedWeight) -> dict[str, torch.Tensor] | None:
-        """The residual's int4 codes unpacked to int8 [N, K] (+1 byte per weight): the GEMM then reads them as int8
-        codes instead of unpacking nibbles in its main loop (convrot_w4a4's prepack, the same trade)."""
-        return {"int8_codes": self.codes(q).to(torch.int8)}
 
     # ---- fixed-grid rounding (GPTQ): the residual's group scales stay, its codes change --------------
     def grid_rounder(self, q: QuantizedWeight) -> GridRounder:

@@ -211,20 +211,6 @@ def mxfp8_weight(weight: torch.Tensor, exponents: torch.Tensor, dtype: torch.dty
     return launcher(mxfp8_decode_op, mxfp8_decode)(weight, exponents, dtype)
 
 
-def svdquant_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """svdquant_w4a4's Triton GEMM: a GPU input in a float dtype, its layer's codes on the same device."""
-    return _gpu_input(x) and weight.device == x.device
-
-
-def svdquant_gemm(codes: torch.Tensor, scales: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                  bias: torch.Tensor | None, out_dtype: torch.dtype, packed: bool, xa: torch.Tensor,
-                  up_t: torch.Tensor) -> torch.Tensor:
-    """svdquant_w4a4's main path and low-rank branch in one Triton GEMM (kernels.svdquant_gemm)."""
-    from lowbit_pipe.kernels.svdquant_gemm import svdquant_gemm as gemm, svdquant_gemm_op
-
-    return launcher(svdquant_gemm_op, gemm)(codes, scales, w, w_scale, bias, out_dtype, packed, xa, up_t)
-
-
 def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor], torch.Tensor],
                     rowsums: torch.Tensor, lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """hadanorm on the GPU: per-group centring + rotation in torch, then `linear` (a format's fused path with

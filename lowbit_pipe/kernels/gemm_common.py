@@ -143,7 +143,8 @@ def epilogue_args(op: str, m: int, n: int, a_scale: torch.Tensor, w_scale: torch
                   out_dtype: torch.dtype, xa: torch.Tensor | None, up_t: torch.Tensor | None) -> EpilogueArgs:
     """a_scale fp32 [M] / [M, 1], w_scale [N] / [N, 1] / scalar, bias [N], xa [M, R] and up_t [R, N]
     (one float dtype, R <= 128, both or neither): checked, each error naming `op` and the operand."""
-    check_out_dtype(op, out_dtype)
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"{op}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
     a_scale = a_scale.reshape(-1).float().contiguous()
     if a_scale.numel() != m:
         raise ValueError(f"{op}: a_scale has {a_scale.numel()} values for {m} rows")
@@ -151,40 +152,8 @@ def epilogue_args(op: str, m: int, n: int, a_scale: torch.Tensor, w_scale: torch
     w_scale = w_scale.reshape(-1).float().contiguous()
     if not b_scalar and w_scale.numel() != n:
         raise ValueError(f"{op}: w_scale has {w_scale.numel()} values for {n} columns")
-    bias_arg = bias_operand(op, n, bias, a_scale)
-    lr = low_rank_args(op, m, n, xa, up_t, a_scale)
-    return EpilogueArgs((a_scale, w_scale, bias_arg, *lr.pointers), lr.r, lr.strides,
-                        {"B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, **lr.flags})
-
-
-def check_out_dtype(op: str, out_dtype: torch.dtype) -> None:
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"{op}: out_dtype must be one of {OUT_DTYPES}, got {out_dtype}")
-
-
-def bias_operand(op: str, n: int, bias: torch.Tensor | None, dummy: torch.Tensor) -> torch.Tensor:
-    """bias [N] made contiguous, or `dummy` (a pointer the kernel never reads) without one."""
-    if bias is None:
-        return dummy
-    if bias.numel() != n:
+    if bias is not None and bias.numel() != n:
         raise ValueError(f"{op}: bias has {bias.numel()} values for {n} columns")
-    return bias.contiguous()
-
-
-@dataclass(frozen=True)
-class LowRankArgs:
-    """The low-rank epilogue's operands: `pointers` = (xa, up_t), dummies without a branch; `r` its rank;
-    `strides` = (xa rows, xa cols, up_t rows, up_t cols); `flags` = HAS_LORA, R_PAD, LORA_IEEE."""
-    pointers: tuple[torch.Tensor, torch.Tensor]
-    r: int
-    strides: tuple[int, int, int, int]
-    flags: dict
-
-
-def low_rank_args(op: str, m: int, n: int, xa: torch.Tensor | None, up_t: torch.Tensor | None,
-                  dummy: torch.Tensor) -> LowRankArgs:
-    """xa [M, R] and up_t [R, N] (one float dtype, R <= 128, both or neither), checked; `dummy` stands in for
-    both pointers without a branch."""
     if (xa is None) != (up_t is None):
         raise ValueError(f"{op}: the low-rank term needs both xa and up_t")
     r = 0
@@ -198,11 +167,13 @@ def low_rank_args(op: str, m: int, n: int, xa: torch.Tensor | None, up_t: torch.
         if r > 128:
             raise ValueError(f"{op}: low-rank term takes R <= 128, got {r}")
     has_lora = xa is not None and r > 0
-    pointers = (xa, up_t) if has_lora else (dummy, dummy)
+    bias_arg = bias.contiguous() if bias is not None else a_scale  # dummy pointers when absent
+    xa_arg, up_arg = (xa, up_t) if has_lora else (a_scale, a_scale)
     strides = (xa.stride(0), xa.stride(1), up_t.stride(0), up_t.stride(1)) if has_lora else (0, 0, 0, 0)
-    flags = {"HAS_LORA": has_lora, "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
+    flags = {"B_SCALAR": b_scalar, "HAS_BIAS": bias is not None, "HAS_LORA": has_lora,
+             "R_PAD": max(16, triton.next_power_of_2(r)) if has_lora else 16,
              "LORA_IEEE": has_lora and xa.dtype == torch.float32}
-    return LowRankArgs(pointers, r, strides, flags)
+    return EpilogueArgs((a_scale, w_scale, bias_arg, xa_arg, up_arg), r, strides, flags)
 
 
 def reference_epilogue(acc: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
