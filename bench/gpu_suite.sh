@@ -7,9 +7,11 @@
 #   bash bench/gpu_suite.sh stream "$OUT"    # a 25.6 GB synthetic Krea 2 streamed file to file, per format
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
 #   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
-# Seconds measured on the H200 (2026-12-03/04): kernels 226 (59 tests); linear without --compiled ~80 (every row, --rep-ms 20) (the compiled rows add
-# one compile each); stream: source 26, then int8 45 and fp8 52 per format; headline: torchao 74, each recipe
-# variant ~10-20 once Inductor's options are not left changed by torchao (44-64 s each when they were).
+# Seconds measured on the H200 (2026-12-03/04): kernels 226 (59 tests); linear ~80 for every row at --rep-ms 20
+# without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
+# per format; headline: torchao 89, each recipe variant 5-26 (72 for the LoRA one, with its recompile counts) once
+# Inductor's options are not left changed by torchao (44-64 s each when they were); gptq: int8 241 at full size,
+# nvfp4 unfinished in the rest of that call (its per-column rounding has lost a host-to-device copy since).
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
 part=${1:?part: kernels, linear, headline, stream, pipeline or gptq}

@@ -54,6 +54,9 @@ def test_e2m1_encoder_matches_on_dense_sweep():
     x = torch.cat([x, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.0, 1e-9, -1e-9])])
     theirs = _f32_to_floatx_unpacked(x.clone(), 2, 1).to(torch.int32)
     assert torch.equal(reference.e2m1_encode(x), theirs)
+    # the table-free rounding GPTQ uses: the same values, the sign of zero included
+    rounded, decoded = reference.e2m1_round(x), reference.e2m1_decode(theirs)
+    assert torch.equal(rounded, decoded) and torch.equal(torch.signbit(rounded), torch.signbit(decoded))
 
 
 @pytest.mark.parametrize("n,k,heavy", SHAPES)

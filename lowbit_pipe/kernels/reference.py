@@ -83,6 +83,16 @@ def e2m1_encode(x: torch.Tensor) -> torch.Tensor:
     return mag | (torch.signbit(x).to(torch.int32) << 3)
 
 
+def e2m1_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 (already clamped to +-6) -> its nearest e2m1 value, fp32: e2m1_decode(e2m1_encode(x)), -0.0 included,
+    in a few elementwise ops and no table (GPTQ rounds one column at a time: each op is a launch on a GPU). The
+    grid's spacing is 0.5 below 2, 1 below 4 and 2 up to 6, all powers of two, so x / step is exact and
+    torch.round's ties-to-even is e2m1's."""
+    a = x.abs()
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, x)
+
+
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     """4-bit e2m1 codes (0..15) -> fp32 values."""
     lut = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
