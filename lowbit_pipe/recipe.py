@@ -96,6 +96,11 @@ class QuantizeConfig:
     # Each sample runs the arch's Euler sampler for this many steps, calibrating on every step's input (DiT
     # activations change with the timestep); 0: one forward at the example's own timestep.
     calibration_steps: int = 4
+    # Prompts to calibrate on instead of the arch's example inputs, when the run was given a diffusers pipeline
+    # (lowbit_pipe.run(..., model=pipe)): each is generated with the pipeline's own text encoder and sampler for
+    # calibration_steps steps (calibration_seed + i), so the hooks see real prompt embeddings at every step.
+    calibration_prompts: list[str] = field(default_factory=list)
+    calibration_resolution: Optional[int] = None  # height = width of those generations; None: the pipeline's own
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
     # Keep each quantized layer's runtime form next to its stored one where the format has one (w4a8 / w6a8:
     # the decoded int8 grid, instead of a decode on every call; convrot_w4a4: its int4 codes unpacked to int8,

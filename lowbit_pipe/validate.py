@@ -186,6 +186,13 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("quantize.calibration_samples", "must be >= 1")
     if q.calibration_steps < 0:
         raise RecipeError("quantize.calibration_steps", "must be >= 0 (0: one forward per sample)")
+    if any(not isinstance(t, str) or not t.strip() for t in q.calibration_prompts):
+        raise RecipeError("quantize.calibration_prompts", "each prompt must be a non-empty string")
+    if q.calibration_resolution is not None and q.calibration_resolution < 1:
+        raise RecipeError("quantize.calibration_resolution", "must be a positive number of pixels (or null)")
+    if q.calibration_prompts and q.calibration_steps < 1:
+        raise RecipeError("quantize.calibration_steps", "must be >= 1 with quantize.calibration_prompts (each prompt "
+                          "is a generation of that many steps)")
     if q.gptq.block_size < 1:
         raise RecipeError("quantize.gptq.block_size", f"must be >= 1, got {q.gptq.block_size}")
     if not 0 < q.gptq.damp < 1:

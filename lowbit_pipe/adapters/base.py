@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from torch import nn
 
@@ -25,3 +25,9 @@ class Adapter:
 
     def prepare(self, obj: Any) -> None:
         """Make the object ready for the pipeline to work on its modules (or refuse it, saying why)."""
+
+    def prompt_runner(self, obj: Any, prompts: list[str], steps: int, seed: int,
+                      resolution: int | None) -> Callable[[], None] | None:
+        """A function that generates `prompts` with the model object's own pipeline (text encoder, sampler), for
+        calibration hooks on its transformer; None where the object has no pipeline to generate with."""
+        return None
