@@ -105,12 +105,21 @@ def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+def tensor_storage_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor holds: a wrapper subclass (torchao's quantized weights) by its inner tensors, whose nominal
+    dtype is the float one it stands for (a row in the 2026-12-04 run counted torchao's fp8 weights as bf16)."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_storage_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
 def model_bytes(model: torch.nn.Module) -> int:
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         if id(t) not in seen:
             seen.add(id(t))
-            total += t.numel() * t.element_size()
+            total += tensor_storage_bytes(t)
     return total
 
 
