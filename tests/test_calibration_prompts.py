@@ -99,6 +99,21 @@ def test_static_scales_come_from_the_pipelines_prompts(tmp_path):
     lowbit_pipe.teardown(examples)
 
 
+def test_gptq_hessians_come_from_the_pipelines_prompts(tmp_path):
+    """GPTQ's passes each re-run the prompts on the model as it stands; its rounding beats round-to-nearest."""
+    pytest.importorskip("transformers")
+    pipe = tiny_krea2_pipeline()
+    result = lowbit_pipe.run("default", SETTINGS[:1] + SETTINGS[2:] + ["quantize.default.format=nvfp4",
+                                                                       "quantize.gptq.enabled=true"],
+                             model=pipe, run_dir=tmp_path / "run")
+    report = result.report["quantize"]
+    assert report["calibration"]["source"] == "pipeline prompts"
+    losses = report["gptq"]["layers"]
+    assert len(losses) > 10
+    assert sum(v["gptq_loss"] for v in losses.values()) < sum(v["rtn_loss"] for v in losses.values())
+    lowbit_pipe.teardown(result)
+
+
 def test_prompts_without_a_pipeline_are_an_error_naming_the_key(tmp_path, tiny_model):
     with pytest.raises(StageError, match=r"quantize.calibration_prompts \(for activations=static\) needs a diffusers "
                                          r"pipeline.*diffusers_model"):
