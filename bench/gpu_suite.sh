@@ -7,6 +7,7 @@
 #   bash bench/gpu_suite.sh stream "$OUT"    # a 25.6 GB synthetic Krea 2 streamed file to file, per format
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
 #   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
+#   bash bench/gpu_suite.sh profile "$OUT"   # the full-size forward's device time split: GEMM, attention, quantize, ...
 # Seconds measured on the H200 (2026-12-03/04): kernels 226 (59 tests); linear ~80 for every row at --rep-ms 20
 # without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
 # per format; headline: torchao 89, each recipe variant 5-26 (72 for the LoRA one, with its recompile counts) once
@@ -14,7 +15,7 @@
 # nvfp4 unfinished in the rest of that call (its per-column rounding has lost a host-to-device copy since).
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline or gptq}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq or profile}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -48,5 +49,9 @@ case "$part" in
   gptq)
     timeout 560 python3 bench/gptq_full.py --formats int8 nvfp4 --out "$out/gptq_full_h200.json" > "$out/gptq_full.log" 2>&1
     tail -8 "$out/gptq_full.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq)"; exit 2 ;;
+  profile)
+    timeout 560 python3 bench/forward_profile.py --variants bf16 fp8 int8 --out "$out/forward_profile_h200.json" \
+      > "$out/forward_profile.log" 2>&1
+    tail -8 "$out/forward_profile.log" ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile)"; exit 2 ;;
 esac
