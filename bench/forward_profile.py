@@ -90,7 +90,7 @@ def split(prof: torch.profiler.profile, on_device: bool, iters: int) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from headline import SMALL_CONFIG
+    from headline import build_krea2, krea2_inputs
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -101,15 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     on_device = device.type == "cuda"
-    from diffusers import Krea2Transformer2DModel
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Krea2Transformer2DModel(**(SMALL_CONFIG if args.small else {})).to(torch.bfloat16).eval()
+    model = build_krea2(device, args.small)
     arch = get_arch("krea2")
-    image_tokens, text_tokens = (64, 8) if args.small else (4096, 512)
-    inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=image_tokens, text_tokens=text_tokens,
-                                 generator=torch.Generator().manual_seed(1234), dtype=torch.bfloat16, device=device)
+    inputs = krea2_inputs(model, device, args.small)
 
     def forward() -> None:
         with torch.inference_mode():

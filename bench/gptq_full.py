@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowbit_pipe  # noqa: E402
-from headline import SMALL_CONFIG  # noqa: E402
+from headline import build_krea2  # noqa: E402
 from outputs import save_outputs  # noqa: E402
 
 
@@ -67,11 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/gptq_full_h200.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    from diffusers import Krea2Transformer2DModel
-
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Krea2Transformer2DModel(**(SMALL_CONFIG if args.small else {})).to(torch.bfloat16).eval()
+    model = build_krea2(device, args.small)
     params = sum(t.numel() for t in model.parameters())
     print(f"Krea 2 {params / 1e9:.2f}B params on {device}", flush=True)
     rows = []

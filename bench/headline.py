@@ -105,6 +105,24 @@ def first_call_s(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - t
 
 
+def build_krea2(device: torch.device, small: bool) -> torch.nn.Module:
+    """diffusers' Krea2Transformer2DModel with its default config (the released 12.8B shape; `small`: SMALL_CONFIG),
+    weights from seed 0 (the same every build), bf16, built on `device`: the model every full-size bench uses."""
+    from diffusers import Krea2Transformer2DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        return Krea2Transformer2DModel(**(SMALL_CONFIG if small else {})).to(torch.bfloat16).eval()
+
+
+def krea2_inputs(model: torch.nn.Module, device: torch.device, small: bool) -> dict[str, Any]:
+    """One 1024x1024 forward's inputs (4096 image + 512 text tokens; `small`: 64 + 8), seed 1234, bf16."""
+    image_tokens, text_tokens = (64, 8) if small else (4096, 512)
+    return get_arch("krea2").example_inputs(dict(model.config), batch=1, image_tokens=image_tokens,
+                                            text_tokens=text_tokens, generator=torch.Generator().manual_seed(1234),
+                                            dtype=torch.bfloat16, device=device)
+
+
 def tensor_storage_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor holds: a wrapper subclass (torchao's quantized weights) by its inner tensors, whose nominal
     dtype is the float one it stands for (a row in the 2026-12-04 run counted torchao's fp8 weights as bf16)."""
@@ -216,23 +234,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="bench/results/headline_h200.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16
-    from diffusers import Krea2Transformer2DModel
-
-    config = SMALL_CONFIG if args.small else {}
 
     def build() -> torch.nn.Module:
-        torch.manual_seed(0)  # the same weights every build
-        with torch.device(device):
-            return Krea2Transformer2DModel(**config).to(dtype).eval()
+        return build_krea2(device, args.small)
 
     t = time.perf_counter()
     model = build()
     build_s = time.perf_counter() - t
     arch = get_arch("krea2")
-    image_tokens, text_tokens = (64, 8) if args.small else (4096, 512)
-    inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=image_tokens, text_tokens=text_tokens,
-                                 generator=torch.Generator().manual_seed(1234), dtype=dtype, device=device)
+    inputs = krea2_inputs(model, device, args.small)
     params = sum(p.numel() for p in model.parameters())
     print(f"Krea 2 {params / 1e9:.2f}B params on {device}, built in {build_s:.1f} s", flush=True)
 
