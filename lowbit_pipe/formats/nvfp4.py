@@ -172,25 +172,24 @@ class NVFP4(Format):
         return q.tensors["weight_scale_2"].float() * block
 
     @staticmethod
-    def _grid_codes(values: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        safe = torch.where(total == 0, torch.ones_like(total), total)
-        data = torch.where(total == 0, torch.zeros_like(values), values.float() / safe)
-        return reference.e2m1_encode(data.clamp(-reference.E2M1_MAX, reference.E2M1_MAX))
+    def _on_grid_scale(values: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """values / total clamped to e2m1's range, fp32; 0 in an all-zero block (total 0)."""
+        safe = torch.where(total == 0, 1.0, total)
+        data = torch.where(total == 0, 0.0, values.float() / safe)
+        return data.clamp(-reference.E2M1_MAX, reference.E2M1_MAX)
 
     def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
         totals = self._block_totals(q)  # unswizzled once
 
         def round_columns(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-            # _grid_codes' values without the codes (e2m1_round: fewer launches per GPTQ column, no table copy);
-            # an all-zero block's total is 0, which zeroes whatever the division by 1 gave
+            # the codes' values without the codes (e2m1_round: a few launches per GPTQ column, no table copy)
             total = totals[:, cols // 16]
-            safe = torch.where(total == 0, 1.0, total)
-            return reference.e2m1_round((values.float() / safe).clamp(-reference.E2M1_MAX, reference.E2M1_MAX)) * total
+            return reference.e2m1_round(self._on_grid_scale(values, total)) * total
         return round_columns
 
     def encode_on_grid(self, q: QuantizedWeight, values: torch.Tensor) -> QuantizedWeight:
         total = self._block_totals(q).repeat_interleave(16, dim=1)
-        codes = self._grid_codes(values, total)
+        codes = reference.e2m1_encode(self._on_grid_scale(values, total))
         return QuantizedWeight(q.format, q.shape, {**q.tensors, "weight": common.pack_nibbles(codes, even_high=True)},
                                dict(q.record))
 
