@@ -36,7 +36,6 @@ def test_kernel_names_fall_in_their_category(name, expected):
 
 
 def test_cpu_smoke_run_splits_the_whole_forward(tmp_path):
-    pytest.importorskip("diffusers")
     from forward_profile import main
 
     out = tmp_path / "profile.json"

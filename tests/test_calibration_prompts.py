@@ -75,7 +75,6 @@ def _input_amax(pipe, names: list[str]) -> dict[str, float]:
 
 
 def test_static_scales_come_from_the_pipelines_prompts(tmp_path):
-    pytest.importorskip("transformers")
     pipe = tiny_krea2_pipeline()
     pipe.set_progress_bar_config(leave=False)
     result = lowbit_pipe.run("default", SETTINGS, model=pipe, run_dir=tmp_path / "run")
@@ -101,7 +100,6 @@ def test_static_scales_come_from_the_pipelines_prompts(tmp_path):
 
 def test_gptq_hessians_come_from_the_pipelines_prompts(tmp_path):
     """GPTQ's passes each re-run the prompts on the model as it stands; its rounding beats round-to-nearest."""
-    pytest.importorskip("transformers")
     pipe = tiny_krea2_pipeline()
     result = lowbit_pipe.run("default", SETTINGS[:1] + SETTINGS[2:] + ["quantize.default.format=nvfp4",
                                                                        "quantize.gptq.enabled=true"],
