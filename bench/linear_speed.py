@@ -87,11 +87,9 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
     elif name == "nvfp4":
         y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
     elif name == "svdquant_w4a4":  # both operands dequantized in fp32 (exact: small integers times bf16 scales)
-        from lowbit_pipe.formats.svdquant_w4a4 import GROUP, quantize_activations
-
         x2 = x.reshape(-1, x.shape[-1]).to(t["weight_scale"].dtype)
-        codes, scales = quantize_activations(x2, t["weight_smooth_factor"])
-        act = (codes.float().view(codes.shape[0], -1, GROUP) * scales.float().unsqueeze(-1)).view(codes.shape)
+        codes, scales = reference.svdquant_quantize_activations(x2, t["weight_smooth_factor"])
+        act = (codes.float().view(codes.shape[0], -1, reference.SVDQUANT_GROUP) * scales.float().unsqueeze(-1)).view(codes.shape)
         y = act @ fmt._residual(q, torch.float32).t() + \
             (x2.float() @ t["weight_proj_down"].float()) @ t["weight_proj_up"].float().t()
     else:
@@ -133,8 +131,11 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
         if not dispatch.int8_supported(x, "convrot"):
             return "reference"
         return ("prepacked" if q.runtime else "triton-decode") + "+triton-quant+triton-int8"
-    if name == "svdquant_w4a4":  # no kernel: the format's torch forward on any device
-        return "torch (quant, residual dequant, bf16 matmul)"
+    if name == "svdquant_w4a4":
+        if not dispatch.svdquant_supported(x, q.tensors["weight"]):
+            return "reference"
+        return "triton-act+triton-decode+" + ("triton-tma-bf16(branch)" if dispatch.fp8_triton_gemm(x)
+                                              else "cublas-bf16+addmm")
     if name in ("awq_w4a16", "mxfp8"):
         return "triton-decode+cublas" if dispatch.decode_supported(x, q.tensors["weight"]) else "reference"
     return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"

@@ -151,6 +151,7 @@ FORMAT_CASES = [
     ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False),
     ("convrot_w4a4", {"rotation": "convrot"}, False), ("convrot_w4a4", {"rotation": "convrot"}, True),
     ("w4a8", {}, False), ("w4a8", {}, True), ("w6a8", {}, False), ("w6a8", {}, True),
+    ("svdquant_w4a4", {}, False),
 ]
 
 
@@ -268,6 +269,64 @@ def test_int8_gemm_every_config_matches_the_oracle(w_mode):
         _poison()
         y = int8_gemm(a2.cuda(), cuda[1], a2_s.cuda(), cuda[3], cuda[4], torch.float32, w_mode)
         assert _rel(y.cpu(), reference_int8_gemm(a2, w, a2_s, w_s, bias, torch.float32, w_mode)) < 1e-6, f"M={mm}"
+
+
+def test_svdquant_operands_gemm_and_lora_on_the_gpu():
+    """svdquant_w4a4's GPU path: the activation and residual kernels bit-exact with the eager contract's bf16
+    operands (computed by torch on the same GPU); the 16-bit TMA GEMM under each M's tiles with its branch
+    against a float64 oracle; a LoRA concatenated to the SVD branch (QuantLinear + LoraStack) against the
+    unfused sum, and removing it gives the layer's own output back bit for bit."""
+    from lowbit_pipe.formats import FormatSpec, get_format
+    from lowbit_pipe.kernels import reference
+    from lowbit_pipe.kernels.decode import svdquant_decode
+    from lowbit_pipe.kernels.fp8_gemm import float_gemm
+    from lowbit_pipe.kernels.svdquant_act import svdquant_act
+    from lowbit_pipe.lora.branches import LoraBranch, LoraStack
+    from lowbit_pipe.nn import QuantLinear
+
+    fmt = get_format("svdquant_w4a4")
+    gen = torch.Generator().manual_seed(27)
+    k, n = 1280, 392
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, 7] *= 30  # an outlier input channel
+    q = fmt.quantize(w, FormatSpec("svdquant_w4a4"))
+    t = {key: v.cuda() for key, v in q.tensors.items()}
+    _poison()
+    assert torch.equal(svdquant_decode(t["weight"], t["weight_scale"], k, torch.bfloat16),
+                       fmt._residual(type(q)(q.format, q.shape, t, q.record), torch.bfloat16))
+    smooth = (torch.rand(k, generator=gen) + 0.5).bfloat16().cuda()
+    for m in (1, 37, 4099):
+        x = (torch.randn(m, k, generator=gen) * 3).bfloat16().cuda()
+        x[0, :64] = 0.0
+        _poison()
+        assert torch.equal(svdquant_act(x, smooth), reference.svdquant_activations(x, smooth)), f"svdquant_act M={m}"
+    for m in (1, 64, 333, 1500):  # every tile shape of tma_launch_config
+        a = torch.randn(m, k, generator=gen).bfloat16()
+        b = torch.randn(n, k, generator=gen).bfloat16()
+        xa, up_t, bias = torch.randn(m, 40, generator=gen).bfloat16(), torch.randn(40, n, generator=gen).bfloat16(), torch.randn(n, generator=gen)
+        ref = a.double() @ b.double().t() + xa.double() @ up_t.double() + bias.double()
+        _poison()
+        y = float_gemm(a.cuda(), b.cuda(), bias.cuda(), torch.float32, xa.cuda(), up_t.cuda())
+        assert _rel(y.cpu(), ref) < 1e-5, f"float_gemm M={m}: {_rel(y.cpu(), ref):.3g}"
+    linear = nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(w)
+    layer = QuantLinear.from_linear(linear, FormatSpec("svdquant_w4a4")).to("cuda")
+    stack = LoraStack(k, n)
+    stack.branches = (LoraBranch("a", torch.randn(16, k, generator=gen) * 0.05, torch.randn(n, 16, generator=gen) * 0.05,
+                                 alpha=8.0, strength=0.7),)
+    stack.to("cuda", torch.bfloat16)
+    for shape in ((2, 150, k), (1, k)):
+        x = torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+        with torch.inference_mode():
+            base = layer(x)
+            unfused = (base + stack(x)).float()
+            layer.add_module("lora", stack)
+            y = layer(x)
+            del layer.lora
+            assert torch.equal(layer(x), base)
+        assert y.shape == base.shape and y.dtype == torch.bfloat16
+        assert _rel(y.float(), unfused) < 5e-3
 
 
 def test_nvfp4_gemm_every_config_and_decode_match_the_reference():

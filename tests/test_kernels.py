@@ -28,7 +28,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "formats", "compile")
+CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "svdquant", "formats",
+         "compile")
 CHILD_TIMEOUT_S = 600
 
 
@@ -488,6 +489,58 @@ def case_decode() -> None:
         q = mx.quantize(w, FormatSpec("mxfp8"))
         y = mxfp8_decode(q.tensors["weight"], q.tensors["weight_scale"], torch.float32)
         assert torch.equal(y, mx._dequantize_rotated(q)), f"mxfp8_decode {n}x{k}"
+
+
+def case_svdquant() -> None:
+    """svdquant_w4a4's GPU path: its two operand kernels bit-exact with the eager contract's operands, the 16-bit TMA
+    GEMM against a float64 oracle, and dispatch.svdquant_linear (LoRA concatenated or added after) against the
+    format's reference. fp16 layers: the interpreter's fp32 -> bf16 cast truncates (the GPU tests take bf16)."""
+    from lowbit_pipe.formats import FormatSpec, get_format
+    from lowbit_pipe.kernels import dispatch, reference
+    from lowbit_pipe.kernels.decode import svdquant_decode
+    from lowbit_pipe.kernels.fp8_gemm import float_gemm
+    from lowbit_pipe.kernels.svdquant_act import svdquant_act
+
+    fmt = get_format("svdquant_w4a4")
+    gen = torch.Generator().manual_seed(31)
+    n, k = 72, 320  # 320: a ragged last 256-column decode block and 512-column act block
+    w = torch.randn(n, k, generator=gen) * 0.02
+    w[:, 5] *= 40  # an outlier input channel
+    q = fmt.quantize(w, FormatSpec("svdquant_w4a4", rank=8))
+    q = type(q)(q.format, q.shape, {key: v.half() if v.is_floating_point() else v for key, v in q.tensors.items()},
+                q.record)
+    t = q.tensors
+    assert torch.equal(svdquant_decode(t["weight"], t["weight_scale"], k, torch.float32), fmt._residual(q, torch.float16))
+    try:
+        svdquant_decode(t["weight"], t["weight_scale"][:, :5], k, torch.float16)
+    except ValueError as e:
+        assert "svdquant_decode" in str(e) and "scale" in str(e), e
+    else:
+        raise AssertionError("svdquant_decode accepted a scale of the wrong shape")
+    smooth = (torch.rand(k, generator=gen) + 0.5).half()
+    for m in (1, 13):
+        x = (torch.randn(m, k, generator=gen) * 3).half()
+        x[0, 64:128] = 0.0  # an all-zero group
+        assert torch.equal(svdquant_act(x, smooth), reference.svdquant_activations(x, smooth)), f"svdquant_act M={m}"
+    # the GEMM: fp16 operands, the branch as the initial accumulator, bias, one rounding
+    m = 40
+    a, b = torch.randn(m, k, generator=gen).half(), torch.randn(n, k, generator=gen).half()
+    xa, up_t, bias = torch.randn(m, 12, generator=gen).half(), torch.randn(12, n, generator=gen).half(), torch.randn(n, generator=gen)
+    cfg = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2}
+    ref = a.double() @ b.double().t() + xa.double() @ up_t.double() + bias.double()
+    _close(float_gemm(a, b, bias, torch.float32, xa, up_t, config=cfg), ref, 1e-6, "float_gemm fp16 + branch")
+    _close(float_gemm(a, b, None, torch.float16, config=cfg), a.double() @ b.double().t(), 1e-3, "float_gemm fp16 out")
+    # the whole linear against the format's reference: the same operands, one rounding instead of the contract's
+    x = torch.randn(3, 5, k, generator=gen) * 2
+    bias = torch.randn(n, generator=gen).half()
+    ref = fmt.linear(x, q, bias)
+    y = dispatch.svdquant_linear(x, t, n, bias)
+    assert y.shape == ref.shape and y.dtype == x.dtype
+    _close(y, ref, 2e-3, "svdquant_linear")
+    for r in (6, 130):  # concatenated to the rank-8 branch; beyond 128 in all, added after
+        down, up = torch.randn(r, k, generator=gen) * 0.05, torch.randn(n, r, generator=gen) * 0.05
+        y = dispatch.svdquant_linear(x, t, n, bias, (down, up))
+        _close(y, ref + reference.low_rank_delta(x, down, up), 2e-3, f"svdquant_linear + rank-{r} LoRA")
 
 
 def case_formats() -> None:

@@ -12,7 +12,10 @@ Forward (comfy-kitchen's eager contract, reproduced bit for bit for inputs in th
 cast to the layer's dtype; main path x / smooth, quantized per row and group of 64 (scale absmax / 7,
 codes rounded and clamped to [-7, 7]), times the dequantized residual (codes * scale), in that dtype;
 plus (x @ proj_down) @ proj_up^T accumulated in fp32 and cast; plus bias. Activations "none": x times the
-effective weight (residual / smooth + proj_up proj_down^T) in the input's dtype.
+effective weight (residual / smooth + proj_up proj_down^T) in the input's dtype. On the GPU
+(dispatch.svdquant_linear): the same two dequantized operands bit for bit, multiplied on 16-bit tensor cores
+with the branch (and a LoRA's factors, concatenated to it) as the GEMM's initial accumulator, one rounding:
+within the contract's own bf16 roundings of it, not bit for bit.
 
 Quantization. Without calibration (`Format.quantize`): smooth = 1, the rank-R truncated SVD of W is the
 branch (its bf16 factors), the residual W - proj_up proj_down^T is rounded to nearest per group. With
@@ -33,9 +36,9 @@ from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.formats.registry import register
+from lowbit_pipe.kernels import dispatch, reference
+from lowbit_pipe.kernels.reference import SVDQUANT_GROUP as GROUP, SVDQUANT_INT4_MAX as INT4_MAX
 
-GROUP = 64
-INT4_MAX = 7
 RANK = 32
 DTYPE = torch.bfloat16
 ALPHA = 0.5  # SmoothQuant's migration strength
@@ -54,16 +57,6 @@ def _codes(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return torch.round(values.float() / scale.float()).clamp(-INT4_MAX, INT4_MAX)
 
 
-def quantize_activations(x: torch.Tensor, smooth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of x [M, K] (the layer's dtype) divided by smooth, quantized per group of 64: (codes [M, K] int8,
-    scales [M, K/64] in x's dtype)."""
-    m, k = x.shape
-    groups = (x / smooth).view(m, k // GROUP, GROUP)
-    scales = groups.abs().amax(dim=-1).clamp(min=1e-10) / INT4_MAX
-    codes = (groups / scales.unsqueeze(-1)).round().clamp(-INT4_MAX, INT4_MAX).to(torch.int8)
-    return codes.reshape(m, k), scales
-
-
 @register
 class SVDQuantW4A4(Format):
     name = "svdquant_w4a4"
@@ -73,6 +66,7 @@ class SVDQuantW4A4(Format):
     act_qmax = float(INT4_MAX)
     row_axes = {"weight_scale": 1, "weight_proj_down": None, "weight_smooth_factor": None}
     values_per_byte = 2
+    fused_lora_on_cuda = True
     no_static_reason = "activations are scaled per row and group of 64 at run time"
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
@@ -141,17 +135,22 @@ class SVDQuantW4A4(Format):
         smooth = t["weight_smooth_factor"].float()
         return self._residual(q, torch.float32) / smooth + t["weight_proj_up"].float() @ t["weight_proj_down"].float().t()
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
+               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`lora` (down [R, K], up [N, R]): a LoRA residual; on the GPU concatenated to the SVD branch
+        (dispatch.svdquant_linear), elsewhere added after the reference as (x @ down^T) @ up^T."""
         if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias)
+            return self.weight_only_linear(x, q, bias, lora)
         t = q.tensors
-        dtype = t["weight_scale"].dtype
-        x2 = x.reshape(-1, x.shape[-1]).to(dtype)
-        branch = x2.float() @ t["weight_proj_down"].float()
-        codes, scales = quantize_activations(x2, t["weight_smooth_factor"])
         n, k = q.shape
-        act = (codes.to(dtype).view(-1, k // GROUP, GROUP) * scales.to(dtype).unsqueeze(-1)).view(-1, k)
-        y = act @ self._residual(q, dtype).t()
+        if dispatch.svdquant_supported(x, t["weight"]):
+            return dispatch.svdquant_linear(x, t, n, bias, lora)
+        if lora is not None:
+            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
+        dtype = t["weight_scale"].dtype
+        x2 = x.reshape(-1, k).to(dtype)
+        branch = x2.float() @ t["weight_proj_down"].float()
+        y = reference.svdquant_activations(x2, t["weight_smooth_factor"]) @ self._residual(q, dtype).t()
         y = y + (branch @ t["weight_proj_up"].float().t()).to(y.dtype)
         if bias is not None:
             y = y + bias.to(y.dtype)

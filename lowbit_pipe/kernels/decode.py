@@ -16,10 +16,13 @@ and competes with its MMAs. nvfp4 keeps its register-decode GEMM for calls of fe
 3. `awq_decode`: awq_w4a16's uint4 codes (column 2j in the LOW nibble) with a scale and zero per group of
    64 ([K/64, N], bf16 or fp16) -> (u - 8) * scale + zero, each operation rounded to the scales' dtype as
    torch rounds it (formats.awq_w4a16.decode, comfy-kitchen's arithmetic): bit-exact.
-4. `mxfp8_decode`: e4m3 codes x 2^(e - 127) per block of 32 (E8M0 exponents in the same swizzle as
+4. `svdquant_decode`: svdquant_w4a4's residual, two's complement int4 codes (column 2j in the LOW nibble)
+   times a scale per group of 64 ([K/64, N]), rounded once to the scales' dtype (the eager contract's
+   residual): bit-exact. It shares awq_decode's kernel.
+5. `mxfp8_decode`: e4m3 codes x 2^(e - 127) per block of 32 (E8M0 exponents in the same swizzle as
    nvfp4's block scales; e = 0 a zero block): exact in fp32, then rounded once to the output dtype
    (formats.mxfp8.dequantize_blocks).
-Weight-only layers of awq_w4a16 and mxfp8 on a GPU decode with 3. and 4. into the input's dtype, then
+Weight-only layers of awq_w4a16 and mxfp8 on a GPU decode with 3. and 5. into the input's dtype, then
 cuBLAS: stock ComfyUI's arithmetic there, without the torch decode's fp32 intermediates.
 
 Each is kernel -> launcher -> custom op with a fake impl (torch.compile keeps it one node).
@@ -138,10 +141,11 @@ def grid_decode_int8(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.
 
 
 @triton.jit
-def _awq_decode_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sg, stride_on,
-                       GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    # Whole bytes per program (joined back into column order in registers), each (group, row) scale and
-    # zero read once and broadcast over its 64 columns.
+def _int4_group_decode_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sg, stride_on,
+                              AWQ: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Whole bytes per program (joined back into column order in registers), each (group, row) scale (and
+    # zero) read once and broadcast over its 64 columns. AWQ: uint4 codes minus 8, plus a zero per group;
+    # otherwise svdquant_w4a4's two's complement nibbles and no zero.
     tl.static_assert(BLOCK_K % GROUP == 0)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kh = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
@@ -151,40 +155,57 @@ def _awq_decode_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, stride_sg,
     p = tl.load(w_ptr + rows[:, None] * stride_wn + kh[None, :], mask=r_ok[:, None] & (2 * kh < K)[None, :],
                 other=0).to(tl.int32)
     u = tl.reshape(tl.join(p & 15, (p >> 4) & 15), (BLOCK_N, BLOCK_K))  # even column = LOW nibble
+    code = u - 8 if AWQ else ((u + 8) & 15) - 8
     g_ok = r_ok[:, None] & (GROUP * kg < K)[None, :]
     s_off = kg[None, :] * stride_sg + rows[:, None]  # scales and zeros are [K/64, N]
     s = tl.load(s_ptr + s_off, mask=g_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + s_off, mask=g_ok, other=0.0).to(tl.float32)
-    # (u - 8) * s is exact in fp32 (a 4-bit integer times an 8/11-bit significand): rounding it, then the sum,
-    # to the scales' dtype is what torch does for each of the two operations in that dtype
-    t = tl.reshape(tl.reshape((u - 8).to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None],
+    # code * s is exact in fp32 (a 4-bit integer times an 8/11-bit significand): rounding it (and, AWQ, the sum
+    # with the zero) to the scales' dtype is what torch does for each operation in that dtype
+    t = tl.reshape(tl.reshape(code.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) * s[:, :, None],
                    (BLOCK_N, BLOCK_K))
-    t = t.to(s_ptr.dtype.element_ty).to(tl.float32)
-    v = tl.reshape(tl.reshape(t, (BLOCK_N, BLOCK_K // GROUP, GROUP)) + z[:, :, None], (BLOCK_N, BLOCK_K))
-    v = v.to(s_ptr.dtype.element_ty)
+    v = t.to(s_ptr.dtype.element_ty)
+    if AWQ:
+        z = tl.load(z_ptr + s_off, mask=g_ok, other=0.0).to(tl.float32)
+        v = tl.reshape(tl.reshape(v.to(tl.float32), (BLOCK_N, BLOCK_K // GROUP, GROUP)) + z[:, :, None],
+                       (BLOCK_N, BLOCK_K)).to(s_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], v.to(out_ptr.dtype.element_ty),
              mask=r_ok[:, None] & (cols < K)[None, :])
+
+
+def _int4_group_decode(op: str, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """awq_decode (zero given) or svdquant_decode (none): the checks, naming `op`, and the launch."""
+    n = weight.shape[0]
+    if weight.dim() != 2 or weight.shape[1] * 2 != k or k % 64:
+        raise ValueError(f"{op}: weight {tuple(weight.shape)} does not hold [{n}, {k}] (k a multiple of 64)")
+    if tuple(scale.shape) != (k // 64, n) or scale.dtype not in (torch.bfloat16, torch.float16) or (
+            zero is not None and (zero.shape != scale.shape or zero.dtype != scale.dtype)):
+        zeros = "" if zero is None else f" / zero {tuple(zero.shape)} {zero.dtype}"
+        raise ValueError(f"{op}: scale {tuple(scale.shape)} {scale.dtype}{zeros} not [{k // 64}, {n}] bf16 or fp16"
+                         + (" (both one dtype)" if zero is not None else ""))
+    w = weight.view(torch.uint8).contiguous()
+    s = scale.contiguous()
+    z = zero.contiguous() if zero is not None else s  # a dummy pointer without zeros
+    out = torch.empty((n, k), dtype=out_dtype, device=weight.device)
+    if n and k:
+        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
+        _int4_group_decode_kernel[grid](w, s, z, out, n, k, w.stride(0), s.stride(0), out.stride(0),
+                                        AWQ=zero is not None, GROUP=64, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+    return out
 
 
 def awq_decode(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, k: int,
                out_dtype: torch.dtype) -> torch.Tensor:
     """awq_w4a16 storage -> out_dtype [N, k]: weight int8 [N, k/2] (uint4, column 2j low), scale and zero
     [k/64, N] in bf16 or fp16. Same values as formats.awq_w4a16.decode, then cast to out_dtype."""
-    n = weight.shape[0]
-    if weight.dim() != 2 or weight.shape[1] * 2 != k or k % 64:
-        raise ValueError(f"awq_decode: weight {tuple(weight.shape)} does not hold [{n}, {k}] (k a multiple of 64)")
-    if tuple(scale.shape) != (k // 64, n) or scale.shape != zero.shape or scale.dtype != zero.dtype \
-            or scale.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"awq_decode: scale {tuple(scale.shape)} {scale.dtype} / zero {tuple(zero.shape)} "
-                         f"{zero.dtype} are not both [{k // 64}, {n}] bf16 or fp16")
-    w = weight.view(torch.uint8).contiguous()
-    s, z = scale.contiguous(), zero.contiguous()
-    out = torch.empty((n, k), dtype=out_dtype, device=weight.device)
-    if n and k:
-        grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-        _awq_decode_kernel[grid](w, s, z, out, n, k, w.stride(0), s.stride(0), out.stride(0),
-                                 GROUP=64, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
-    return out
+    return _int4_group_decode("awq_decode", weight, scale, zero, k, out_dtype)
+
+
+def svdquant_decode(weight: torch.Tensor, scale: torch.Tensor, k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """svdquant_w4a4's residual -> out_dtype [N, k]: weight int8 [N, k/2] (two's complement int4, column 2j low),
+    scale [k/64, N] bf16 or fp16: codes * scale rounded to the scale's dtype (SVDQuantW4A4._residual's values),
+    then cast to out_dtype."""
+    return _int4_group_decode("svdquant_decode", weight, scale, None, k, out_dtype)
 
 
 @triton.jit
@@ -251,6 +272,16 @@ def awq_decode_op(weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
 
 @awq_decode_op.register_fake
 def _(weight, scale, zero, k, out_dtype):
+    return weight.new_empty((weight.shape[0], k), dtype=out_dtype)
+
+
+@torch.library.custom_op("lowbit_pipe::svdquant_decode", mutates_args=())
+def svdquant_decode_op(weight: torch.Tensor, scale: torch.Tensor, k: int, out_dtype: torch.dtype) -> torch.Tensor:
+    return svdquant_decode(weight, scale, k, out_dtype)
+
+
+@svdquant_decode_op.register_fake
+def _(weight, scale, k, out_dtype):
     return weight.new_empty((weight.shape[0], k), dtype=out_dtype)
 
 

@@ -24,6 +24,9 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | hadanorm rotation: other formats      | torch reference                                                  |
 | awq_w4a16, mxfp8 weight-only (mxfp8   | Triton decode of the layer's weight into x's dtype + cuBLAS      |
 | unrotated)                            | (`decode_supported`, Format.dequantize_like)                     |
+| svdquant_w4a4                         | Triton int4 act quant-dequant + Triton residual decode, both in  |
+|                                       | the layer's dtype, + a 16-bit Triton TMA GEMM with the SVD branch |
+|                                       | (and LoRA) as its initial accumulator (`svdquant_linear`)        |
 
 Rotation (convrot / quarot): x @ H per group as one tensor-core matmul in x's dtype (`rotate`), before
 anything else reads x: about one read and one write of x, where the quantize kernel's in-register rotation
@@ -209,6 +212,45 @@ def mxfp8_weight(weight: torch.Tensor, exponents: torch.Tensor, dtype: torch.dty
     from lowbit_pipe.kernels.decode import mxfp8_decode, mxfp8_decode_op
 
     return launcher(mxfp8_decode_op, mxfp8_decode)(weight, exponents, dtype)
+
+
+def svdquant_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """svdquant_w4a4's GPU path: a GPU input in a float dtype, its layer's codes on the same device."""
+    return _gpu_input(x) and weight.device == x.device
+
+
+def svdquant_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], n: int, bias: torch.Tensor | None,
+                    lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """svdquant_w4a4 on 16-bit tensor cores: the eager contract's two dequantized operands, each formed bit for bit
+    by a Triton kernel (activations: kernels.svdquant_act, or the format's torch ops under torch.compile, which
+    Inductor fuses; residual: kernels.decode.svdquant_decode, the layer's weight decoded per call into a transient
+    buffer), multiplied with fp32 accumulation; xa = x @ proj_down by cuBLAS and xa @ proj_up^T as the GEMM's
+    initial accumulator on Hopper (float_gemm), elsewhere cuBLAS and an in-place addmm_. A LoRA (down [R, K],
+    up [N, R]) is concatenated to the SVD branch up to rank 128 in all, else added after. One rounding to the
+    output dtype where the eager contract rounds the main product and the branch apart."""
+    from lowbit_pipe.kernels.decode import svdquant_decode, svdquant_decode_op
+    from lowbit_pipe.kernels.fp8_gemm import float_gemm, float_gemm_op
+    from lowbit_pipe.kernels.svdquant_act import svdquant_act
+
+    dtype = tensors["weight_scale"].dtype
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k).to(dtype)
+    smooth = tensors["weight_smooth_factor"]
+    act = reference.svdquant_activations(x2, smooth) if compiling() else svdquant_act(x2, smooth)
+    w = launcher(svdquant_decode_op, svdquant_decode)(tensors["weight"], tensors["weight_scale"], k, dtype)
+    down_t, up = tensors["weight_proj_down"], tensors["weight_proj_up"]  # [K, R], [N, R]
+    if lora is not None and down_t.shape[1] + lora[0].shape[0] <= FUSED_DOWN_MAX_R:
+        down_t = torch.cat([down_t, lora[0].t().to(dtype)], dim=1)
+        up = torch.cat([up, lora[1].to(dtype)], dim=1)
+        lora = None
+    xa = x2 @ down_t
+    if fp8_triton_gemm(x):
+        y = launcher(float_gemm_op, float_gemm)(act, w, bias, x.dtype, xa, up.t())
+    else:
+        y = F.linear(act, w, bias.to(dtype) if bias is not None else None)
+        y = y.addmm_(xa, up.t()).to(x.dtype)
+    y = y.reshape(*x.shape[:-1], n)
+    return y + reference.low_rank_delta(x, *lora) if lora is not None else y
 
 
 def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor], torch.Tensor],

@@ -24,8 +24,14 @@ so the K loop has no masks (masked pointer loads of fp8 were much slower on the 
 bench/results/lora_kernel_tune_h200.md, last section). Needs
 K % 16 == 0 (16-byte rows) and sm90; the fp8 linear checks both (dispatch.fp8_linear).
 
-Layout: kernel -> launcher (`fp8_gemm`: checks, allocation, grid) -> custom op
-`lowbit_pipe::fp8_gemm` (fake impl: shapes only, so torch.compile keeps it as one node).
+The same kernel on 16-bit operands (`float_gemm`: bf16 / fp16, unit scales; fp32 under the interpreter):
+y = a @ w^T (+ bias) (+ xa @ up_t), one rounding to the output dtype, with full fp32 accumulation (16-bit
+wgmma). svdquant_w4a4's GPU path runs its dequantized operands through it, its SVD branch as the initial
+accumulator (dispatch.svdquant_linear).
+
+Layout: kernel -> launchers (`fp8_gemm`, `float_gemm`: checks, allocation, grid) -> custom ops
+`lowbit_pipe::fp8_gemm`, `lowbit_pipe::float_gemm` (fake impls: shapes only, so torch.compile keeps each
+one node).
 """
 
 from __future__ import annotations
@@ -114,6 +120,45 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
                     (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides),
                     {**ep.flags, "PROMOTE": promote})
     return c
+
+
+def float_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+               out_dtype: torch.dtype = torch.bfloat16, xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """a [M, K] @ w [N, K]^T (+ bias [N]) (+ xa [M, R] @ up_t [R, N]) -> out_dtype [M, N], by fp8_gemm's TMA
+    kernel on 16-bit operands (one dtype, bf16 or fp16; fp32 for the interpreter tests), K-contiguous with
+    16-byte aligned rows. The branch is the accumulator's initial value (fp32 products and sum); the scales
+    are one, so they change nothing."""
+    if a.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"float_gemm: expected 2-D a and w, got {tuple(a.shape)} and {tuple(w.shape)}")
+    if a.dtype != w.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"float_gemm: expected a and w in one of bf16 / fp16 / fp32, got {a.dtype} and {w.dtype}")
+    m, k = a.shape
+    n = w.shape[0]
+    align = 16 // a.element_size()
+    if w.shape[1] != k:
+        raise ValueError(f"float_gemm: K mismatch, a has {k}, w has {w.shape[1]}")
+    if k % align or a.stride(1) != 1 or w.stride(1) != 1 or a.stride(0) % align or w.stride(0) % align:
+        raise ValueError(f"float_gemm: TMA needs K-contiguous operands with 16-byte aligned rows, got K={k}")
+    ones = torch.ones(m, dtype=torch.float32, device=a.device)
+    ep = epilogue_args("float_gemm", m, n, ones, ones[:1], bias, out_dtype, xa, up_t)
+    c = torch.empty((m, n), dtype=out_dtype, device=a.device)
+    if m == 0 or n == 0:
+        return c
+    launch_tma_gemm(_fp8_gemm_kernel, a, w, c, config,
+                    (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides), {**ep.flags, "PROMOTE": 0})
+    return c
+
+
+@torch.library.custom_op("lowbit_pipe::float_gemm", mutates_args=())
+def float_gemm_op(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype,
+                  xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None) -> torch.Tensor:
+    return float_gemm(a, w, bias, out_dtype, xa, up_t)
+
+
+@float_gemm_op.register_fake
+def _(a, w, bias, out_dtype, xa=None, up_t=None):
+    return a.new_empty((a.shape[0], w.shape[0]), dtype=out_dtype)
 
 
 @torch.library.custom_op("lowbit_pipe::fp8_gemm", mutates_args=())

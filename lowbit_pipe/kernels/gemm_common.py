@@ -1,4 +1,4 @@
-"""What the scaled Triton GEMMs share (int8_gemm, fp8_gemm, nvfp4_gemm): the launcher, the grouped
+"""What the scaled Triton GEMMs share (int8_gemm, fp8_gemm with its 16-bit twin float_gemm, nvfp4_gemm): the launcher, the grouped
 tile order, the epilogue (scales, bias, low-rank term) as Triton helpers, its argument checks, and
 its torch oracle.
 
@@ -67,16 +67,19 @@ def tile_offsets(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl
     return off_m, off_n, offs_m, offs_n, offs_m < M, offs_n < N
 
 
-def tma_launch_config(m: int) -> dict:
+def tma_launch_config(m: int, itemsize: int = 1) -> dict:
     """Tiles of the TMA GEMMs (fp8, and int8 with int8 weights: their wgmma shapes are the same). 128x256x128,
     8 warps, 3 stages: fastest of the tiles swept on the H200 at M=4608, with and without the branch, at all
     four Krea 2 shapes (bench/results/fp8_lora_gemm_h200.md). Fewer rows take smaller tiles so the grid still
-    covers the SMs: 128x128 (one warpgroup) up to M=1024, 64x128 up to M=64 (the time embedding, a batch of one)."""
+    covers the SMs: 128x128 (one warpgroup) up to M=1024, 64x128 up to M=64 (the time embedding, a batch of one).
+    Wider operands (`itemsize` bytes: 2 for bf16 / fp16) take a K tile as many times shorter, so a pipeline
+    stage holds the same bytes (128x256x128 in bf16 would not fit in shared memory)."""
+    bk = 128 // itemsize
     if m <= 64:
-        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+        return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
     if m <= 1024:
-        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 128, "num_warps": 8, "num_stages": 3}
+        return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": bk, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "num_warps": 8, "num_stages": 3}
 
 
 def launch_tma_gemm(kernel, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, config: dict | None,  # noqa: ANN001
@@ -86,7 +89,7 @@ def launch_tma_gemm(kernel, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, c
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     (m, k), n = a.shape, w.shape[0]
-    cfg = dict(config or tma_launch_config(m))
+    cfg = dict(config or tma_launch_config(m, a.element_size()))
     warps, stages = cfg.pop("num_warps", 4), cfg.pop("num_stages", 2)
     cfg.setdefault("GROUP_M", 8)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

@@ -202,6 +202,31 @@ def int8_linear_fp32(x: torch.Tensor, w_codes: torch.Tensor, w_scale: torch.Tens
     return int_linear_fp32(xq, xs, w_codes, w_scale).reshape(*shape[:-1], w_codes.shape[0])
 
 
+# ---------------------------------------------------------------------------
+# svdquant_w4a4 activations: x / smooth, int4 per row and group of 64, in the layer's dtype
+# ---------------------------------------------------------------------------
+
+SVDQUANT_GROUP = 64
+SVDQUANT_INT4_MAX = 7
+
+
+def svdquant_quantize_activations(x: torch.Tensor, smooth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of x [M, K] (the layer's dtype) divided by smooth, quantized per group of 64: (codes [M, K] int8,
+    scales [M, K/64] in x's dtype)."""
+    m, k = x.shape
+    groups = (x / smooth).view(m, k // SVDQUANT_GROUP, SVDQUANT_GROUP)
+    scales = groups.abs().amax(dim=-1).clamp(min=1e-10) / SVDQUANT_INT4_MAX
+    codes = (groups / scales.unsqueeze(-1)).round().clamp(-SVDQUANT_INT4_MAX, SVDQUANT_INT4_MAX).to(torch.int8)
+    return codes.reshape(m, k), scales
+
+
+def svdquant_activations(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
+    """svdquant_w4a4's main-path A operand (comfy-kitchen's eager contract): codes times their group's scale [M, K], in x's dtype (the layer's)."""
+    m, k = x.shape
+    codes, scales = svdquant_quantize_activations(x, smooth)
+    return (codes.to(x.dtype).view(m, k // SVDQUANT_GROUP, SVDQUANT_GROUP) * scales.to(x.dtype).unsqueeze(-1)).view(m, k)
+
+
 def low_rank_delta(x: torch.Tensor, down: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """(x @ down^T) @ up^T in x's dtype: a LoRA residual's output, unfused (LoraStack.forward, and the
     formats' non-GPU path with a branch)."""
