@@ -56,6 +56,7 @@ ROWS = (
     # weight-only: the Triton decode into bf16 + cuBLAS (comfy-kitchen's AWQ layout is load-only: no from_float)
     ("awq_w4a16", "awq_w4a16", FormatSpec("awq_w4a16"), {}, None),
     ("mxfp8 weight-only", "mxfp8", FormatSpec("mxfp8", activations="none"), {}, ("TensorCoreMXFP8Layout", {})),
+    ("mxfp8", "mxfp8", FormatSpec("mxfp8"), {}, None),  # dynamic MXFP8 activations, emulated in bf16 (no MX on sm90)
     ("svdquant_w4a4", "svdquant_w4a4", FormatSpec("svdquant_w4a4"), {}, None),  # rank 32, round-to-nearest
 )
 
@@ -86,6 +87,10 @@ def emulate(name: str, x: torch.Tensor, q, bias: torch.Tensor | None) -> torch.T
         y = x.float() @ fmt.dequantize(q).t()
     elif name == "nvfp4":
         y = reference.nvfp4_fake_quant(xr, t.get("input_scale")) @ fmt._dequantize_rotated(q).t()
+    elif name == "mxfp8":
+        from lowbit_pipe.formats.mxfp8 import fake_quant
+
+        y = fake_quant(xr) @ fmt._dequantize_rotated(q).t()
     elif name == "svdquant_w4a4":  # both operands dequantized in fp32 (exact: small integers times bf16 scales)
         x2 = x.reshape(-1, x.shape[-1]).to(t["weight_scale"].dtype)
         codes, scales = reference.svdquant_quantize_activations(x2, t["weight_smooth_factor"])
@@ -136,6 +141,10 @@ def path_of(name: str, x: torch.Tensor, q) -> str:
             return "reference"
         return "triton-act+triton-decode+" + ("triton-tma-bf16(branch)" if dispatch.fp8_triton_gemm(x)
                                               else "cublas-bf16+addmm")
+    if name == "mxfp8" and get_format(name).activation_mode(q) != "none":
+        if not dispatch.mxfp8_supported(x, q.tensors["weight"], kind):
+            return "reference"
+        return "triton-mx-act+triton-decode+" + ("triton-tma-bf16" if dispatch.fp8_triton_gemm(x) else "cublas-bf16")
     if name in ("awq_w4a16", "mxfp8"):
         return "triton-decode+cublas" if dispatch.decode_supported(x, q.tensors["weight"]) else "reference"
     return "triton-quant+triton-int8" if dispatch.int8_supported(x, kind) else "reference"

@@ -151,7 +151,8 @@ FORMAT_CASES = [
     ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False),
     ("convrot_w4a4", {"rotation": "convrot"}, False), ("convrot_w4a4", {"rotation": "convrot"}, True),
     ("w4a8", {}, False), ("w4a8", {}, True), ("w6a8", {}, False), ("w6a8", {}, True),
-    ("svdquant_w4a4", {}, False),
+    ("svdquant_w4a4", {}, False), ("mxfp8", {}, False), ("mxfp8", {"rotation": "convrot"}, False),
+    ("mxfp8", {"rotation": "hadanorm"}, False),
 ]
 
 
@@ -216,7 +217,8 @@ def test_quantized_linear_on_the_gpu_matches_the_reference(fmt, opts, prepack, d
         # values hit, where the reference's fp32 rotation of `_reference_input` is a few ulps off (one flipped
         # code moves a single row by ~1e-2: 1.37e-2 measured at M=1 with hadanorm; 1.8e-2 the worst of 60 CPU
         # draws). Everything else: 1e-2.
-        tol = 2e-2 if (fmt == "nvfp4" and q.compute == "nvfp4") or (fmt == "fp8" and "rotation" in opts) else 1e-2
+        tol = 2e-2 if (fmt == "nvfp4" and q.compute == "nvfp4") or (fmt in ("fp8", "mxfp8") and "rotation" in opts) \
+            else 1e-2
         assert _rel(y.cpu(), ref) < tol, f"{fmt} {opts} M={m}: {_rel(y.cpu(), ref):.3g}"
 
 
@@ -280,7 +282,7 @@ def test_svdquant_operands_gemm_and_lora_on_the_gpu():
     from lowbit_pipe.kernels import reference
     from lowbit_pipe.kernels.decode import svdquant_decode
     from lowbit_pipe.kernels.fp8_gemm import float_gemm
-    from lowbit_pipe.kernels.svdquant_act import svdquant_act
+    from lowbit_pipe.kernels.act_dequant import svdquant_act
     from lowbit_pipe.lora.branches import LoraBranch, LoraStack
     from lowbit_pipe.nn import QuantLinear
 
@@ -327,6 +329,25 @@ def test_svdquant_operands_gemm_and_lora_on_the_gpu():
             assert torch.equal(layer(x), base)
         assert y.shape == base.shape and y.dtype == torch.bfloat16
         assert _rel(y.float(), unfused) < 5e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mxfp8_act_is_the_fake_quant_bit_for_bit(dtype):
+    """mxfp8 dynamic's activation kernel on the hardware (its e4m3 conversion, the exponent from the bits) against
+    formats.mxfp8.fake_quant of the same values; zero and tiny blocks included."""
+    from lowbit_pipe.formats.mxfp8 import fake_quant
+    from lowbit_pipe.kernels.act_dequant import mxfp8_act
+
+    gen = torch.Generator().manual_seed(29)
+    for m, k in ((1, 32), (37, 544), (1500, 6144)):
+        x = (torch.randn(m, k, generator=gen) * 7).to(dtype)
+        x[0, :32] = 0.0
+        if k > 64:
+            x[-1, 32:64] *= 1e-4
+        _poison()
+        y = mxfp8_act(x.cuda())
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y.cpu(), fake_quant(x.float()).bfloat16()), f"mxfp8_act {dtype} {m}x{k}"
 
 
 def test_nvfp4_gemm_every_config_and_decode_match_the_reference():

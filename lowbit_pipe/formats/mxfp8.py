@@ -11,8 +11,9 @@ clamped to [0, 254]; codes = fp8(clamp(w / 2^(e-127), +-448)); an all-zero block
 zero codes. A non-zero block so small that e = 0 (amax < 448 * 2^-127) gets zero codes here, where
 comfy-kitchen divides by its zero scale; both dequantize it to 0.
 
-Activations (reference `linear`, the same torch ops on every device): "dynamic" quantizes each
-input row to MXFP8 the same way (what ComfyUI does where it runs MXFP8 natively: SM >= 10.0);
+Activations (reference `linear`): "dynamic" quantizes each input row to MXFP8 the same way (what ComfyUI
+does where it runs MXFP8 natively: SM >= 10.0); on a GPU (dispatch.mxfp8_linear) both operands' exact
+values in bf16 on its tensor cores, the reference up to the order of the fp32 sum;
 "none" is weight-only (what stock ComfyUI computes on older GPUs and the CPU, where it treats mxfp8
 as emulated). No static scales: activation scales are per block, found at run time.
 Rotations are ours only (markers, as for nvfp4).
@@ -113,6 +114,12 @@ class MXFP8(Format):
         if self.activation_mode(q) == "none":
             return self.weight_only_linear(x, q, bias)
         kind, group = common.record_rotation(q.record, q.format)
+        t = q.tensors
+        if kind == "hadanorm" and dispatch.mxfp8_supported(x, t["weight"], "none"):
+            return dispatch.hadanorm_linear(x, group, lambda xr: dispatch.mxfp8_linear(xr, t["weight"], t["weight_scale"],
+                                                                                     bias), self.hadanorm_rowsums(q, group))
+        if dispatch.mxfp8_supported(x, t["weight"], kind):  # GPU: Triton fake quant + decode, bf16 tensor cores
+            return dispatch.mxfp8_linear(x, t["weight"], t["weight_scale"], bias, kind, group)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = fake_quant(x_rot) @ self._dequantize_rotated(q).to(x.device).t()
         if mu is not None:

@@ -24,6 +24,8 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | hadanorm rotation: other formats      | torch reference                                                  |
 | awq_w4a16, mxfp8 weight-only (mxfp8   | Triton decode of the layer's weight into x's dtype + cuBLAS      |
 | unrotated)                            | (`decode_supported`, Format.dequantize_like)                     |
+| mxfp8 dynamic (none / convrot /       | [rotation] + Triton MXFP8 act quant-dequant and weight decode,  |
+| quarot; hadanorm via hadanorm_linear) | both exact in bf16, + the 16-bit Triton TMA GEMM                 |
 | svdquant_w4a4                         | Triton int4 act quant-dequant + Triton residual decode, both in  |
 |                                       | the layer's dtype, + a 16-bit Triton TMA GEMM with the SVD branch |
 |                                       | (and LoRA) as its initial accumulator (`svdquant_linear`)        |
@@ -214,6 +216,35 @@ def mxfp8_weight(weight: torch.Tensor, exponents: torch.Tensor, dtype: torch.dty
     return launcher(mxfp8_decode_op, mxfp8_decode)(weight, exponents, dtype)
 
 
+def mxfp8_supported(x: torch.Tensor, weight: torch.Tensor, rot: str) -> bool:
+    """mxfp8 dynamic's GPU path: a GPU input in a float dtype, its layer's weight on the same device, a rotation
+    the dispatch applies (hadanorm goes through `hadanorm_linear` with "none")."""
+    return _gpu_input(x) and weight.device == x.device and rot in FUSED_ROTATIONS
+
+
+def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, exponents: torch.Tensor, bias: torch.Tensor | None,
+                 rot: str = "none", group: int | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """mxfp8 with dynamic activations on a GPU without MX tensor cores (Hopper): the activations' MXFP8 fake
+    quantization (kernels.act_dequant.mxfp8_act) and the weight's decode (kernels.decode.mxfp8_decode), both
+    exact in bf16 (e4m3 codes times powers of two), multiplied on bf16 tensor cores: exact products, an fp32
+    sum, so the format's fp32 reference up to the order of that sum. Rotation first, as for the other formats.
+    `compute_dtype` fp32 exists for the CPU interpreter tests (its bf16 dot is broken)."""
+    from lowbit_pipe.kernels.act_dequant import mxfp8_act, mxfp8_act_op
+    from lowbit_pipe.kernels.decode import mxfp8_decode, mxfp8_decode_op
+    from lowbit_pipe.kernels.fp8_gemm import float_gemm, float_gemm_op
+
+    k = x.shape[-1]
+    x2 = rotate(x.reshape(-1, k), rot, group)
+    act = launcher(mxfp8_act_op, mxfp8_act)(x2, compute_dtype)
+    w = launcher(mxfp8_decode_op, mxfp8_decode)(weight, exponents, compute_dtype)
+    if fp8_triton_gemm(x):
+        y = launcher(float_gemm_op, float_gemm)(act, w, bias, x.dtype)
+    else:
+        y = F.linear(act, w).float()
+        y = (y + bias.float() if bias is not None else y).to(x.dtype)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
 def svdquant_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """svdquant_w4a4's GPU path: a GPU input in a float dtype, its layer's codes on the same device."""
     return _gpu_input(x) and weight.device == x.device
@@ -222,7 +253,7 @@ def svdquant_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def svdquant_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], n: int, bias: torch.Tensor | None,
                     lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """svdquant_w4a4 on 16-bit tensor cores: the eager contract's two dequantized operands, each formed bit for bit
-    by a Triton kernel (activations: kernels.svdquant_act, or the format's torch ops under torch.compile, which
+    by a Triton kernel (activations: kernels.act_dequant.svdquant_act, or the format's torch ops under torch.compile, which
     Inductor fuses; residual: kernels.decode.svdquant_decode, the layer's weight decoded per call into a transient
     buffer), multiplied with fp32 accumulation; xa = x @ proj_down by cuBLAS and xa @ proj_up^T as the GEMM's
     initial accumulator on Hopper (float_gemm), elsewhere cuBLAS and an in-place addmm_. A LoRA (down [R, K],
@@ -230,7 +261,7 @@ def svdquant_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], n: int, b
     output dtype where the eager contract rounds the main product and the branch apart."""
     from lowbit_pipe.kernels.decode import svdquant_decode, svdquant_decode_op
     from lowbit_pipe.kernels.fp8_gemm import float_gemm, float_gemm_op
-    from lowbit_pipe.kernels.svdquant_act import svdquant_act
+    from lowbit_pipe.kernels.act_dequant import svdquant_act
 
     dtype = tensors["weight_scale"].dtype
     k = x.shape[-1]
