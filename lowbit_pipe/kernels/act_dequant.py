@@ -85,12 +85,12 @@ def _mxfp8_act_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK: tl.cons
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     blocks = tl.reshape(x, (BLOCK_M, BLOCK_K // BLOCK, BLOCK))
     amax = tl.max(tl.abs(blocks), axis=2)
-    needed = tl.maximum(tl.math.div_rn(amax, 448.0), 5.877471754111438e-39)  # 2^-127, an fp32 subnormal
+    needed = tl.math.div_rn(amax, 448.0)
     bits = needed.to(tl.int32, bitcast=True)
     biased = (bits >> 23) & 255
     frac = bits & 0x7FFFFF
-    # biased ceil(log2(needed)): the exponent field, plus one unless a power of two; a subnormal is 2^-127
-    # exactly (e = 0) or above it (e = 1)
+    # biased ceil(log2(max(needed, 2^-127))): the exponent field, plus one unless a power of two; below 2^-126
+    # (subnormal) e = 1 above 2^-127, else 0 -- the reference's clamp (a constant 2^-127 would be fp64 in Triton)
     e = tl.where(biased == 0, tl.where(frac > 0x400000, 1, 0), biased + tl.where(frac != 0, 1, 0))
     e = tl.where(amax == 0, 0, tl.minimum(e, 254))
     scale = tl.where(e == 0, 0.0, (e << 23).to(tl.float32, bitcast=True))  # 2^(e - 127); e = 0: a zero block
