@@ -442,3 +442,28 @@ def test_example_lora_attaches_to_a_model_on_the_gpu(tiny_model):
     with torch.inference_mode():
         back = arch.output_tensor(model(**inputs))
     assert not torch.equal(y, base) and torch.equal(back, base)
+
+
+def test_gptq_block_graph_replays_the_eager_loop():
+    """GPTQ's column loop captured as a CUDA graph (one per layer, replayed per block) gives the eager loop's
+    codes and losses bit for bit, for every format with a grid rounder, with act-order and a ragged last block."""
+    from lowbit_pipe.formats import FormatSpec
+    from lowbit_pipe.gptq import GPTQSettings, gptq_quantize
+
+    specs = [FormatSpec("int8"), FormatSpec("int8", rotation="quarot"), FormatSpec("fp8"), FormatSpec("mxfp8"),
+             FormatSpec("nvfp4"), FormatSpec("nvfp4", rotation="hadanorm", rotation_group=64),
+             FormatSpec("convrot_w4a4"), FormatSpec("w4a8"), FormatSpec("w6a8"), FormatSpec("awq_w4a16"),
+             FormatSpec("svdquant_w4a4")]
+    gen = torch.Generator().manual_seed(33)
+    n, k = 96, 768  # blocks of 128: six full ones; of 160: four full ones and a ragged 128
+    w = torch.randn(n, k, generator=gen) * 0.02
+    x = torch.randn(1024, k, generator=gen) @ (torch.eye(k) + torch.randn(k, k, generator=gen) / k ** 0.5)
+    h = (x.t() @ x / x.shape[0]).cuda()
+    for spec in specs:
+        for act_order, block in ((False, 128), (True, 160)):
+            eager = gptq_quantize(w, spec, h, GPTQSettings(block_size=block, act_order=act_order, cuda_graph=False))
+            graphed = gptq_quantize(w, spec, h, GPTQSettings(block_size=block, act_order=act_order))
+            what = f"{spec.format}-{spec.rotation} act_order={act_order}"
+            assert graphed.gptq_loss == eager.gptq_loss and graphed.rtn_loss == eager.rtn_loss, what
+            for name, t in eager.qweight.tensors.items():
+                assert torch.equal(graphed.qweight.tensors[name], t), f"{what}: {name}"
