@@ -116,8 +116,9 @@ class MXFP8(Format):
         kind, group = common.record_rotation(q.record, q.format)
         t = q.tensors
         if kind == "hadanorm" and dispatch.mxfp8_supported(x, t["weight"], "none"):
-            return dispatch.hadanorm_linear(x, group, lambda xr: dispatch.mxfp8_linear(xr, t["weight"], t["weight_scale"],
-                                                                                     bias), self.hadanorm_rowsums(q, group))
+            def unrotated(xr: torch.Tensor) -> torch.Tensor:
+                return dispatch.mxfp8_linear(xr, t["weight"], t["weight_scale"], bias)
+            return dispatch.hadanorm_linear(x, group, unrotated, self.hadanorm_rowsums(q, group))
         if dispatch.mxfp8_supported(x, t["weight"], kind):  # GPU: Triton fake quant + decode, bf16 tensor cores
             return dispatch.mxfp8_linear(x, t["weight"], t["weight_scale"], bias, kind, group)
         x_rot, mu = rotation.rotate_activation(x, kind, group)

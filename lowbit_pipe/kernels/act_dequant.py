@@ -58,7 +58,7 @@ def _svdquant_act_kernel(x_ptr, smooth_ptr, out_ptr, M, K, stride_xm, stride_om,
 
 def svdquant_act(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
     """x [M, K] and smooth [K] in the layer's dtype (bf16 or fp16; K a multiple of 64) -> the dequantized int4
-    activations [M, K] in that dtype (formats.svdquant_w4a4.dequantized_activations' values)."""
+    activations [M, K] in that dtype (reference.svdquant_activations' values)."""
     if x.dim() != 2 or x.shape[1] % GROUP or smooth.shape != (x.shape[1],):
         raise ValueError(f"svdquant_act: x {tuple(x.shape)} / smooth {tuple(smooth.shape)}: want [M, K] and [K], "
                          f"K a multiple of {GROUP}")
@@ -73,7 +73,6 @@ def svdquant_act(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
         _svdquant_act_kernel[grid](x, smooth.contiguous(), out, m, k, x.stride(0), out.stride(0),
                                    GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
     return out
-
 
 
 @triton.jit

@@ -223,7 +223,8 @@ def mxfp8_supported(x: torch.Tensor, weight: torch.Tensor, rot: str) -> bool:
 
 
 def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, exponents: torch.Tensor, bias: torch.Tensor | None,
-                 rot: str = "none", group: int | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 rot: str = "none", group: int | None = None,
+                 compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """mxfp8 with dynamic activations on a GPU without MX tensor cores (Hopper): the activations' MXFP8 fake
     quantization (kernels.act_dequant.mxfp8_act) and the weight's decode (kernels.decode.mxfp8_decode), both
     exact in bf16 (e4m3 codes times powers of two), multiplied on bf16 tensor cores: exact products, an fp32
@@ -253,15 +254,15 @@ def svdquant_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def svdquant_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], n: int, bias: torch.Tensor | None,
                     lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """svdquant_w4a4 on 16-bit tensor cores: the eager contract's two dequantized operands, each formed bit for bit
-    by a Triton kernel (activations: kernels.act_dequant.svdquant_act, or the format's torch ops under torch.compile, which
-    Inductor fuses; residual: kernels.decode.svdquant_decode, the layer's weight decoded per call into a transient
-    buffer), multiplied with fp32 accumulation; xa = x @ proj_down by cuBLAS and xa @ proj_up^T as the GEMM's
+    by a Triton kernel (activations: kernels.act_dequant.svdquant_act, or under torch.compile the torch reference,
+    which Inductor fuses; residual: kernels.decode.svdquant_decode, the layer's weight decoded per call into a
+    transient buffer), multiplied with fp32 accumulation; xa = x @ proj_down by cuBLAS and xa @ proj_up^T as the GEMM's
     initial accumulator on Hopper (float_gemm), elsewhere cuBLAS and an in-place addmm_. A LoRA (down [R, K],
     up [N, R]) is concatenated to the SVD branch up to rank 128 in all, else added after. One rounding to the
     output dtype where the eager contract rounds the main product and the branch apart."""
+    from lowbit_pipe.kernels.act_dequant import svdquant_act
     from lowbit_pipe.kernels.decode import svdquant_decode, svdquant_decode_op
     from lowbit_pipe.kernels.fp8_gemm import float_gemm, float_gemm_op
-    from lowbit_pipe.kernels.act_dequant import svdquant_act
 
     dtype = tensors["weight_scale"].dtype
     k = x.shape[-1]

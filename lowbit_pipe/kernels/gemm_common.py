@@ -1,6 +1,6 @@
-"""What the scaled Triton GEMMs share (int8_gemm, fp8_gemm with its 16-bit twin float_gemm, nvfp4_gemm): the launcher, the grouped
-tile order, the epilogue (scales, bias, low-rank term) as Triton helpers, its argument checks, and
-its torch oracle.
+"""What the scaled Triton GEMMs share (int8_gemm, fp8_gemm with its 16-bit twin float_gemm, nvfp4_gemm): the
+launcher, the grouped tile order, the epilogue (scales, bias, low-rank term) as Triton helpers, its argument
+checks, and its torch oracle.
 
     y[m, n] = acc[m, n] * a_scale[m] * w_scale[n or scalar] (+ bias[n]) (+ (xa @ up_t)[m, n])
 """

@@ -221,7 +221,8 @@ def svdquant_quantize_activations(x: torch.Tensor, smooth: torch.Tensor) -> tupl
 
 
 def svdquant_activations(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
-    """svdquant_w4a4's main-path A operand (comfy-kitchen's eager contract): codes times their group's scale [M, K], in x's dtype (the layer's)."""
+    """svdquant_w4a4's main-path A operand (comfy-kitchen's eager contract): codes times their group's scale
+    [M, K], in x's dtype (the layer's)."""
     m, k = x.shape
     codes, scales = svdquant_quantize_activations(x, smooth)
     return (codes.to(x.dtype).view(m, k // SVDQUANT_GROUP, SVDQUANT_GROUP) * scales.to(x.dtype).unsqueeze(-1)).view(m, k)
