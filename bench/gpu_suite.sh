@@ -11,8 +11,9 @@
 # Seconds measured on the H200 (2026-12-03/04): kernels 226 (59 tests); linear ~80 for every row at --rep-ms 20
 # without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
 # per format; headline: torchao 89, each recipe variant 5-26 (72 for the LoRA one, with its recompile counts) once
-# Inductor's options are not left changed by torchao (44-64 s each when they were); gptq: int8 241 at full size,
-# nvfp4 unfinished in the rest of that call (its per-column rounding has lost a host-to-device copy since).
+# Inductor's options are not left changed by torchao (44-64 s each when they were); gptq: int8 241 at full size
+# (before GPTQ's column loop became a CUDA graph), nvfp4 148 (after; it had not finished in 570 s before);
+# profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
 part=${1:?part: kernels, linear, headline, stream, pipeline, gptq or profile}
