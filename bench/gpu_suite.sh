@@ -8,7 +8,7 @@
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
 #   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
 #   bash bench/gpu_suite.sh profile "$OUT"   # the full-size forward's device time split: GEMM, attention, quantize, ...
-# Seconds measured on the H200 (2026-12-03/04): kernels 226 (59 tests); linear ~80 for every row at --rep-ms 20
+# Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
 # without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
 # per format; headline: torchao 89, each recipe variant 5-26 (72 for the LoRA one, with its recompile counts) once
 # Inductor's options are not left changed by torchao (44-64 s each when they were); gptq: int8 241 at full size
