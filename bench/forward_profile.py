@@ -30,17 +30,20 @@ import lowbit_pipe  # noqa: E402
 from lowbit_pipe.arch import get_arch  # noqa: E402
 from outputs import save_outputs  # noqa: E402
 
-# First match wins. Names: cuBLAS / CUTLASS GEMMs (sm90_xmma, nvjet, cutlass), this project's Triton GEMMs
-# (_int8_*_kernel, _fp8_*_kernel, _nvfp4_gemm_kernel), aten's matmuls on the CPU; flash / memory-efficient /
-# cuDNN attention and aten's SDPA; this project's activation quantization, rotation and weight decodes; Inductor's
-# generated Triton kernels (triton_poi_ / triton_red_ / triton_per_: norms, modulation, RoPE, the quantization
-# Inductor fuses into them under compile). The rotations' x @ H is a cuBLAS matmul on the GPU: it counts as a GEMM.
+# First match wins. Inductor's generated Triton kernels first (triton_poi_ / triton_red_ / triton_per_: norms,
+# modulation, RoPE, and the activation quantization Inductor fuses into them under compile): their names list the
+# ops they fused, and the custom op a quantization feeds is one of them ("..._fp8_gemm_..."), which must not make
+# them GEMMs (the first H200 run counted ~14 ms of fp8's and int8's fused kernels as GEMM time that way). Then
+# cuBLAS / CUTLASS GEMMs (sm90_xmma, nvjet, cutlass), this project's Triton GEMMs (_int8_*_kernel,
+# _fp8_gemm_kernel, which float_gemm shares, _nvfp4_gemm_kernel), aten's matmuls on the CPU; flash /
+# memory-efficient / cuDNN attention and aten's SDPA; this project's activation quantization, rotation and weight
+# decodes. The rotations' x @ H is a cuBLAS matmul on the GPU: it counts as a GEMM.
 CATEGORIES = (
+    ("fused elementwise (Inductor)", r"^triton_(poi|red|per)_"),
     ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(sdpa|mha)"),
     ("gemm", r"gemm|xmma|nvjet|cutlass|_int8_.*kernel|_fp8_.*kernel|_nvfp4_gemm|aten::(mm|addmm|bmm|matmul|linear|_int_mm|"
-             r"_scaled_mm)$|lowbit_pipe::(int8|fp8|nvfp4)_gemm"),
-    ("quantize / rotate / decode", r"quantize|_quant|_amax_down|_nvfp4_act|rotate|hadamard|decode|lowbit_pipe::"),
-    ("fused elementwise (Inductor)", r"^triton_(poi|red|per)_"),
+             r"_scaled_mm)$|lowbit_pipe::(int8|fp8|nvfp4|float)_gemm"),
+    ("quantize / rotate / decode", r"quantize|_quant|_act_kernel|_amax_down|rotate|hadamard|decode|lowbit_pipe::"),
 )
 VARIANTS = {
     "bf16": ("default", ["pipeline=[load,detect,compile]"]),

@@ -27,6 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     ("_nvfp4_decode_kernel", "quantize / rotate / decode"),
     ("triton_poi_fused__to_copy_add_mul_rms_norm_0", "fused elementwise (Inductor)"),
     ("triton_red_fused_abs_amax_div_1", "fused elementwise (Inductor)"),
+    # Inductor names a kernel after the ops it fused, the quantized GEMM's custom op among them (H200 names)
+    ("triton_red_fused__to_copy_abs_amax_clamp_div_fp8_gemm_gt_mul_ones_like_reciprocal_silu_view_where_6",
+     "fused elementwise (Inductor)"),
+    ("triton_red_fused__to_copy_abs_amax_clamp_clamp_min_div_int8_gemm_mul_round_silu_view_6",
+     "fused elementwise (Inductor)"),
+    ("_svdquant_act_kernel", "quantize / rotate / decode"),
+    ("_mxfp8_act_kernel", "quantize / rotate / decode"),
+    ("_int4_group_decode_kernel", "quantize / rotate / decode"),
+    ("lowbit_pipe::float_gemm", "gemm"),
     ("aten::copy_", "other"),
 ])
 def test_kernel_names_fall_in_their_category(name, expected):
