@@ -19,7 +19,7 @@ from lowbit_pipe.runner import RunResult, Runner
 
 
 def run(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
-        model: Any = None, run_dir: str | Path | None = None) -> RunResult:
+        model: Any = None, run_dir: str | Path | None = None, calibrate: Callable[[], None] | None = None) -> RunResult:
     """Run a recipe (packaged name, YAML path or dict) with CLI-style overrides.
 
     `model`: a diffusers model or pipeline, or an nn.Module, used instead of `model.path`; the caller keeps
@@ -27,6 +27,11 @@ def run(recipe: str | Path | dict | None = "default", overrides: list[str] | tup
     model.dtype say otherwise; a move is undone by teardown). Raises RecipeError before any work for a bad
     recipe or inputs that cannot work (no run dir is made), StageError when a stage fails (the run dir then
     holds report.json with status "failed").
+
+    `calibrate`: a function that runs `model` on representative inputs; where the recipe calibrates (static
+    activations, a byte budget, GPTQ) it is called instead of the arch's example inputs, and it is what makes a
+    natively named model (a ComfyUI diffusion model) calibratable at all. The ComfyUI Quantize node passes one
+    that samples with ComfyUI's own model forward.
     """
     from lowbit_pipe.compose import compose_recipe
     from lowbit_pipe.preflight import preflight
@@ -34,7 +39,7 @@ def run(recipe: str | Path | dict | None = "default", overrides: list[str] | tup
     rec = compose_recipe(recipe, list(overrides))
     preflight(rec, model_given=model is not None)
     run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{time.time_ns() % 10**9}"
-    return Runner(rec, run_dir, model=model).run()
+    return Runner(rec, run_dir, model=model, calibrate=calibrate).run()
 
 
 def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledger: Ledger | None = None,

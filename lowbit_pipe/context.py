@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -35,6 +35,9 @@ class Context:
     console: Console = field(default_factory=Console)  # messages, one-line warnings, progress
     stream: Any = None  # model.stream: the checkpoint (load.SourceFile) the export streams from
     plans: list = field(default_factory=list)  # the quantize stage's layer plan (what a stream quantizes)
+    # run(..., calibrate=): runs the model on the caller's calibration inputs (a ComfyUI sampler, a natively
+    # named model's own forward); used instead of the arch's example inputs wherever the recipe calibrates.
+    calibrate: Callable[[], None] | None = None
 
     def set_model(self, model: Any, *, owned: bool) -> None:
         self.model = model

@@ -12,7 +12,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import OmegaConf
@@ -103,15 +103,17 @@ def _write_json(path: Path, data: Any) -> None:
 
 
 class Runner:
-    def __init__(self, recipe: Recipe, run_dir: str | Path, model: Any = None, console: Console | None = None):
+    def __init__(self, recipe: Recipe, run_dir: str | Path, model: Any = None, console: Console | None = None,
+                 calibrate: Callable[[], None] | None = None):
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.model = model
         self.console = console or Console()
+        self.calibrate = calibrate
 
     def run(self) -> RunResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        ctx = Context(recipe=self.recipe, run_dir=self.run_dir, console=self.console)
+        ctx = Context(recipe=self.recipe, run_dir=self.run_dir, console=self.console, calibrate=self.calibrate)
         if self.model is not None:
             ctx.set_model(self.model, owned=False)
         ctx.ledger.capture_baseline()  # device memory before load: teardown proves it returns here

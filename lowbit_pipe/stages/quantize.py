@@ -241,6 +241,8 @@ def example_runner(ctx: Context, what: str) -> Callable[[], None]:
     from lowbit_pipe import sampler
 
     cfg, ev = ctx.recipe.quantize, ctx.recipe.evaluate
+    if ctx.calibrate is not None:
+        return ctx.calibrate
     if cfg.calibration_prompts:
         run_prompts = ctx.adapter.prompt_runner(ctx.model, list(cfg.calibration_prompts), cfg.calibration_steps,
                                                 cfg.calibration_seed, cfg.calibration_resolution)
@@ -349,7 +351,8 @@ class Quantize(Stage):
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
         if budget is not None or amax or run_examples is not None:
-            result["calibration"] = calibration_source(cfg)
+            result["calibration"] = {"source": "the caller's calibrate function"} if ctx.calibrate is not None \
+                else calibration_source(cfg)
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
         return {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
