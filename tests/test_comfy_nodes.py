@@ -15,7 +15,10 @@ import lowbit_pipe
 import lowbit_pipe.errors
 from conftest import native_module
 from lowbit_pipe.arch.tiny import tiny_model_config
-from lowbit_pipe.comfy.nodes import NODE_CLASS_MAPPINGS, LowbitExport, LowbitLoRA, LowbitPurge, LowbitQuantize
+from lowbit_pipe.comfy.node_runs import PurgedModelError
+from lowbit_pipe.comfy.nodes import (NODE_CLASS_MAPPINGS, LowbitExampleInputs, LowbitExport, LowbitLoRA, LowbitPurge,
+                                   LowbitQuantize)
+from lowbit_pipe.comfy.weight_patches import UnsupportedPatchError
 from lowbit_pipe.lora.make_example import example_lora
 from lowbit_pipe.nn import QuantLinear
 
@@ -61,9 +64,37 @@ def _layer(model: Patcher, name: str = "blocks.0.attn.wq"):
 
 
 def test_nodes_are_registered_with_comfyui_fields():
-    for cls in NODE_CLASS_MAPPINGS.values():
-        assert cls.INPUT_TYPES()["required"]["model"] == ("MODEL",) or "model" in cls.INPUT_TYPES()["required"]
-        assert isinstance(cls.RETURN_TYPES, tuple) and hasattr(cls, cls.FUNCTION) and cls.CATEGORY == "lowbit_pipe"
+    for name, cls in NODE_CLASS_MAPPINGS.items():
+        types = cls.INPUT_TYPES()
+        assert "model" in types["required"] and hasattr(cls, cls.FUNCTION) and cls.CATEGORY == "lowbit_pipe"
+        assert isinstance(cls.RETURN_TYPES, tuple) and len(cls.OUTPUT_TOOLTIPS) == len(cls.RETURN_TYPES), name
+        assert len(cls.DESCRIPTION) > 80, name  # ComfyUI shows it as the node's help
+        for group in ("required", "optional"):
+            for key, spec in types.get(group, {}).items():
+                assert len(spec) == 2 and spec[1].get("tooltip"), f"{name}.{key} has no tooltip"
+
+
+class LoRAAdapter:
+    """ComfyUI's low-rank weight adapter as its patches carry it (comfy/weight_adapter/lora.py): `name` and the
+    `weights` tuple (up, down, alpha, mid, dora_scale, reshape)."""
+
+    name = "lora"
+
+    def __init__(self, up, down, alpha=None, dora_scale=None):  # noqa: ANN001
+        self.weights = (up, down, alpha, None, dora_scale, None)
+
+
+def _stock_lora(model: Patcher, layers: list[str], rank: int = 4, strength: float = 0.7, alpha: float = 2.0) -> dict:
+    """ComfyUI LoraLoader-style patches on `layers`; returns {layer: float delta W} (strength * alpha/rank * B A)."""
+    g = torch.Generator().manual_seed(11)
+    deltas = {}
+    for layer in layers:
+        w = model.model.diffusion_model.get_submodule(layer).weight
+        up, down = torch.randn(w.shape[0], rank, generator=g) * 0.05, torch.randn(rank, w.shape[1], generator=g) * 0.05
+        model.patches[f"diffusion_model.{layer}.weight"] = [(strength, LoRAAdapter(up, down, torch.tensor(alpha)), 1.0,
+                                                             None, None)]
+        deltas[layer] = strength * alpha / rank * (up @ down)
+    return deltas
 
 
 def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
@@ -71,7 +102,7 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
     original = model.model.diffusion_model
     before = {k: v.clone() for k, v in original.state_dict().items()}
 
-    (quantized, report) = LowbitQuantize().quantize(model, "default", "quantize.default.format=int8")
+    (quantized, report) = LowbitQuantize().quantize(model, "default", "quantize.default.format=int8", unique_id="7")
     assert "lowbit_pipe run: ok" in report
     assert isinstance(_layer(quantized), QuantLinear) and not isinstance(_layer(model), QuantLinear)  # upstream intact
     x = torch.randn(3, _layer(model).in_features, generator=torch.Generator().manual_seed(0))
@@ -84,24 +115,79 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
     assert da.abs().max() > 0 and torch.allclose(da, 2 * db, rtol=1e-4, atol=1e-6)  # linear in strength
     assert torch.equal(_layer(quantized)(x), base_out)  # the quantized MODEL upstream has no branch
 
-    path = LowbitExport().export(a, str(tmp_path / "out" / "m.safetensors"))[0]
+    shown = LowbitExport().export(a, str(tmp_path / "out" / "m.safetensors"))
+    path = shown["result"][0]
+    assert "wrote" in shown["ui"]["text"][0] and path.endswith("m.safetensors")
     # A ComfyUI model carries no diffusers constructor config: a reload of a tiny one names it.
     config = [f"+model.config.{k}={v}".replace(" ", "") for k, v in tiny_model_config("krea2").items()]
     again = lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]", *config], run_dir=tmp_path / "reload")
     assert isinstance(again.model.get_submodule("transformer_blocks.0.attn.to_q"), QuantLinear)
-    assert (tmp_path / "out" / "m.lora.safetensors").is_file()  # the residual branches, never dropped
 
     refs = [weakref.ref(m) for t in (quantized, a, b) for m in t.get_model_object("diffusion_model").modules()
             if isinstance(m, QuantLinear)]
-    (_, text) = LowbitPurge().purge(b, )
+    count = LowbitQuantize.IS_CHANGED(unique_id="7")
+    latent = {"samples": torch.zeros(1)}
+    shown = LowbitPurge().purge(b, after=latent)
+    assert shown["result"][0] is latent  # the pass-through
+    text = shown["ui"]["text"][0]
     gc.collect()
     assert '"retained_bytes": 0' in text and '"unfreed": []' in text, text
     assert all(r() is None for r in refs)  # every quantized layer of every MODEL made from the run is gone
-    for t in (quantized, a, b):  # those MODELs (ComfyUI may still cache them) compute float again
-        assert not any(isinstance(m, QuantLinear) or "lora" in m._modules
-                       for m in t.get_model_object("diffusion_model").modules())
+    assert LowbitQuantize.IS_CHANGED(unique_id="7") != count  # a re-queue re-runs the Quantize node
+    assert LowbitQuantize.IS_CHANGED(unique_id="8") == LowbitQuantize.IS_CHANGED(unique_id="8")
+    for t in (quantized, a, b):  # those MODELs (ComfyUI may still cache them) refuse to run: never a float result
+        tree = t.get_model_object("diffusion_model")
+        assert not any(isinstance(m, QuantLinear) or "lora" in m._modules for m in tree.modules())
+        with pytest.raises(PurgedModelError, match="node 7.*purged.*Queue the workflow again"):
+            tree(x)
+    with pytest.raises(PurgedModelError, match="LoRA residual"):
+        LowbitLoRA().attach(a, lora_file, 1.0)
+    with pytest.raises(PurgedModelError, match="Export"):
+        LowbitExport().export(b, str(tmp_path / "out" / "again.safetensors"))
+    assert "already purged" in LowbitPurge().purge(a)["ui"]["text"][0]
     after = original.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+    assert _layer(model)(x).shape == (3, _layer(model).out_features)  # the float MODEL upstream still runs
+
+
+def test_comfyui_lora_patches_become_exact_residual_branches(krea2):
+    model, _ = krea2
+    layers = ["blocks.0.attn.wq", "blocks.1.mlp.down", "first"]  # "first" stays float (Krea 2 keep-float list)
+    deltas = _stock_lora(model, layers)
+    (quantized, report) = LowbitQuantize().quantize(model, "default", "quantize.default.format=int8")
+    (plain, _) = LowbitQuantize().quantize(Patcher(model.model), "default", "quantize.default.format=int8")
+    assert "ComfyUI LoRA patches on 2 quantized layers became exact residual branches" in report
+    for layer in layers[:2]:
+        xin = torch.randn(5, _layer(model, layer).in_features, generator=torch.Generator().manual_seed(2))
+        want = _layer(plain, layer)(xin) + xin @ deltas[layer].t()  # quantized layer + exact delta on its float input
+        assert torch.allclose(_layer(quantized, layer)(xin), want, rtol=1e-5, atol=1e-6), layer
+    # Patches on the quantized layers left the new MODEL (ComfyUI must not patch packed weights); the float
+    # layer's patch stays ComfyUI's; the MODEL given keeps all of its own.
+    assert set(quantized.patches) == {"diffusion_model.first.weight"} and len(model.patches) == 3
+
+
+def test_a_comfyui_dora_patch_on_a_quantized_layer_is_refused_naming_it(krea2):
+    model, _ = krea2
+    _stock_lora(model, ["blocks.0.attn.wq"])
+    (strength, adapter, *rest) = model.patches["diffusion_model.blocks.0.attn.wq.weight"][0]
+    adapter.weights = adapter.weights[:4] + (torch.ones(1),) + adapter.weights[5:]  # a DoRA magnitude
+    with pytest.raises(UnsupportedPatchError, match="blocks.0.attn.wq.weight.*DoRA.*LoRA residual"):
+        LowbitQuantize().quantize(model, "default", "quantize.default.format=int8")
+
+
+def test_quantize_refuses_a_model_a_lowbit_node_made(krea2):
+    model, _ = krea2
+    (quantized, _) = LowbitQuantize().quantize(model, "default", "quantize.default.format=int8")
+    with pytest.raises(ValueError, match="already"):
+        LowbitQuantize().quantize(quantized, "default", "")
+
+
+def test_example_inputs_fit_the_model(krea2):
+    model, _ = krea2
+    (conditioning, latent) = LowbitExampleInputs().make(model, 64, 32, 7, 2, 0)
+    tree = model.model.diffusion_model
+    assert latent["samples"].shape == (2, tree.first.in_features // 4, 4, 8)
+    assert conditioning[0][0].shape == (2, 7, tree.txtfusion.projector.in_features * tree.txtmlp._modules["1"].in_features)
 
 
 def test_a_model_with_comfyui_lora_patches_is_refused(krea2):

@@ -1,49 +1,78 @@
-"""ComfyUI nodes: quantize a MODEL by a recipe, add exact LoRA residual branches, export, and purge with proof.
+"""ComfyUI nodes: quantize a MODEL by a recipe, add exact LoRA residual branches, export, purge with proof,
+and example inputs for calibrating or trying a model without its text encoder.
 
-Every node returns a clone of the MODEL it was given whose diffusion model is a structural copy (new
-modules, shared tensors: lowbit_pipe.comfy.tree) set as an object patch, so the MODEL upstream stays as
-it was. State a later node needs lives on that copy, owned by it:
+Every node that changes a model returns a clone of the MODEL it was given whose diffusion model is a
+structural copy (new modules, shared tensors: lowbit_pipe.comfy.tree) set as an object patch, so the MODEL
+upstream stays as it was. What later nodes need rides on that copy as a `NodeState`
+(lowbit_pipe.comfy.node_runs): the `NodeRun` owning it (the quantize run and its ledger), the float tree it
+came from, the tree before any LoRA. A LoRA node re-attaches to a fresh copy of that base: a new strength or
+another file costs a copy and an attach, never a requantization.
 
-- `_lowbit_run`: the quantize run (its ledger: every swap, with its undo);
-- `_lowbit_base`, `_lowbit_loras`: the quantized tree before any LoRA and the LoRAs added since, so a
-  LoRA node re-attaches all of them to a fresh copy of the base: a new strength or another file of the
-  same rank costs a copy and an attach, never a requantization or a recompile.
+How the nodes live with ComfyUI's execution cache: Purge tears the run down and seals every MODEL made from
+it (using one raises an error naming the node, never computes in float); the node that made the run reports
+its purge count from IS_CHANGED, so re-queueing the workflow re-runs it by itself. Purge takes any value as
+a pass-through (`after`), so a graph orders it after its samplers.
 
-Every tree a node makes is recorded in the quantize run's ledger with its undo (put the float layers
-back, drop the branches and the node state), so the Purge node's teardown reaches every MODEL made from
-that run, including the ones ComfyUI still caches, and proves the quantized tensors are gone.
+ComfyUI's own LoRA patches on a MODEL given to Quantize (or to the LoRA node) become exact residual branches
+on the layers that get quantized (lowbit_pipe.comfy.weight_patches); patches on float layers stay ComfyUI's.
 
-The node classes use ComfyUI's V1 node API (INPUT_TYPES / RETURN_TYPES / FUNCTION / CATEGORY) and need
-nothing of ComfyUI but the MODEL objects they are given (and `folder_paths` / `model_management` when
-running inside ComfyUI), so they are tested without it.
+The classes use ComfyUI's V1 node API (INPUT_TYPES / RETURN_TYPES / FUNCTION / CATEGORY, DESCRIPTION and
+tooltips) and need nothing of ComfyUI but the MODEL objects they are given (and `folder_paths` /
+`comfy.model_management` when running inside ComfyUI), so they are tested without it too.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import time
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
+import torch
 from omegaconf import OmegaConf
 
+from lowbit_pipe.comfy import node_runs
+from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
 from lowbit_pipe.nn import QuantLinear
 
 CATEGORY = "lowbit_pipe"
+AUTO = "auto"
+# The recipe "auto" picks per architecture: files stock ComfyUI loads as they are.
+ARCH_RECIPES = {"krea2": "krea2_nvfp4_stock", "flux1": "flux1_fp8"}
+DEFAULT_RECIPE = "default"  # int8 W8A8 with the arch's keep-float list, for any other architecture
+
+
+class AnyType(str):
+    """ComfyUI's wildcard socket ("*"): accepted by any input, and any output connects to it."""
+
+    def __ne__(self, other: object) -> bool:
+        return False
+
+
+ANY = AnyType("*")
 
 
 def _tree(model: Any):  # noqa: ANN202
     return model.get_model_object("diffusion_model")
 
 
-def _with_tree(model: Any, tree: Any) -> Any:
+def _with_tree(model: Any, tree: Any, patches: dict | None = None) -> Any:
     out = model.clone()
+    if patches is not None and patches != model.patches:
+        out.patches = patches
+        out.patches_uuid = uuid.uuid4()  # ComfyUI reloads a model whose patch set changed by this id
     out.add_object_patch("diffusion_model", tree)
     return out
 
 
-def _recipe_arg(recipe: str) -> str | dict:
-    """A packaged recipe's name, a .yaml path, or YAML text pasted into the node."""
+def _recipe_arg(recipe: str, arch_id: str | None) -> str | dict:
+    """"auto" (the arch's default), a packaged recipe's name, a .yaml path, or YAML text pasted into the node."""
     text = recipe.strip()
+    if text in ("", AUTO):
+        return ARCH_RECIPES.get(arch_id or "", DEFAULT_RECIPE)
     if "\n" in text or ":" in text and not text.endswith((".yaml", ".yml")):
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
         if not isinstance(data, dict):
@@ -56,155 +85,211 @@ def _overrides(text: str) -> list[str]:
     return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-class LowbitQuantize:
-    """MODEL + recipe (+ overrides) -> quantized MODEL, through the recipe's load, detect and quantize stages."""
+def _ui(text: str, result: tuple) -> dict[str, Any]:
+    """An output node's return: the text shown under the node in ComfyUI's UI, and the outputs."""
+    return {"ui": {"text": [text]}, "result": result}
 
+
+# ============================================================================================== Quantize
+class LowbitQuantize:
+    DESCRIPTION = ("Quantizes the diffusion model by a lowbit_pipe recipe (NVFP4, INT8, FP8, W4A4, ...). The MODEL "
+                   "given stays as it was. ComfyUI LoRAs already on the MODEL become exact residual branches. Recipes "
+                   "that calibrate (static activations, GPTQ, SVDQuant) run the model on the CONDITIONING / LATENT "
+                   "given, or on the architecture's example inputs.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
+    OUTPUT_TOOLTIPS = ("the quantized model (a new MODEL; the input one is unchanged)",
+                       "the run's summary: layers per format, bytes before / after, seconds")
     FUNCTION = "quantize"
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802 - ComfyUI's name
-        return {"required": {
-            "model": ("MODEL",),
-            "recipe": ("STRING", {"default": "krea2_nvfp4_stock", "multiline": True,
-                                  "tooltip": "a packaged recipe's name, a .yaml path, or YAML text"}),
-            "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": "key=value, one per line"}),
-        }}
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "the float diffusion model (Load Diffusion Model)"}),
+                "recipe": ("STRING", {"default": AUTO, "multiline": True, "tooltip": (
+                    "'auto' (Krea 2: krea2_nvfp4_stock, FLUX.1: flux1_fp8, others: default = int8), a packaged "
+                    "recipe's name (krea2_nvfp4, krea2_svdquant, krea2_nvfp4_gptq, flux1_fp8, default, ...), a "
+                    ".yaml path, or YAML text")}),
+                "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": (
+                    "recipe overrides, key=value, one per line (e.g. quantize.default.format=fp8)")}),
+            },
+            "optional": {
+                "conditioning": ("CONDITIONING", {"tooltip": (
+                    "calibration prompt states (only recipes that calibrate use them); without: the architecture's "
+                    "seeded example inputs")}),
+                "latent": ("LATENT", {"tooltip": "calibration image size (its shape; the noise is seeded)"}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
 
-    def quantize(self, model: Any, recipe: str, overrides: str = "") -> tuple[Any, str]:
+    @classmethod
+    def IS_CHANGED(cls, unique_id: str | None = None, **_: Any) -> str:  # noqa: N802 - ComfyUI's name
+        return f"purges={PURGES.of(unique_id)}"  # moves when this node's run is purged: re-queue re-runs it
+
+    def quantize(self, model: Any, recipe: str, overrides: str = "", conditioning: Any = None, latent: Any = None,
+                 unique_id: str | None = None) -> tuple[Any, str]:
         import lowbit_pipe
+        from lowbit_pipe.arch import detect_module
+        from lowbit_pipe.comfy import weight_patches
         from lowbit_pipe.comfy.tree import structural_copy
 
-        model.model.diffusion_model  # noqa: B018 - a MODEL (ModelPatcher) is required
+        made_by = f"Quantize (lowbit_pipe) node {unique_id}" if unique_id else "Quantize (lowbit_pipe)"
         source = _tree(model)
-        if getattr(source, "_lowbit_run", None) is not None:
-            raise ValueError("this MODEL is quantized by lowbit_pipe already; purge it first or quantize the original")
+        node_runs.check_usable(source, made_by)
+        if node_runs.state_of(source) is not None:
+            raise ValueError(f"{made_by}: this MODEL comes from a lowbit_pipe node already (quantized, or with lowbit "
+                             "LoRA branches); quantize the float MODEL, then add LoRAs")
+        patches = weight_patches.read_patches(dict(getattr(model, "patches", {}) or {}))
+        release_weights(model)  # the shared model must hold its own weights, not another clone's patched ones
+        found = detect_module(source)
+        arch_id = found.arch.id if found is not None else None
         tree = structural_copy(source)
-        result = lowbit_pipe.run(_recipe_arg(recipe), [*_overrides(overrides), "pipeline=[load,detect,quantize]"],
-                                 model=tree)
-        _set_state(tree, result, source, base=tree, loras=())
-        result.context.ledger.record("comfy_tree", "quantized diffusion model (node state)",
-                                     lambda: _drop_state(tree), check=lambda: _state_gone(tree))
-        return _with_tree(model, tree), (result.run_dir / "summary.txt").read_text()
+        result = lowbit_pipe.run(_recipe_arg(recipe, arch_id), [*_overrides(overrides), "pipeline=[load,detect,quantize]"],
+                                 model=tree, run_dir=_run_dir(), calibrate=_calibration(tree, arch_id, conditioning, latent))
+        run = NodeRun(result.context.ledger, made_by, unique_id, result)
+        try:
+            quantized = {name for name, m in tree.named_modules() if isinstance(m, QuantLinear)}
+            kept_patches = _branches_from_patches(tree, model, patches, quantized, run)
+        except BaseException:
+            lowbit_pipe.teardown(result)
+            raise
+        node_runs.set_state(tree, NodeState(run, source, base=tree))
+        run.ledger.record("comfy_tree", "quantized diffusion model (node state)", lambda: node_runs.drop_state(tree),
+                          check=lambda: node_runs.state_gone(tree))
+        summary = (result.run_dir / "summary.txt").read_text()
+        converted = len(patches.low_rank) - sum(1 for layer in patches.low_rank if layer not in quantized)
+        if converted:
+            summary += f"\nComfyUI LoRA patches on {converted} quantized layers became exact residual branches"
+        return _with_tree(model, tree, kept_patches), summary
 
 
+def _branches_from_patches(tree: Any, model: Any, patches: Any, quantized: set[str], run: NodeRun) -> dict:
+    """ComfyUI's LoRA patches on the `quantized` layers -> residual branches on `tree` (recorded in the run's
+    ledger); returns the patch dict the new MODEL keeps (those on float layers). Refuses what cannot be a branch."""
+    from lowbit_pipe import lora
+    from lowbit_pipe.comfy import weight_patches
+
+    bad = {k: why for k, why in patches.other.items() if weight_patches._layer_of(k) in quantized}
+    if bad:
+        key, why = next(iter(bad.items()))
+        raise weight_patches.UnsupportedPatchError(
+            f"{run.made_by}: the MODEL carries a ComfyUI weight patch on '{key}', {why}, and that layer is quantized: "
+            f"it cannot become an exact residual branch ({len(bad)} such patches). Load that LoRA after Quantize "
+            "with 'LoRA residual (lowbit_pipe)', or keep those layers float (quantize.rules)")
+    low_rank = [p for layer in sorted(quantized) for p in patches.low_rank.get(layer, [])]
+    for i, (state, strength) in enumerate(weight_patches.as_lora_states(low_rank)):
+        lora.attach(tree, state, strength=strength, name=f"comfyui_lora_{i}", ledger=run.ledger)
+    return {k: v for k, v in dict(getattr(model, "patches", {}) or {}).items()
+            if weight_patches._layer_of(k if isinstance(k, str) else k[0]) not in quantized}
+
+
+def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any) -> Any:
+    """The calibrate function the run uses where its recipe calibrates (None for an arch this cannot feed; the
+    run then says calibration needs inputs). Inputs are drawn lazily: a recipe that does not calibrate costs
+    nothing."""
+    from lowbit_pipe.comfy import native_inputs as ni
+    from lowbit_pipe.recipe import EvaluateConfig, QuantizeConfig
+
+    if arch_id not in ni.SUPPORTED:
+        return None
+    ev, qz = EvaluateConfig(), QuantizeConfig()  # the CLI's calibration sizes and seeds
+
+    def sample(i: int) -> Any:
+        param = next(p for p in tree.parameters() if p.is_floating_point())
+        gen = torch.Generator().manual_seed(qz.calibration_seed + i)
+        example = ni.example_inputs(arch_id, tree, batch=ev.batch, image_tokens=ev.image_tokens,
+                                    text_tokens=ev.text_tokens, generator=gen, dtype=param.dtype, device=param.device)
+        if conditioning is None:
+            return example
+        gen = torch.Generator().manual_seed(qz.calibration_seed + i)
+        return ni.comfy_inputs(arch_id, conditioning, latent, generator=gen, dtype=param.dtype, device=param.device,
+                               fallback=example)
+
+    run = ni.calibration_runner(arch_id, tree, sample, samples=qz.calibration_samples, steps=qz.calibration_steps)
+    run.description = ("the node's CONDITIONING" + (" and LATENT size" if latent is not None else "")
+                       if conditioning is not None else "the arch's example inputs") + \
+        f", in ComfyUI's layout, through the diffusion model's own forward ({qz.calibration_samples} samples x " \
+        f"{qz.calibration_steps} Euler steps)"
+    return run
+
+
+# ============================================================================================== LoRA
 class LowbitLoRA:
-    """MODEL + LoRA file + strength -> MODEL with the LoRA as exact residual branches on its quantized layers."""
-
+    DESCRIPTION = ("Adds a LoRA as exact low-rank residual branches (never baked into 4-bit weights, where a small "
+                   "LoRA would drown in the rounding). Works on a MODEL from Quantize (lowbit_pipe) or on a quantized "
+                   "file opened with Load Diffusion Model; chain several. Reads peft / diffusers, kohya, AI-toolkit "
+                   "and ComfyUI LoRA files.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("the model with the LoRA's branches (a new MODEL; the input one is unchanged)",)
     FUNCTION = "attach"
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
-        return {"required": {
-            "model": ("MODEL",),
-            "lora_name": (_lora_choices(),) if _lora_choices() else ("STRING", {"default": ""}),
-            "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01}),
-        }}
+        return {
+            "required": {
+                "model": ("MODEL", {"tooltip": "a quantized MODEL (Quantize, or Load Diffusion Model on a quantized file)"}),
+                "lora_name": (_lora_choices(), {"tooltip": "a LoRA file from models/loras"}),
+                "strength": ("FLOAT", {"default": 1.0, "min": -10.0, "max": 10.0, "step": 0.01,
+                                       "tooltip": "the branch's scale (exact: changing it requantizes nothing)"}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
 
-    def attach(self, model: Any, lora_name: str, strength: float) -> tuple[Any]:
+    @classmethod
+    def IS_CHANGED(cls, unique_id: str | None = None, **_: Any) -> str:  # noqa: N802
+        return f"purges={PURGES.of(unique_id)}"
+
+    def attach(self, model: Any, lora_name: str, strength: float, unique_id: str | None = None) -> tuple[Any]:
         from lowbit_pipe import lora
+        from lowbit_pipe.comfy import weight_patches
         from lowbit_pipe.comfy.tree import structural_copy
+        from lowbit_pipe.ledger import Ledger
 
+        made_by = f"LoRA residual (lowbit_pipe) node {unique_id}" if unique_id else "LoRA residual (lowbit_pipe)"
         source = _tree(model)
-        base = getattr(source, "_lowbit_base", None) or source
-        specs = tuple(getattr(source, "_lowbit_loras", ())) + ((_lora_path(lora_name), float(strength)),)
+        node_runs.check_usable(source, made_by)
+        state = node_runs.state_of(source)
+        path = _lora_path(lora_name)
+        if state is None:  # a MODEL no lowbit node made (a quantized file): this node owns what it adds
+            run, base, float_tree, loras = NodeRun(Ledger(), made_by, unique_id), source, source, ()
+        else:
+            run, base, float_tree, loras = state.run, state.base, state.source, state.loras
+        specs = (*loras, LoraSpec(path, float(strength), f"{Path(path).stem}#{len(loras)}"))
+        patches = weight_patches.read_patches(dict(getattr(model, "patches", {}) or {}))
+        release_weights(model)
         tree = structural_copy(base)
-        for i, (path, s) in enumerate(specs):
-            lora.attach(tree, path, strength=s, name=f"{Path(path).stem}#{i}")
-        run = getattr(source, "_lowbit_run", None)
-        if run is not None:  # a copy of a quantized tree: the quantize run's purge must reach it
-            float_tree = source._lowbit_source
-            _set_state(tree, run, float_tree, base=base, loras=specs)
-            ledger = run.context.ledger
-            for name, module in tree.named_modules():
-                if isinstance(module, QuantLinear):
-                    ledger.watch(f"{name} (LoRA node copy)", module)
-            ledger.record("comfy_tree", f"diffusion model with LoRAs {[Path(p).stem for p, _ in specs]}",
-                          lambda: _hollow(tree, float_tree), check=lambda: _state_gone(tree))
-        return (_with_tree(model, tree),)
+        quantized = {name for name, m in tree.named_modules() if _is_quantized(m)}
+        kept = _branches_from_patches(tree, model, patches, quantized, run) if patches.low_rank or patches.other else None
+        for spec in specs:  # no ledger: its mirror branches on the run's float originals are shared by all copies;
+            # the copy's own undo (_hollow, below) takes its branches off with its layers
+            lora.attach(tree, spec.source, strength=spec.strength, name=spec.name)
+        node_runs.set_state(tree, NodeState(run, float_tree, base=base, loras=specs))
+        for name, module in tree.named_modules():
+            if isinstance(module, QuantLinear):
+                run.ledger.watch(f"{name} (LoRA node copy)", module)
+        run.ledger.record("comfy_tree", f"diffusion model with LoRAs {[Path(str(s.source)).stem for s in specs]}",
+                          lambda: _hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
+        return (_with_tree(model, tree, kept),)
 
 
-class LowbitExport:
-    """MODEL -> .safetensors in ComfyUI's layout (LoRA branches, if any, as a LoRA file beside it)."""
-
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("STRING",)
-    RETURN_NAMES = ("path",)
-    FUNCTION = "export"
-    OUTPUT_NODE = True
-
-    @classmethod
-    def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
-        return {"required": {"model": ("MODEL",),
-                             "path": ("STRING", {"default": "lowbit/model.safetensors"})}}
-
-    def export(self, model: Any, path: str) -> tuple[str]:
-        import lowbit_pipe
-
-        out = Path(path)
-        if not out.is_absolute():
-            out = _output_dir() / out
-        figures = lowbit_pipe.export(model, out)
-        return (figures["path"],)
-
-
-class LowbitPurge:
-    """Tear down what lowbit_pipe did to a MODEL (its ledger, in reverse) and prove it: bytes freed, patches
-    restored, what stayed alive. The MODEL comes back with its float layers."""
-
-    CATEGORY = CATEGORY
-    RETURN_TYPES = ("MODEL", "STRING")
-    RETURN_NAMES = ("model", "report")
-    FUNCTION = "purge"
-    OUTPUT_NODE = True
-
-    @classmethod
-    def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
-        return {"required": {"model": ("MODEL",)}}
-
-    def purge(self, model: Any) -> tuple[Any, str]:
-        import lowbit_pipe
-
-        tree = _tree(model)
-        run = getattr(tree, "_lowbit_run", None)
-        if run is None:
-            return model, "lowbit_pipe purge: nothing of lowbit_pipe on this MODEL"
-        _unload_from_comfy()  # ComfyUI must let go of the patched model first
-        del tree
-        report = lowbit_pipe.teardown(run)
-        del run
-        text = "lowbit_pipe purge: " + json.dumps({k: report[k] for k in (
-            "bytes_freed", "retained_bytes", "patches_restored", "unfreed", "proven", "unproven", "caveats",
-            "device")}, indent=1)
-        print(text)
-        return model, text
-
-
-STATE = ("_lowbit_run", "_lowbit_source", "_lowbit_base", "_lowbit_loras")
-
-
-def _set_state(tree: Any, run: Any, source: Any, *, base: Any, loras: tuple) -> None:
-    # Plain attributes, not submodules (setattr of a Module would register it as a child of the tree).
-    tree.__dict__.update(_lowbit_run=run, _lowbit_source=source, _lowbit_base=base, _lowbit_loras=loras)
-
-
-def _drop_state(tree: Any) -> None:
-    for key in STATE:
-        tree.__dict__.pop(key, None)
-
-
-def _state_gone(tree: Any) -> Any:
-    left = [k for k in STATE if k in tree.__dict__]
-    return True if not left else f"node state {left} still set"
+def _is_quantized(module: Any) -> bool:
+    """A layer whose weight a ComfyUI patch cannot change exactly: ours, or ComfyUI's own quantized Linear (its
+    weight a comfy-kitchen QuantizedTensor)."""
+    if isinstance(module, QuantLinear):
+        return True
+    try:
+        from comfy_kitchen.tensor import QuantizedTensor
+    except ImportError:  # no comfy-kitchen: no ComfyUI-quantized layers either
+        return False
+    return isinstance(getattr(module, "_parameters", {}).get("weight"), QuantizedTensor)
 
 
 def _hollow(tree: Any, float_tree: Any) -> None:
-    """A LoRA node's copy back to float: each quantized or LoRA-carrying layer replaced by the float layer
-    at the same path of the tree the quantize node started from."""
+    """A LoRA node's copy after Purge: each quantized or LoRA-carrying layer replaced by the layer at the same
+    path of the tree the run started from, so the copy holds none of the run's tensors (it is sealed too)."""
     from lowbit_pipe.ledger import parent_of
 
     for name, module in list(tree.named_modules()):
@@ -212,7 +297,183 @@ def _hollow(tree: Any, float_tree: Any) -> None:
             parent, attr = parent_of(tree, name)
             setattr(parent, attr, float_tree.get_submodule(name))
     tree.__dict__.pop("_lowbit_lora", None)
-    _drop_state(tree)
+    node_runs.drop_state(tree)
+
+
+# ============================================================================================== Export
+class LowbitExport:
+    DESCRIPTION = ("Writes the model as a .safetensors file in ComfyUI's layout into models/diffusion_models, where "
+                   "Load Diffusion Model lists it (lowbit_* kinds need this node pack installed to load). LoRA "
+                   "branches go into a LoRA file beside it (models/loras) that stock LoRA loaders read.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("STRING",)
+    RETURN_NAMES = ("path",)
+    OUTPUT_TOOLTIPS = ("the written file",)
+    FUNCTION = "export"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "the model to write (quantized or not)"}),
+            "filename": ("STRING", {"default": "lowbit/model.safetensors", "tooltip": (
+                "a path under models/diffusion_models (or an absolute path); an existing file is replaced whole "
+                "(written beside, then renamed)")}),
+        }}
+
+    def export(self, model: Any, filename: str) -> dict[str, Any]:
+        import lowbit_pipe
+
+        node_runs.check_usable(_tree(model), "Export (lowbit_pipe)")
+        out = Path(filename)
+        if not out.is_absolute():
+            out = (_models_dir("diffusion_models") or Path.cwd()) / out
+        if out.suffix != ".safetensors":
+            out = out.with_name(out.name + ".safetensors")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            figures = lowbit_pipe.export(model, out)
+        lines = [f"wrote {figures['path']} ({figures.get('bytes', 0) / 2**20:.1f} MiB)"]
+        lora_path = figures.get("lora_path")
+        if lora_path:  # inside ComfyUI: into models/loras, where LoRA loaders look
+            loras = _models_dir("loras")
+            target = loras / Path(lora_path).name if loras is not None else Path(lora_path)
+            if Path(lora_path) != target:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                shutil.move(lora_path, target)
+            lines.append(f"LoRA branches: {target}")
+        lines += [f"warning: {w.message}" for w in caught]
+        patched = len(getattr(model, "patches", {}) or {})
+        if patched:
+            lines.append(f"note: {patched} ComfyUI weight patches on float layers are not in the file")
+        text = "\n".join(lines)
+        return _ui(text, (str(figures["path"]),))
+
+
+# ============================================================================================== Purge
+class LowbitPurge:
+    DESCRIPTION = ("Tears down the lowbit_pipe run behind a MODEL (every MODEL made from it) and proves it: bytes "
+                   "freed, patches restored, what stayed alive. A purged MODEL refuses to run (it never computes in "
+                   "float behind your back); queue the workflow again and the Quantize / LoRA nodes re-run. Connect "
+                   "a sampler's output to 'after' so Purge runs once sampling is done.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = (ANY, "STRING")
+    RETURN_NAMES = ("after", "report")
+    OUTPUT_TOOLTIPS = ("the 'after' input, unchanged (to chain nodes after the purge)", "the teardown's proof (JSON)")
+    FUNCTION = "purge"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
+        return {"required": {"model": ("MODEL", {"tooltip": "a MODEL made by a lowbit_pipe node"})},
+                "optional": {"after": (ANY, {"tooltip": (
+                    "anything (a LATENT, an IMAGE, ...) that must be computed before the purge: connect the "
+                    "sampler's output here")})}}
+
+    def purge(self, model: Any, after: Any = None) -> dict[str, Any]:
+        tree = _tree(model)
+        state = node_runs.state_of(tree)
+        if state is None:
+            sealed = getattr(tree, "__dict__", {}).get(node_runs.SEAL_ATTR)
+            text = "lowbit_pipe purge: " + ("already purged" if sealed else "nothing of lowbit_pipe on this MODEL")
+            return _ui(text, (after, text))
+        run = state.run
+        del state, tree
+        unload_from_comfy(model)  # ComfyUI lets go of the loaded model (and its clones) first
+        report = node_runs.purge(run, teardown=_teardown)
+        text = "lowbit_pipe purge: " + json.dumps({k: report.get(k) for k in (
+            "bytes_freed", "retained_bytes", "patches_restored", "unfreed", "proven", "unproven", "caveats",
+            "device")}, indent=1)
+        print(text)
+        return _ui(text, (after, text))
+
+
+def _teardown(run: NodeRun) -> dict[str, Any]:
+    import lowbit_pipe
+
+    if run.result is not None:
+        report = lowbit_pipe.teardown(run.result)
+        run.result = None
+        return report
+    return run.ledger.unwind().as_dict()
+
+
+# ============================================================================================== example inputs
+class LowbitExampleInputs:
+    DESCRIPTION = ("The architecture's seeded example inputs for this MODEL, in ComfyUI's layout: a CONDITIONING (random "
+                   "text states of the right width) and an empty LATENT. For calibrating Quantize, or trying a model "
+                   "with no text encoder at hand; images from them are not meaningful pictures.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("CONDITIONING", "LATENT")
+    RETURN_NAMES = ("conditioning", "latent")
+    OUTPUT_TOOLTIPS = ("seeded random text states", "an empty latent of the size asked")
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "a Krea 2 or FLUX.1 model (its widths set the shapes)"}),
+            "width": ("INT", {"default": 64, "min": 16, "max": 4096, "step": 16, "tooltip": "image width in pixels"}),
+            "height": ("INT", {"default": 64, "min": 16, "max": 4096, "step": 16, "tooltip": "image height in pixels"}),
+            "text_tokens": ("INT", {"default": 16, "min": 1, "max": 4096, "tooltip": "length of the text states"}),
+            "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "images per batch"}),
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**32 - 1, "tooltip": "seed of the text states"}),
+        }}
+
+    def make(self, model: Any, width: int, height: int, text_tokens: int, batch_size: int, seed: int) -> tuple:
+        from lowbit_pipe.arch import detect_module
+        from lowbit_pipe.comfy import native_inputs as ni
+
+        tree = _tree(model)
+        found = detect_module(tree)
+        arch_id = found.arch.id if found is not None else "unknown"
+        gen = torch.Generator().manual_seed(seed)
+        example = ni.example_inputs(arch_id, tree, batch=batch_size, image_tokens=1, text_tokens=text_tokens,
+                                    generator=gen, dtype=torch.float32, device="cpu")
+        channels = example.x.shape[1]
+        latent = torch.zeros(batch_size, channels, height // 8, width // 8)
+        options: dict[str, Any] = {}
+        if "y" in example.extra:
+            options["pooled_output"] = example.extra["y"]
+        if "guidance" in example.extra:
+            options["guidance"] = float(example.extra["guidance"][0])
+        return ([[example.context, options]], {"samples": latent})
+
+
+# ============================================================================================== ComfyUI glue
+def release_weights(model: Any) -> None:
+    """Make the model ComfyUI shares between clones hold its own weights before they are copied: ComfyUI applies
+    a clone's weight patches (a LoRA) to the shared module when it loads that clone, and keeps them there while
+    loaded. A copy taken then would carry another MODEL's LoRA."""
+    base = getattr(model, "model", None)
+    if getattr(base, "current_weight_patches_uuid", None) is None and not getattr(base, "model_lowvram", False):
+        return
+    unload_from_comfy(model)
+
+
+def unload_from_comfy(model: Any) -> None:
+    """Unload `model` and its clones through ComfyUI's model management (its bookkeeping then agrees: nothing
+    of ours stays patched in or counted as loaded); every model on older ComfyUIs without the targeted call."""
+    try:
+        import comfy.model_management as mm
+    except ImportError:  # not inside ComfyUI (tests with stand-in MODELs)
+        return
+    unload = getattr(mm, "unload_model_and_clones", None)
+    if callable(unload) and hasattr(model, "clone_base_uuid"):
+        unload(model, all_devices=True)
+    else:
+        mm.unload_all_models()
+    mm.soft_empty_cache()
+
+
+def _run_dir() -> Path:
+    """Where a node's run writes its report: ComfyUI's output folder (lowbit_runs/), else the working directory."""
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S") + f"-{time.time_ns() % 10**6:06d}"
+    try:
+        import folder_paths
+    except ImportError:
+        return Path("runs") / stamp
+    return Path(folder_paths.get_output_directory()) / "lowbit_runs" / stamp
 
 
 def _lora_choices() -> list[str]:
@@ -233,24 +494,17 @@ def _lora_path(name: str) -> str:
     return folder_paths.get_full_path_or_raise("loras", name)
 
 
-def _output_dir() -> Path:
+def _models_dir(kind: str) -> Path | None:
+    """ComfyUI's first folder for `kind` of model (diffusion_models, loras); None outside ComfyUI."""
     try:
         import folder_paths
     except ImportError:
-        return Path.cwd()
-    return Path(folder_paths.get_output_directory())
-
-
-def _unload_from_comfy() -> None:
-    try:
-        import comfy.model_management as mm
-    except ImportError:
-        return
-    mm.unload_all_models()
-    mm.soft_empty_cache()
+        return None
+    return Path(folder_paths.get_folder_paths(kind)[0])
 
 
 NODE_CLASS_MAPPINGS = {"LowbitQuantize": LowbitQuantize, "LowbitLoRA": LowbitLoRA, "LowbitExport": LowbitExport,
-                       "LowbitPurge": LowbitPurge}
+                       "LowbitPurge": LowbitPurge, "LowbitExampleInputs": LowbitExampleInputs}
 NODE_DISPLAY_NAME_MAPPINGS = {"LowbitQuantize": "Quantize (lowbit_pipe)", "LowbitLoRA": "LoRA residual (lowbit_pipe)",
-                              "LowbitExport": "Export quantized (lowbit_pipe)", "LowbitPurge": "Purge (lowbit_pipe)"}
+                              "LowbitExport": "Export quantized (lowbit_pipe)", "LowbitPurge": "Purge (lowbit_pipe)",
+                              "LowbitExampleInputs": "Example inputs (lowbit_pipe)"}
