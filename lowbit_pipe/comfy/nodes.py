@@ -495,12 +495,14 @@ def _lora_path(name: str) -> str:
 
 
 def _models_dir(kind: str) -> Path | None:
-    """ComfyUI's first folder for `kind` of model (diffusion_models, loras); None outside ComfyUI."""
+    """ComfyUI's folder for `kind` of model (diffusion_models, loras): the one of that name when the kind has
+    several (diffusion_models lists models/unet first, a legacy name); None outside ComfyUI."""
     try:
         import folder_paths
     except ImportError:
         return None
-    return Path(folder_paths.get_folder_paths(kind)[0])
+    folders = [Path(p) for p in folder_paths.get_folder_paths(kind)]
+    return next((p for p in folders if p.name == kind), folders[0])
 
 
 NODE_CLASS_MAPPINGS = {"LowbitQuantize": LowbitQuantize, "LowbitLoRA": LowbitLoRA, "LowbitExport": LowbitExport,

@@ -1,0 +1,310 @@
+"""The node pack inside a running ComfyUI server, driven through its HTTP API as a user's browser drives it.
+
+ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz, GPL-3, a test fixture) is unpacked into a scratch folder and
+run with `main.py --cpu` from a Python as a ComfyUI user has it: a venv with ComfyUI's own pinned
+requirements (comfy-kitchen 0.2.24 among them), where lowbit_pipe is installed with the README's command and
+the node pack with `python -m lowbit_pipe.comfy install --base-directory`. Workflows are queued with
+POST /prompt; results are read from /history and from the latents SaveLatent writes. Tiny Krea 2 / FLUX.1
+models in the sizes ComfyUI detects (model=tiny_*_comfy). Slow: a server start is ~30 s on 2 cores.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import comfyui_server as cs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+ARCHS = ("krea2", "flux1")
+
+
+@dataclass
+class Env:
+    src: Path
+    base: Path
+    python: str
+    server: cs.ComfyUIServer
+    comfy_kitchen: tuple[str | None, str | None]  # before / after the README's pip install
+
+
+def _write_models(base: Path, tmp: Path) -> None:
+    """Float tiny Krea 2 / FLUX.1 files and seeded LoRA files (peft and kohya styles) into the models folders."""
+    import lowbit_pipe
+    from lowbit_pipe.lora.make_example import example_lora
+    from safetensors.torch import save_file
+
+    (base / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    (base / "models" / "loras").mkdir(parents=True, exist_ok=True)
+    for arch in ARCHS:
+        result = lowbit_pipe.run("default", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,export]",
+                                             f"export.path={base / 'models' / 'diffusion_models' / f'{arch}.safetensors'}"],
+                                 run_dir=tmp / f"float_{arch}")
+        for style in ("peft", "kohya"):
+            state, meta = example_lora(result.model, result.context.arch, style=style, rank=8, seed=5, rel=0.3)
+            save_file(state, str(base / "models" / "loras" / f"{arch}_{style}.safetensors"), metadata=meta or None)
+
+
+# A test-only node for the stock server (no lowbit_pipe there): seeded text states of any width, so a Krea 2
+# model samples without its text encoder (FLUX.1 uses stock LotusConditioning). Test infrastructure, not the pack.
+TEXT_STATES_NODE = '''import torch
+
+
+class LowbitTestTextStates:
+    CATEGORY = "testing"
+    RETURN_TYPES = ("CONDITIONING",)
+    FUNCTION = "make"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"features": ("INT", {"default": 480, "min": 1, "max": 100000}),
+                             "tokens": ("INT", {"default": 8, "min": 1, "max": 4096}),
+                             "seed": ("INT", {"default": 0, "min": 0, "max": 2**31})}}
+
+    def make(self, features, tokens, seed):
+        g = torch.Generator().manual_seed(seed)
+        return ([[torch.randn(1, tokens, features, generator=g), {}]],)
+
+
+NODE_CLASS_MAPPINGS = {"LowbitTestTextStates": LowbitTestTextStates}
+'''
+TEST_NODES = "lowbit_test_nodes"
+
+
+@pytest.fixture(scope="module")
+def comfy(tmp_path_factory) -> Env:
+    root = tmp_path_factory.mktemp("comfyui")
+    src = cs.unpack(cs.ARCHIVE, root / "src")
+    python = cs.prepare_python(src, root / "venv")
+    before = cs.package_version(python, "comfy-kitchen")
+    cs.install_lowbit(python)  # the README's `pip install "lowbit_pipe[comfy]"`, into ComfyUI's Python
+    after = cs.package_version(python, "comfy-kitchen")
+    base = root / "base"
+    cs.install_pack(base, python)
+    (base / "custom_nodes" / TEST_NODES).mkdir(parents=True)
+    (base / "custom_nodes" / TEST_NODES / "__init__.py").write_text(TEXT_STATES_NODE)
+    _write_models(base, root)
+    server = cs.ComfyUIServer.start(src, base, python=python)
+    yield Env(src, base, python, server, (before, after))
+    server.stop()
+
+
+# ---------------------------------------------------------------------------------------------- graphs
+def loader(arch: str, name: str | None = None) -> dict[str, Any]:
+    return {"class_type": "UNETLoader", "inputs": {"unet_name": name or f"{arch}.safetensors", "weight_dtype": "default"}}
+
+
+KREA2_TEXT_FEATURES = 3 * 160  # tiny_krea2_comfy: 3 text layers x 160
+
+
+def sampler_nodes(arch: str, model: list, seed: int, prefix: str, *, after: list | None = None,
+                  float_model: list | None = None, stock: bool = False) -> dict[str, Any]:
+    """Nodes that sample `model` 2 Euler steps at 64 x 64 from a text-encoder-free conditioning (FLUX.1: stock
+    LotusConditioning; Krea 2: the pack's Example inputs from `float_model`, or with `stock` the test node's
+    text states and an empty latent) and save the latent."""
+    p = prefix
+    if arch == "krea2" and stock:
+        nodes = {f"{p}c": {"class_type": "LowbitTestTextStates", "inputs": {"features": KREA2_TEXT_FEATURES,
+                                                                             "tokens": 8, "seed": 0}},
+                 f"{p}l": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}}
+        cond, latent = [f"{p}c", 0], [f"{p}l", 0]
+    elif arch == "flux1":
+        nodes = {f"{p}c": {"class_type": "LotusConditioning", "inputs": {}},
+                 f"{p}l": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}}
+        cond, latent = [f"{p}c", 0], [f"{p}l", 0]
+    else:
+        nodes = {f"{p}e": {"class_type": "LowbitExampleInputs", "inputs": {
+            "model": float_model or model, "width": 64, "height": 64, "text_tokens": 8, "batch_size": 1, "seed": 0}}}
+        cond, latent = [f"{p}e", 0], [f"{p}e", 1]
+    nodes[f"{p}k"] = {"class_type": "KSampler", "inputs": {
+        "model": model, "seed": seed, "steps": 2, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+        "positive": cond, "negative": cond, "latent_image": after or latent, "denoise": 1.0}}
+    nodes[f"{p}s"] = {"class_type": "SaveLatent", "inputs": {"samples": [f"{p}k", 0], "filename_prefix": f"latents/{p}"}}
+    return nodes
+
+
+def quantize(model: list, recipe: str = "default", overrides: str = "") -> dict[str, Any]:
+    return {"class_type": "LowbitQuantize", "inputs": {"model": model, "recipe": recipe, "overrides": overrides}}
+
+
+def lowbit_lora(model: list, name: str, strength: float = 1.0) -> dict[str, Any]:
+    return {"class_type": "LowbitLoRA", "inputs": {"model": model, "lora_name": name, "strength": strength}}
+
+
+def sample(env: Env, arch: str, model_nodes: dict[str, Any], model: list, seed: int, prefix: str,
+           float_model: list | None = None) -> torch.Tensor:
+    """Queue `model_nodes` + a sampler on `model`; the saved latent."""
+    graph = {**model_nodes, **sampler_nodes(arch, model, seed, prefix, float_model=float_model)}
+    entry = env.server.run(graph)
+    return env.server.latent(entry, f"{prefix}s")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+# ---------------------------------------------------------------------------------------------- tests
+def test_the_readme_install_keeps_comfyuis_pins_and_registers_the_nodes(comfy):
+    before, after = comfy.comfy_kitchen
+    assert before == "0.2.24" and after == before, f"pip install lowbit_pipe[comfy] moved comfy-kitchen {before} -> {after}"
+    info = comfy.server.object_info()
+    for node in ("LowbitQuantize", "LowbitLoRA", "LowbitExport", "LowbitPurge", "LowbitExampleInputs"):
+        assert node in info, f"{node} not registered; server log:\n{comfy.server.log(40)}"
+        assert info[node]["description"], node
+    purge = info["LowbitPurge"]
+    assert purge["output_node"] and "after" in purge["input"]["optional"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_purge_then_requeue_gives_the_quantized_result_again(comfy, arch):
+    """Quantize -> LoRA -> sample -> Export -> Purge; a re-queue with a new seed samples quantized again, by itself."""
+    comfy.server.free()
+    lora = f"{arch}_peft.safetensors"
+    m = {"m": loader(arch), "q": quantize(["m", 0]), "r": lowbit_lora(["q", 0], lora)}
+    reference = sample(comfy, arch, m, ["r", 0], 2, f"ref_{arch}_", float_model=["m", 0])  # before any purge
+    floating = sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 2, f"flt_{arch}_")
+    unlora = sample(comfy, arch, {"m": loader(arch), "q": quantize(["m", 0])}, ["q", 0], 2, f"unl_{arch}_",
+                    float_model=["m", 0])
+
+    def workflow(seed: int) -> dict[str, Any]:
+        g = {**m, **sampler_nodes(arch, ["r", 0], seed, "w_", float_model=["m", 0])}
+        g["x"] = {"class_type": "LowbitExport", "inputs": {"model": ["r", 0], "filename": f"lowbit/{arch}_int8.safetensors"}}
+        g["p"] = {"class_type": "LowbitPurge", "inputs": {"model": ["r", 0], "after": ["w_k", 0]}}
+        return g
+
+    first = comfy.server.run(workflow(1))
+    text = comfy.server.texts(first, "p")[0]
+    assert '"retained_bytes": 0' in text and '"unfreed": []' in text and '"proven": true' in text, text
+    assert "wrote" in comfy.server.texts(first, "x")[0]
+    assert (comfy.base / "models" / "diffusion_models" / "lowbit" / f"{arch}_int8.safetensors").is_file()
+    second = comfy.server.run(workflow(2))  # same graph, new seed: no cache clearing by hand
+    again = comfy.server.latent(second, "w_s")
+    assert torch.equal(again, reference), "the re-queued workflow did not sample the quantized model again"
+    assert rel(again, floating) > 1e-4 and rel(reference, unlora) > 1e-4  # quantized, with its LoRA; not float
+
+
+def test_a_purged_model_refuses_to_run(comfy):
+    """Purge ordered before a sampler of the same MODEL: the sampler fails naming the purge, never runs float."""
+    comfy.server.free()
+    g = {"m": loader("flux1"), "q": quantize(["m", 0]),
+         "l": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}}}
+    g["p"] = {"class_type": "LowbitPurge", "inputs": {"model": ["q", 0], "after": ["l", 0]}}
+    g.update(sampler_nodes("flux1", ["q", 0], 3, "z_", after=["p", 0]))  # the sampler waits for the purge
+    with pytest.raises(cs.PromptError, match="purged by Purge.*Queue the workflow again"):
+        comfy.server.run(g)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_comfyui_lora_then_quantize_keeps_the_lora_exactly(comfy, arch):
+    """A MODEL with ComfyUI's own LoRA goes into Quantize: its quantized layers carry the LoRA as branches, and
+    the stock-LoRA MODEL keeps sampling with its LoRA afterwards (no crash, no lost patches)."""
+    comfy.server.free()
+    lora = f"{arch}_kohya.safetensors"
+    stock = {"m": loader(arch), "s": {"class_type": "LoraLoaderModelOnly",
+                                      "inputs": {"model": ["m", 0], "lora_name": lora, "strength_model": 0.8}}}
+    with_lora = sample(comfy, arch, stock, ["s", 0], 4, f"sl_{arch}_", float_model=["m", 0])
+    floating = sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 4, f"sf_{arch}_")
+    quantized_lora = sample(comfy, arch, {**stock, "q": quantize(["s", 0])}, ["q", 0], 4, f"sq_{arch}_",
+                            float_model=["m", 0])
+    quantized = sample(comfy, arch, {"m": loader(arch), "q2": quantize(["m", 0])}, ["q2", 0], 4, f"sp_{arch}_",
+                       float_model=["m", 0])
+    residual = sample(comfy, arch, {"m": loader(arch), "q2": quantize(["m", 0]), "r": lowbit_lora(["q2", 0], lora, 0.8)},
+                      ["r", 0], 4, f"sr_{arch}_", float_model=["m", 0])
+    again = sample(comfy, arch, stock, ["s", 0], 4, f"sa_{arch}_", float_model=["m", 0])
+    assert torch.equal(again, with_lora), "the stock-LoRA MODEL changed after Quantize used it"
+    assert rel(with_lora, floating) > 1e-3  # the LoRA does something
+    # ComfyUI's LoRA became the same branches the pack's LoRA node adds from the same file.
+    assert rel(quantized_lora, residual) < 1e-5, rel(quantized_lora, residual)
+    assert rel(quantized_lora, quantized) > 0.3 * rel(with_lora, floating)
+
+
+# ---------------------------------------------------------------------------------------------- every export kind
+def _cases() -> dict[str, dict[str, str]]:
+    from comfy_check import CASES
+
+    return CASES
+
+
+@pytest.fixture(scope="module")
+def stock_server(comfy):
+    """The same ComfyUI and models without the node pack (only the test-only text-states node)."""
+    server = cs.ComfyUIServer.start(comfy.src, comfy.base, python=comfy.python,
+                                    args=("--cpu", "--disable-all-custom-nodes", "--whitelist-custom-nodes", TEST_NODES))
+    yield server
+    server.stop()
+
+
+def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stock_server, tmp_path):
+    """Each kind lowbit_pipe exports, per arch: stock ComfyUI samples it as the pack does, or refuses it at its
+    format lookup; with the pack it samples what the Quantize node's own layers sample, and never the float
+    result."""
+    import lowbit_pipe
+
+    comfy.server.free()
+    folder = comfy.base / "models" / "diffusion_models" / "kinds"
+    pack_srv = comfy.server
+    rows, problems = [], []
+    for arch in ARCHS:
+        floating = sample_stock(stock_server, arch, loader(arch), 7, f"kf_{arch}_")
+        for case, spec in _cases().items():
+            name = f"{arch}_{case.replace(' ', '_').replace('+', '_')}"
+            overrides = [f"quantize.default.{k}={v}" for k, v in spec.items()]
+            result = lowbit_pipe.run("default", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,quantize,export]",
+                                                 f"export.path={folder / f'{name}.safetensors'}", *overrides],
+                                     run_dir=tmp_path / name)
+            lowbit_kinds = bool(result.report["export"]["not_stock_comfy"])
+            del result
+            file_model = loader(arch, f"kinds/{name}.safetensors")
+            try:
+                stock = sample_stock(stock_server, arch, file_model, 7, f"ks_{name}_")
+                stock_error = None
+            except cs.PromptError as err:
+                stock, stock_error = None, str(err)
+            try:
+                pack = sample_stock(pack_srv, arch, file_model, 7, f"kp_{name}_")
+            except cs.PromptError as err:
+                problems.append(f"{name}: refused with the pack: {err}")
+                continue
+            node = sample_stock(pack_srv, arch, {"m": loader(arch), "q": quantize(["m", 0], "default", "\n".join(overrides))},
+                                7, f"kq_{name}_", model=["q", 0])
+            rows.append((arch, case, lowbit_kinds, stock_error, rel(pack, floating), rel(pack, node)))
+            if not torch.isfinite(pack).all():
+                problems.append(f"{name}: not finite with the pack")
+            if rel(pack, floating) <= 1e-5:
+                problems.append(f"{name}: the pack sampled the float result")
+            if stock is not None:
+                if lowbit_kinds:
+                    problems.append(f"{name}: stock ComfyUI loaded a file with lowbit kinds")
+                elif not torch.equal(stock, pack):
+                    problems.append(f"{name}: the pack changed how stock ComfyUI computes a stock kind")
+            elif "KeyError" not in stock_error:
+                problems.append(f"{name}: stock ComfyUI refused it, not at its format lookup: {stock_error}")
+            # The file through the pack vs the Quantize node's own layers: lowbit kinds run the same Format.linear
+            # (a file quantized from diffusers modules, the node's from ComfyUI's: fp32 rounding apart, 2e-5 seen);
+            # stock fp8 / nvfp4 / mxfp8 run weight-only in ComfyUI on a CPU (disabled formats: dequantize + matmul)
+            # while the node quantizes activations too (up to 2.5e-3 seen); stock int8 / convrot_w4a4 run
+            # comfy-kitchen's kernels.
+            weight_only_here = not lowbit_kinds and spec["format"] in ("fp8", "nvfp4", "mxfp8")
+            bound = 5e-3 if weight_only_here else 1e-4
+            if rel(pack, node) > bound:
+                problems.append(f"{name}: file vs Quantize node {rel(pack, node):.2e} > {bound}")
+    print("\n".join(f"{r[0]:6s} {r[1]:14s} lowbit={r[2]!s:5s} stock={'refused' if r[3] else 'ok':8s} "
+                     f"vs float {r[4]:.4f}  file vs node {r[5]:.2e}" for r in rows))
+    assert not problems, "\n".join(problems)
+
+
+def sample_stock(server: cs.ComfyUIServer, arch: str, model_node: dict[str, Any], seed: int, prefix: str,
+                 model: list | None = None) -> torch.Tensor:
+    """Sample with nodes both servers have (Krea 2 text states from the test node)."""
+    nodes = model_node if model is not None else {"m": model_node}
+    graph = {**nodes, **sampler_nodes(arch, model or ["m", 0], seed, prefix, stock=True)}
+    return server.latent(server.run(graph), f"{prefix}s")
