@@ -308,3 +308,61 @@ def sample_stock(server: cs.ComfyUIServer, arch: str, model_node: dict[str, Any]
     nodes = model_node if model is not None else {"m": model_node}
     graph = {**nodes, **sampler_nodes(arch, model or ["m", 0], seed, prefix, stock=True)}
     return server.latent(server.run(graph), f"{prefix}s")
+
+
+# ---------------------------------------------------------------------------------------------- calibration
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_calibrated_recipe_in_the_quantize_node_matches_the_cli(comfy, arch, tmp_path):
+    """flux1_fp8 (static fp8 activations: every layer's input_scale calibrated) run by the Quantize node on the
+    ComfyUI model (the arch's example inputs in ComfyUI's layout, through ComfyUI's own forward) writes the
+    input scales the CLI calibrates on the diffusers model: same seeded inputs, two implementations."""
+    import lowbit_pipe
+    from safetensors.torch import load_file
+
+    comfy.server.free()
+    out = f"lowbit/calibrated_{arch}.safetensors"
+    g = {"m": loader(arch), "q": quantize(["m", 0], "flux1_fp8"),
+         "x": {"class_type": "LowbitExport", "inputs": {"model": ["q", 0], "filename": out}}}
+    entry = comfy.server.run(g)
+    assert "the arch's example inputs, in ComfyUI's layout" in _report_json(comfy, entry)
+    node_file = load_file(str(comfy.base / "models" / "diffusion_models" / out))
+    cli = lowbit_pipe.run("flux1_fp8", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,quantize,export]",
+                                        f"export.path={tmp_path / 'cli.safetensors'}"], run_dir=tmp_path / "cli")
+    cli_file = load_file(cli.export_path)
+    scales = sorted(k for k in cli_file if k.endswith(".input_scale"))
+    assert len(scales) > 10 and scales == sorted(k for k in node_file if k.endswith(".input_scale"))
+    worst = max(float((node_file[k] - cli_file[k]).abs().max() / cli_file[k].abs().max()) for k in scales)
+    assert worst < 1e-4, f"input scales differ from the CLI's by up to {worst:.2e}"
+    codes = [k for k in scales if torch.equal(node_file[k.replace("input_scale", "weight")],
+                                              cli_file[k.replace("input_scale", "weight")])]
+    assert codes == scales  # the weights themselves are quantized identically
+
+
+def test_quantize_calibrates_on_the_nodes_conditioning(comfy):
+    """A CONDITIONING wired into Quantize is what the calibration runs on: other text states, other scales."""
+    from safetensors.torch import load_file
+
+    comfy.server.free()
+    g = {"m": loader("krea2"),
+         "c": {"class_type": "LowbitTestTextStates", "inputs": {"features": KREA2_TEXT_FEATURES, "tokens": 8, "seed": 3}},
+         "l": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+         "q": {"class_type": "LowbitQuantize", "inputs": {"model": ["m", 0], "recipe": "flux1_fp8", "overrides": "",
+                                                          "conditioning": ["c", 0], "latent": ["l", 0]}},
+         "x": {"class_type": "LowbitExport", "inputs": {"model": ["q", 0], "filename": "lowbit/cond.safetensors"}},
+         "q2": quantize(["m", 0], "flux1_fp8"),
+         "x2": {"class_type": "LowbitExport", "inputs": {"model": ["q2", 0], "filename": "lowbit/nocond.safetensors"}}}
+    entry = comfy.server.run(g)
+    assert "the node's CONDITIONING and LATENT size" in _report_json(comfy, entry, "q")
+    a = load_file(str(comfy.base / "models" / "diffusion_models" / "lowbit" / "cond.safetensors"))
+    b = load_file(str(comfy.base / "models" / "diffusion_models" / "lowbit" / "nocond.safetensors"))
+    text_layers = [k for k in a if k.endswith(".input_scale") and k.startswith("txtfusion")] or \
+        [k for k in a if k.endswith(".input_scale") and "attn.wq" in k]
+    assert text_layers and any(not torch.equal(a[k], b[k]) for k in text_layers)
+
+
+def _report_json(env: Env, entry: dict[str, Any], node: str = "q") -> str:
+    """The last report.json of the Quantize node `node` (its runs are under the output folder's lowbit_runs/)."""
+    runs = sorted((env.base / "output" / "lowbit_runs").glob(f"*/*-node{node}/report.json"),
+                  key=lambda p: p.stat().st_mtime)
+    assert runs, f"no run report of node {node} under output/lowbit_runs"
+    return runs[-1].read_text()

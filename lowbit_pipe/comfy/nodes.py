@@ -147,7 +147,7 @@ class LowbitQuantize:
         arch_id = found.arch.id if found is not None else None
         tree = structural_copy(source)
         result = lowbit_pipe.run(_recipe_arg(recipe, arch_id), [*_overrides(overrides), "pipeline=[load,detect,quantize]"],
-                                 model=tree, run_dir=_run_dir(), calibrate=_calibration(tree, arch_id, conditioning, latent))
+                                 model=tree, run_dir=_run_dir(unique_id), calibrate=_calibration(tree, arch_id, conditioning, latent))
         run = NodeRun(result.context.ledger, made_by, unique_id, result)
         try:
             quantized = {name for name, m in tree.named_modules() if isinstance(m, QuantLinear)}
@@ -466,9 +466,10 @@ def unload_from_comfy(model: Any) -> None:
     mm.soft_empty_cache()
 
 
-def _run_dir() -> Path:
-    """Where a node's run writes its report: ComfyUI's output folder (lowbit_runs/), else the working directory."""
-    stamp = time.strftime("%Y-%m-%d/%H-%M-%S") + f"-{time.time_ns() % 10**6:06d}"
+def _run_dir(node_id: str | None) -> Path:
+    """Where a node's run writes its report: ComfyUI's output folder (lowbit_runs/<date>/<time>-node<id>), else
+    the working directory."""
+    stamp = time.strftime("%Y-%m-%d/%H-%M-%S") + f"-{time.time_ns() % 10**6:06d}" + (f"-node{node_id}" if node_id else "")
     try:
         import folder_paths
     except ImportError:

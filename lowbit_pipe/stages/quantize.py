@@ -351,8 +351,8 @@ class Quantize(Stage):
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
         if budget is not None or amax or run_examples is not None:
-            result["calibration"] = {"source": "the caller's calibrate function"} if ctx.calibrate is not None \
-                else calibration_source(cfg)
+            result["calibration"] = calibration_source(cfg) if ctx.calibrate is None else {
+                "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
         return {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
