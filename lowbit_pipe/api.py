@@ -56,7 +56,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     from lowbit_pipe.policy import plan_layers
     from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.stages.detect import linear_shapes
-    from lowbit_pipe.stages.quantize import native_groups, quantize_module, runtime_settings
+    from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
 
     register_schema()
     if isinstance(config, dict):
@@ -80,7 +80,8 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
     ledger = ledger if ledger is not None else Ledger()
     result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
-                             gptq=config.gptq, run_examples=calibrate)
+                             gptq=config.gptq, run_examples=calibrate,
+                             compute_device=compute_device(config.compute_device))
     return {**result, **runtime_settings(module, config, ledger)}
 
 

@@ -85,6 +85,10 @@ class QuantizeConfig:
     # this format instead; None = they stay float. Either way the plan names each one with its reason.
     fallback: Optional[FormatChoice] = None
     originals: str = "keep"  # float layers swapped out: "keep" (exact evaluate and undo), "cpu", "drop"
+    # Where round-to-nearest runs, one layer at a time, each result going back to its weight's device: None (where
+    # the weights are), "auto" (the GPU when there is one), "cpu", "cuda", "cuda:N". A model on the CPU quantized
+    # on a GPU costs one layer of GPU memory. GPTQ rounds where the model is.
+    compute_device: Optional[str] = None
     # Mixed precision by budget (whole transformer bytes); set one of the two.
     budget_bytes: Optional[int] = None
     budget_ratio: Optional[float] = None  # fraction of the float transformer's bytes

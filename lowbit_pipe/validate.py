@@ -89,14 +89,19 @@ def _check_pipeline(recipe: Recipe) -> None:
         raise RecipeError("pipeline", "'lora' must come after 'quantize' (branches attach to quantized layers)")
 
 
+def _check_device(path: str, device: str | None) -> None:
+    if device is not None and not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
+        raise RecipeError(path, f"must be cpu, cuda, cuda:N or auto, got '{device}'")
+
+
 def _check_model(recipe: Recipe) -> None:
     from lowbit_pipe.arch import ARCHS
 
     m = recipe.model
     if m.dtype is not None and m.dtype not in DTYPES:
         raise RecipeError("model.dtype", f"must be one of {list(DTYPES)}, got '{m.dtype}'")
-    if m.device is not None and not re.fullmatch(r"cpu|auto|cuda(:\d+)?", m.device):
-        raise RecipeError("model.device", f"must be cpu, cuda, cuda:N or auto, got '{m.device}'")
+    _check_device("model.device", m.device)
+    _check_device("quantize.compute_device", recipe.quantize.compute_device)
     for key in ("arch", "tiny_arch"):
         value = getattr(m, key)
         if value is not None and value not in ARCHS and not (key == "arch" and value == "generic"):

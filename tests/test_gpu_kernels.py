@@ -467,3 +467,24 @@ def test_gptq_block_graph_replays_the_eager_loop():
             assert graphed.gptq_loss == eager.gptq_loss and graphed.rtn_loss == eager.rtn_loss, what
             for name, t in eager.qweight.tensors.items():
                 assert torch.equal(graphed.qweight.tensors[name], t), f"{what}: {name}"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "nvfp4", "fp8"])
+def test_quantize_on_the_gpu_a_model_that_stays_on_the_cpu(fmt, tiny_model):
+    """quantize.compute_device=cuda: each layer rounded on the GPU, the QuantLinear back on the CPU where the model
+    is, with the codes and scales CPU rounding gives."""
+    import lowbit_pipe
+    from lowbit_pipe.nn import QuantLinear
+
+    cpu_model, gpu_model = tiny_model("krea2"), tiny_model("krea2")
+    cfg = {"default": {"format": fmt}}
+    lowbit_pipe.quantize(cpu_model, cfg)
+    lowbit_pipe.quantize(gpu_model, {**cfg, "compute_device": "cuda"})
+    pairs = [(a, b) for a, b in zip(cpu_model.modules(), gpu_model.modules()) if isinstance(a, QuantLinear)]
+    assert pairs
+    for a, b in pairs:
+        for key in a._quant_names:
+            ta, tb = getattr(a, key), getattr(b, key)
+            assert tb.device.type == "cpu" and ta.dtype == tb.dtype
+            assert torch.equal(ta.view(torch.uint8) if ta.element_size() == 1 else ta,
+                               tb.view(torch.uint8) if tb.element_size() == 1 else tb), key

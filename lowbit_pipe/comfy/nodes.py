@@ -146,7 +146,11 @@ class LowbitQuantize:
         found = detect_module(source)
         arch_id = found.arch.id if found is not None else None
         tree = structural_copy(source)
-        result = lowbit_pipe.run(_recipe_arg(recipe, arch_id), [*_overrides(overrides), "pipeline=[load,detect,quantize]"],
+        # Round on ComfyUI's GPU, layer by layer; the model stays where ComfyUI keeps it until it samples.
+        device = getattr(model, "load_device", None)
+        on_gpu = [f"quantize.compute_device={device}"] if getattr(device, "type", None) == "cuda" else []
+        result = lowbit_pipe.run(_recipe_arg(recipe, arch_id),
+                                 [*on_gpu, *_overrides(overrides), "pipeline=[load,detect,quantize]"],
                                  model=tree, run_dir=_run_dir(unique_id), calibrate=_calibration(tree, arch_id, conditioning, latent))
         run = NodeRun(result.context.ledger, made_by, unique_id, result)
         try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -28,15 +29,17 @@ Quantizer = Callable[[str, torch.Tensor, FormatSpec], QuantizedWeight]  # (layer
 
 
 def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]], spec: FormatSpec,
-                      amax: dict[str, float], quantizer: Quantizer | None = None) -> dict[str, QuantLinear]:
+                      amax: dict[str, float], quantizer: Quantizer | None = None,
+                      device: torch.device | None = None) -> dict[str, QuantLinear]:
     """Quantize layers that one native module fuses as that fused weight, then split it by rows.
 
     This is what a quantizer working on the native file does (one per-tensor / global scale for the
-    whole fused weight), so the native export of the parts is exact."""
+    whole fused weight), so the native export of the parts is exact. `device`: where the math runs."""
     from lowbit_pipe.layout import split_rows
 
     linears = [root.get_submodule(name) for name, _, _ in group]
-    weight = torch.cat([lin.weight.detach() for lin in linears])
+    home = linears[0].weight.device
+    weight = torch.cat([lin.weight.detach().to(device or home) for lin in linears])
     fmt = get_format(spec.format)
     with torch.no_grad():
         q = quantizer(group[0][0], weight, spec) if quantizer is not None else fmt.quantize(weight, spec)
@@ -50,8 +53,28 @@ def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]],
         part = QuantizedWeight(q.format, (stop - begin, weight.shape[1]), parts[name], dict(q.record))
         # The parts of one fused module read the same input: one input amax, one static scale.
         joint_amax = max((amax[n] for n, _, _ in group if n in amax), default=None)
-        out[name] = QuantLinear(fmt.with_activations(part, spec.activations, joint_amax, name), lin.bias)
+        out[name] = QuantLinear(fmt.with_activations(part, spec.activations, joint_amax, name), lin.bias).to(home)
     return out
+
+
+@dataclass
+class _WeightOn:
+    """A Linear's weight and bias copied to another device: what QuantLinear.from_linear reads."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _from_linear(linear: nn.Module, spec: FormatSpec, amax: float | None, name: str, quantizer: Any,
+                 device: torch.device | None) -> QuantLinear:
+    """QuantLinear.from_linear with the rounding on `device` (quantize.compute_device), one layer at a time, and the
+    result placed where the float layer is (a ComfyUI model waits on its offload device until it is sampled)."""
+    home = linear.weight.device
+    if device is None or device == home:
+        return QuantLinear.from_linear(linear, spec, amax, name, quantizer)
+    bias = linear.bias.detach().to(device) if linear.bias is not None else None
+    work = _WeightOn(linear.weight.detach().to(device), bias)
+    return QuantLinear.from_linear(work, spec, amax, name, quantizer).to(home)
 
 
 def _warn_unfit(plans: list[LayerPlan]) -> dict[str, int]:
@@ -71,12 +94,13 @@ def _warn_unfit(plans: list[LayerPlan]) -> dict[str, int]:
 
 def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,  # noqa: ANN001
           amax: dict[str, float], originals: str, counts: Counter, quantizer: Quantizer | None,
-          bar: Callable[[list[LayerPlan]], Any]) -> tuple[int, int]:
-    """Quantize `todo` (fused groups jointly) and swap each layer through the ledger; (bytes before, after)."""
+          bar: Callable[[list[LayerPlan]], Any], device: torch.device | None = None) -> tuple[int, int]:
+    """Quantize `todo` (fused groups jointly) and swap each layer through the ledger; (bytes before, after).
+    `device`: where the rounding runs (None: where each weight is)."""
     by_name = {p.name: p for p in todo}
     joint: dict[str, QuantLinear] = {}
     for group in fused:
-        joint.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer))
+        joint.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, device))
     before = after = 0
     for plan in bar(todo):
         linear = root.get_submodule(plan.name)
@@ -84,7 +108,7 @@ def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, in
             raise ValueError(f"layer '{plan.name}' is already quantized ({linear.format.name})")
         one = None if quantizer is None else (lambda w, spec, name=plan.name: quantizer(name, w, spec))
         qlinear = joint.pop(plan.name) if plan.name in joint else \
-            QuantLinear.from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one)
+            _from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one, device)
         before += tensor_bytes(linear)
         after += tensor_bytes(qlinear)
         ledger.swap_module(root, plan.name, qlinear, keep_original=originals)
@@ -95,10 +119,12 @@ def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, in
 def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",  # noqa: ANN001
                     console: Console | None = None, fused: list[list[tuple[str, int, int | None]]] = (),
                     input_amax: dict[str, float] | None = None, gptq: GPTQConfig | None = None,
-                    run_examples: Callable[[], None] | None = None) -> dict[str, Any]:
+                    run_examples: Callable[[], None] | None = None,
+                    compute_device: torch.device | None = None) -> dict[str, Any]:
     """Swap every planned Linear of `root`; returns counts and bytes. `fused`: groups quantized as one weight;
     `input_amax`: calibrated input amax per layer (static activations); `console`: progress; `gptq` (enabled):
-    GPTQ rounding against Hessians that `run_examples` (runs `root` on calibration inputs) measures."""
+    GPTQ rounding against Hessians that `run_examples` (runs `root` on calibration inputs) measures, where the
+    model is; `compute_device`: where round-to-nearest runs (each layer's result goes back to its weight's device)."""
     unfit_counts = _warn_unfit(plans)
     todo = [p for p in plans if p.spec is not None]
     amax = input_amax or {}
@@ -113,7 +139,7 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
     else:
         def bar(items: list[LayerPlan]) -> Any:
             return progress(items, "quantize", enabled=console is not None, console=console)
-        before, after = _swap(root, todo, list(fused), ledger, amax, originals, counts, None, bar)
+        before, after = _swap(root, todo, list(fused), ledger, amax, originals, counts, None, bar, compute_device)
     return {"layers": dict(counts), "bytes_before": before, "bytes_after": after,
             "float_layers": dict(Counter(p.reason for p in plans if p.spec is None)), "unfit": unfit_counts,
             "activations": dict(Counter(p.spec.activations for p in todo)), **result}
@@ -233,6 +259,15 @@ def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, 
     return out
 
 
+def compute_device(name: str | None) -> torch.device | None:
+    """quantize.compute_device: None (where each weight is), "auto" (the GPU when there is one), or a device."""
+    if name is None:
+        return None
+    if name == "auto":
+        return torch.device("cuda") if torch.cuda.is_available() else None
+    return torch.device(name)
+
+
 def example_runner(ctx: Context, what: str) -> Callable[[], None]:
     """The calibration run `what` (a recipe key) needs. With `quantize.calibration_prompts`: the prompts generated by
     the diffusers pipeline the run was given. Otherwise the transformer on `quantize.calibration_samples` seeded
@@ -345,7 +380,8 @@ class Quantize(Stage):
         if cfg.gptq.enabled:
             run_examples = example_runner(ctx, "quantize.gptq")
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
-                                 fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples)
+                                 fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples,
+                                 compute_device=compute_device(cfg.compute_device))
         result.update(runtime_settings(ctx.transformer, cfg, ctx.ledger))
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
