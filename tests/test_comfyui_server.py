@@ -366,3 +366,15 @@ def _report_json(env: Env, entry: dict[str, Any], node: str = "q") -> str:
                   key=lambda p: p.stat().st_mtime)
     assert runs, f"no run report of node {node} under output/lowbit_runs"
     return runs[-1].read_text()
+
+
+def test_a_stock_lora_after_quantize_is_refused_before_comfyui_touches_the_weights(comfy):
+    comfy.server.free()
+    arch = "flux1"
+    floating = sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 5, "gf_")
+    g = {"m": loader(arch), "q": quantize(["m", 0]),
+         "s": {"class_type": "LoraLoaderModelOnly", "inputs": {"model": ["q", 0], "lora_name": f"{arch}_peft.safetensors",
+                                                                "strength_model": 1.0}}}
+    with pytest.raises(cs.PromptError, match="LoRA loaded after Quantize.*LoRA residual"):
+        sample(comfy, arch, g, ["s", 0], 5, "gs_")
+    assert torch.equal(sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 5, "gg_"), floating)  # nothing left patched

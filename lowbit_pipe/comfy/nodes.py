@@ -65,7 +65,42 @@ def _with_tree(model: Any, tree: Any, patches: dict | None = None) -> Any:
         out.patches = patches
         out.patches_uuid = uuid.uuid4()  # ComfyUI reloads a model whose patch set changed by this id
     out.add_object_patch("diffusion_model", tree)
+    _guard_weight_patches(out)
     return out
+
+
+GUARD_KEY = "lowbit_pipe_weight_patches"
+
+
+def _guard_weight_patches(model: Any) -> None:
+    """A stock LoRA loader placed after Quantize adds weight patches to quantized layers, which ComfyUI would then
+    apply to packed codes while loading the model (garbage, or a crash half-way that leaves the shared model
+    patched). A wrapper on the MODEL's sampling preparation (carried by every clone ComfyUI makes of it) refuses
+    such a MODEL before ComfyUI loads anything, saying what to do. ComfyUIs without sampling wrappers get none."""
+    try:
+        from comfy.patcher_extension import WrappersMP, add_wrapper_with_key
+    except ImportError:  # outside ComfyUI, or a ComfyUI before patcher extensions
+        return
+    options = getattr(model, "model_options", None)
+    if options is None or GUARD_KEY in options.get("transformer_options", {}).get("wrappers", {}).get(
+            WrappersMP.PREPARE_SAMPLING, {}):
+        return
+    add_wrapper_with_key(WrappersMP.PREPARE_SAMPLING, GUARD_KEY, _refuse_patched_quantized, options,
+                         is_model_options=True)
+
+
+def _refuse_patched_quantized(executor: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
+    from lowbit_pipe.comfy import weight_patches
+
+    tree = model.get_model_object("diffusion_model")
+    quantized = {name for name, m in tree.named_modules() if isinstance(m, QuantLinear)}
+    hit = [k for k in model.patches if weight_patches._layer_of(k if isinstance(k, str) else k[0]) in quantized]
+    if hit:
+        raise weight_patches.UnsupportedPatchError(
+            f"{len(hit)} ComfyUI weight patches (a LoRA loaded after Quantize (lowbit_pipe)) target quantized layers, "
+            f"e.g. '{hit[0]}': ComfyUI cannot patch packed weights. Load the LoRA with 'LoRA residual (lowbit_pipe)' "
+            "instead (exact branches), or before Quantize (it turns ComfyUI's LoRA into the same branches)")
+    return executor(model, *args, **kwargs)
 
 
 def _recipe_arg(recipe: str, arch_id: str | None) -> str | dict:
