@@ -83,17 +83,21 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def stub_missing(roots: tuple[str, ...] = ("torchvision", "torchaudio")) -> list[str]:
-    """Stand-ins for the packages of `roots` that do not import here; returns the names stubbed."""
+def stub_missing(roots: tuple[str, ...] = ("torchvision", "torchaudio"), always: tuple[str, ...] = ()) -> list[str]:
+    """Stand-ins for the packages of `roots` that do not import here, and for those of `always` in any case (a GPU
+    machine with no network lacks PyAV's 35 MB wheel, which only video nodes use); returns the names stubbed."""
     stubbed = []
-    for root in roots:
-        try:
-            __import__(root)
-        except Exception:  # noqa: BLE001 - a broken install (ImportError, OSError, RuntimeError) counts as missing
-            for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
-                del sys.modules[name]
-            sys.meta_path.insert(0, StubFinder(root))
-            stubbed.append(root)
+    for root in (*roots, *always):
+        if root not in always:
+            try:
+                __import__(root)
+                continue
+            except Exception:  # noqa: BLE001 - a broken install (ImportError, OSError, RuntimeError) counts as missing
+                pass
+        for name in [n for n in sys.modules if n == root or n.startswith(root + ".")]:
+            del sys.modules[name]
+        sys.meta_path.insert(0, StubFinder(root))
+        stubbed.append(root)
     return stubbed
 
 
@@ -214,13 +218,15 @@ class ComfyUIServer:
 
     @classmethod
     def start(cls, comfyui: Path, base: Path, *, python: str = sys.executable, args: tuple[str, ...] = ("--cpu",),
-              timeout: float = 300.0) -> ComfyUIServer:
-        """Start `main.py --listen 127.0.0.1 --port P --base-directory BASE ARGS` and wait until it answers."""
+              timeout: float = 300.0, stand_ins: tuple[str, ...] = ()) -> ComfyUIServer:
+        """Start `main.py --listen 127.0.0.1 --port P --base-directory BASE ARGS` and wait until it answers;
+        `stand_ins`: packages replaced by empty stand-ins (see `stub_missing`)."""
         base.mkdir(parents=True, exist_ok=True)
         (base / "custom_nodes").mkdir(exist_ok=True)
         port = free_port()
         log_path = base / f"server-{port}.log"
-        cmd = [python, str(Path(__file__).resolve()), str(comfyui), "--listen", "127.0.0.1", "--port", str(port),
+        cmd = [python, str(Path(__file__).resolve()), str(comfyui), *[a for p in stand_ins for a in ("--stand-in", p)],
+               "--listen", "127.0.0.1", "--port", str(port),
                "--base-directory", str(base), *args]
         log = open(log_path, "w")  # noqa: SIM115 - the child writes to it for its whole life
         proc = subprocess.Popen(cmd, cwd=str(comfyui), stdout=log, stderr=subprocess.STDOUT, env=_env())
@@ -335,14 +341,19 @@ def _refusal(detail: dict[str, Any]) -> str:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        raise SystemExit("usage: python bench/comfyui_server.py COMFYUI_DIR [main.py arguments]")
+        raise SystemExit("usage: python bench/comfyui_server.py COMFYUI_DIR [--stand-in PKG ...] [main.py arguments]")
     comfyui = Path(argv[0]).resolve()
+    argv = list(argv)
+    always = []
+    while len(argv) > 2 and argv[1] == "--stand-in":
+        always.append(argv[2])
+        del argv[1:3]
     # diffusers and transformers note which optional packages exist at their first import (and read their
     # versions): they must see this machine as it is, not the stand-ins, which have no version to read.
     import diffusers.utils.import_utils  # noqa: F401
     import transformers.utils.import_utils  # noqa: F401
 
-    stub_missing()
+    stub_missing(always=tuple(always))
     sys.argv = [str(comfyui / "main.py"), *argv[1:]]
     sys.path.insert(0, str(comfyui))
     os.chdir(comfyui)

@@ -378,3 +378,37 @@ def test_a_stock_lora_after_quantize_is_refused_before_comfyui_touches_the_weigh
     with pytest.raises(cs.PromptError, match="LoRA loaded after Quantize.*LoRA residual"):
         sample(comfy, arch, g, ["s", 0], 5, "gs_")
     assert torch.equal(sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 5, "gg_"), floating)  # nothing left patched
+
+
+# ---------------------------------------------------------------------------------------------- example workflows
+def test_the_packs_example_workflows_are_valid_and_the_runnable_one_runs(comfy):
+    """Every example workflow the pack ships reads back into an API graph of nodes this ComfyUI has, links joining
+    matching types; the one without a text encoder runs on the tiny Krea 2 (its model name swapped in)."""
+    import json
+
+    from comfyui_workflows import to_api
+
+    comfy.server.free()
+    folder = comfy.base / "custom_nodes" / "lowbit_pipe_nodes" / "example_workflows"
+    files = sorted(folder.glob("*.json"))
+    assert len(files) >= 4, f"the install copied {len(files)} example workflows"
+    info = comfy.server.object_info()
+    for path in files:
+        workflow = json.loads(path.read_text())
+        api = to_api(workflow, info)
+        for link in workflow["links"]:
+            _, src, slot, dst, _, kind = link
+            target = next(n for n in workflow["nodes"] if n["id"] == dst)
+            want = next(i["type"] for i in target["inputs"] if i["link"] == link[0])
+            assert kind == want or "*" in (kind, want), f"{path.name}: link {link} into a {want} input"
+        assert any(n["class_type"].startswith("Lowbit") for n in api.values()), path.name
+    runnable = json.loads((folder / "lowbit_try_without_text_encoder.json").read_text())
+    api = to_api(runnable, info)
+    for node in api.values():
+        if node["class_type"] == "UNETLoader":
+            node["inputs"]["unet_name"] = "krea2.safetensors"
+        if node["class_type"] == "LowbitExampleInputs":
+            node["inputs"].update(width=64, height=64, text_tokens=8)
+    entry = comfy.server.run(api)
+    purge = next(k for k, n in api.items() if n["class_type"] == "LowbitPurge")
+    assert '"proven": true' in comfy.server.texts(entry, purge)[0]
