@@ -412,3 +412,16 @@ def test_the_packs_example_workflows_are_valid_and_the_runnable_one_runs(comfy):
     entry = comfy.server.run(api)
     purge = next(k for k, n in api.items() if n["class_type"] == "LowbitPurge")
     assert '"proven": true' in comfy.server.texts(entry, purge)[0]
+
+
+@pytest.mark.parametrize("recipe", ["krea2_svdquant", "krea2_nvfp4_gptq"])
+def test_gptq_and_svdquant_recipes_run_in_the_quantize_node(comfy, recipe):
+    """The calibrated Krea 2 recipes (GPTQ Hessians, SVDQuant smoothing: several calibration passes) run inside
+    ComfyUI and sample a quantized result."""
+    comfy.server.free()
+    floating = sample(comfy, "krea2", {"m": loader("krea2")}, ["m", 0], 9, f"cf_{recipe}_")
+    got = sample(comfy, "krea2", {"m": loader("krea2"), "q": quantize(["m", 0], recipe)}, ["q", 0], 9,
+                 f"cq_{recipe}_", float_model=["m", 0])
+    assert torch.isfinite(got).all() and 1e-5 < rel(got, floating) < 0.05, rel(got, floating)
+    report = _report_json(comfy, {}, "q")
+    assert '"gptq"' in report and "in ComfyUI's layout" in report
