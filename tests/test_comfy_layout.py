@@ -178,9 +178,10 @@ def test_requantize_keeps_the_kind(registered):
 
 
 def test_to_quantized_tensor_refuses_what_it_cannot_carry():
-    q = get_format("w4a8").quantize(torch.randn(16, 256) * 0.02, FormatSpec("w4a8", "convrot"))
-    with pytest.raises(ValueError, match="weight_s_rel"):
-        L.to_quantized_tensor(q, torch.float32)
+    q = get_format("int8").quantize(torch.randn(16, 256) * 0.02, FormatSpec("int8", "quarot"))
+    odd = QuantizedWeight(q.format, q.shape, {**q.tensors, "weight_lut": torch.zeros(4)}, q.record)
+    with pytest.raises(ValueError, match="weight_lut"):
+        L.to_quantized_tensor(odd, torch.float32)
     with pytest.raises(TypeError):
         L.to_quantized_weight(torch.zeros(2, 2))
 
