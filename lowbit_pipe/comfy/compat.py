@@ -162,8 +162,8 @@ def check_comfy_kitchen(installed: str | None, has_requantize: bool) -> None:
     too_old = not has_requantize or (installed is not None and version_tuple(installed) < version_tuple(
         PACK_MIN_COMFY_KITCHEN))
     if too_old:
-        raise IncompatibleComfyUI(f"comfy-kitchen {installed or '(version unknown)'} is installed, the node pack's "
-                                  f"LowbitLayout needs comfy-kitchen >= {PACK_MIN_COMFY_KITCHEN}")
+        raise IncompatibleComfyUI(f"comfy-kitchen {installed or '(version unknown)'} is installed; LowbitLayout needs "
+                                  f"comfy-kitchen >= {PACK_MIN_COMFY_KITCHEN} (QuantizedTensor.requantize_from_float)")
 
 
 def register_loader(log: logging.Logger | None = None) -> Any:
