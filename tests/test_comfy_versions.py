@@ -185,6 +185,15 @@ def test_the_pack_without_a_usable_comfy_kitchen(tmp_path):
     assert "requantize_from_float" in line
 
 
+def test_register_loader_reraises_an_import_error_that_is_not_about_versions(monkeypatch):
+    import lowbit_pipe.comfy as package
+
+    monkeypatch.delattr(package, "registry", raising=False)
+    monkeypatch.setitem(sys.modules, "lowbit_pipe.comfy.registry", None)  # lowbit_pipe itself broken
+    with pytest.raises(ImportError, match="lowbit_pipe.comfy.registry"):
+        compat.register_loader()
+
+
 def test_check_comfy_kitchen_names_both_versions():
     with pytest.raises(compat.IncompatibleComfyUI, match=r"comfy-kitchen 0\.2\.10 is installed.*>= 0\.2\.13"):
         compat.check_comfy_kitchen("0.2.10", True)

@@ -174,6 +174,8 @@ def register_loader(log: logging.Logger | None = None) -> Any:
     try:
         from lowbit_pipe.comfy import registry  # noqa: PLC0415 - imports comfy-kitchen
     except ImportError as err:
+        if not (err.name or "").startswith("comfy_kitchen"):
+            raise  # lowbit_pipe itself is broken: not a version question
         return _refused(log, f"comfy-kitchen cannot be imported ({err})")
     try:
         import comfy.ops  # noqa: PLC0415 - ComfyUI is only there at run time
