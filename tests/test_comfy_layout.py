@@ -178,9 +178,10 @@ def test_requantize_keeps_the_kind(registered):
 
 
 def test_to_quantized_tensor_refuses_what_it_cannot_carry():
-    q = get_format("w4a8").quantize(torch.randn(16, 256) * 0.02, FormatSpec("w4a8", "convrot"))
-    with pytest.raises(ValueError, match="weight_s_rel"):
-        L.to_quantized_tensor(q, torch.float32)
+    q = get_format("int8").quantize(torch.randn(16, 256) * 0.02, FormatSpec("int8", "quarot"))
+    odd = QuantizedWeight(q.format, q.shape, {**q.tensors, "weight_lut": torch.zeros(4)}, q.record)
+    with pytest.raises(ValueError, match="weight_lut"):
+        L.to_quantized_tensor(odd, torch.float32)
     with pytest.raises(TypeError):
         L.to_quantized_weight(torch.zeros(2, 2))
 
@@ -200,12 +201,24 @@ def test_registered_context_restores_comfy_kitchen():
 
 
 # ---- the registration, against stand-ins of comfy.quant_ops / comfy.ops -------------------------------
+def stock_algos() -> dict:
+    """A QUANT_ALGOS with the kinds of ComfyUI 0.29.0 (no asym_w4a8_int8, awq_w4a16, svdquant_w4a4)."""
+    def entry(dtype, params, layout, quantize_input=None):
+        e = {"storage_t": dtype, "parameters": set(params), "comfy_tensor_layout": layout}
+        return e if quantize_input is None else {**e, "quantize_input": quantize_input}
+    return {"float8_e4m3fn": entry(torch.float8_e4m3fn, {"weight_scale", "input_scale"}, "TensorCoreFP8E4M3Layout"),
+            "float8_e5m2": entry(torch.float8_e5m2, {"weight_scale", "input_scale"}, "TensorCoreFP8E5M2Layout"),
+            "nvfp4": entry(torch.uint8, {"weight_scale", "weight_scale_2", "input_scale"}, "TensorCoreNVFP4Layout"),
+            "mxfp8": entry(torch.float8_e4m3fn, {"weight_scale", "input_scale"}, "TensorCoreMXFP8Layout"),
+            "int8_tensorwise": entry(torch.int8, {"weight_scale"}, "TensorWiseINT8Layout", False),
+            "convrot_w4a4": entry(torch.int8, {"weight_scale"}, "TensorCoreConvRotW4A4Layout", False)}
+
+
 def _stand_ins():
     """Stand-ins of comfy.quant_ops and comfy.ops: a dict QUANT_ALGOS, comfy-kitchen's registry functions, and a
     fake `_load_quantized_module` / `_quantized_weight_state_dict` with the stock signatures (not ComfyUI code)."""
     quant_ops = types.ModuleType("fake_quant_ops")
-    quant_ops.QUANT_ALGOS = {"int8_tensorwise": {"storage_t": torch.int8, "parameters": {"weight_scale"},
-                                                 "comfy_tensor_layout": "TensorWiseINT8Layout", "quantize_input": False}}
+    quant_ops.QUANT_ALGOS = stock_algos()
     quant_ops.register_layout_class = ck_base.register_layout_class
     quant_ops.get_layout_class = ck_base.get_layout_class
     ops = types.ModuleType("fake_ops")
@@ -279,8 +292,9 @@ def test_install_derives_kinds_and_uninstall_restores_identity():
     load0, save0 = ops._load_quantized_module, ops._quantized_weight_state_dict
     algos0 = dict(quant_ops.QUANT_ALGOS)
     reg = R.install(quant_ops, ops)
-    # Our kinds, plus the upstream awq_w4a16 that stock ComfyUI master lacks (mxfp8 it has: not ours to load).
-    assert set(reg.kinds) == {"lowbit_int8", "lowbit_fp8", "lowbit_nvfp4", "lowbit_mxfp8", "awq_w4a16", "svdquant_w4a4"}
+    # Our kinds, plus the upstream kinds this (0.29.0-like) ComfyUI lacks; the ones it has are not ours to load.
+    assert set(reg.kinds) == {"lowbit_int8", "lowbit_fp8", "lowbit_nvfp4", "lowbit_mxfp8", "awq_w4a16", "svdquant_w4a4",
+                              "asym_w4a8_int8"}
     assert quant_ops.QUANT_ALGOS["awq_w4a16"]["parameters"] >= {"weight_scale", "weight_zeros"}
     assert quant_ops.QUANT_ALGOS["lowbit_int8"]["storage_t"] == torch.int8
     assert quant_ops.QUANT_ALGOS["lowbit_fp8"]["storage_t"] == torch.float8_e4m3fn
@@ -397,4 +411,54 @@ def test_install_refuses_a_foreign_module():
     del ops._load_quantized_module
     with pytest.raises(TypeError, match="_load_quantized_module"):
         R.install(quant_ops, ops)
-    assert quant_ops.QUANT_ALGOS.keys() == {"int8_tensorwise"} and "LowbitLayout" not in ck_base.LAYOUTS
+    assert quant_ops.QUANT_ALGOS.keys() == stock_algos().keys() and "LowbitLayout" not in ck_base.LAYOUTS
+
+
+# ---- upstream kinds this ComfyUI lacks: asym_w4a8_int8 (ComfyUI < 0.31.0), convrot_w4a4 (< 0.28.0), mxfp8 -----
+@pytest.mark.parametrize("fmt_name", ["w4a8", "w6a8"])
+def test_asym_w4a8_loads_through_the_pack_where_comfyui_lacks_it(fmt_name):
+    quant_ops, ops, Linear, calls = _stand_ins()
+    fmt = get_format(fmt_name)
+    q = fmt.with_activations(fmt.quantize(torch.randn(N, K) * 0.02, FormatSpec(fmt_name, "convrot")), "static",
+                             input_amax=torch.tensor(4.0), where="test")
+    assert q.record["format"] == "asym_w4a8_int8" and "asym_w4a8_int8" not in quant_ops.QUANT_ALGOS
+    bias = torch.randn(N)
+    with R.install(quant_ops, ops) as reg:
+        assert "asym_w4a8_int8" in reg.kinds
+        assert quant_ops.QUANT_ALGOS["asym_w4a8_int8"]["parameters"] >= {"weight_s_rel", "weight_s_channel",
+                                                                         "weight_codebook"}
+        layer = Linear(K, N)
+        result = layer.load_state_dict(_layer_state(q, bias), strict=False)
+        assert result.missing_keys == [] and result.unexpected_keys == [] and calls == []
+        assert L.is_lowbit(layer.weight) and layer.quant_format == "asym_w4a8_int8"
+        assert L.to_quantized_weight(layer.weight).format == fmt_name  # the row width picks 4 or 6 bits
+        x = torch.randn(3, 5, K)
+        with torch.inference_mode():
+            assert torch.equal(layer(x), fmt.linear(x, q, bias))
+        sd = layer.state_dict(prefix="")
+        assert json.loads(bytes(sd["comfy_quant"].tolist())) == q.record
+        assert all(_same_bytes(sd[k], v) for k, v in q.tensors.items())
+    assert "asym_w4a8_int8" not in quant_ops.QUANT_ALGOS
+
+
+def test_a_comfyui_that_has_the_upstream_kinds_keeps_them():
+    quant_ops, ops, _, _ = _stand_ins()
+    own = {"storage_t": torch.int8, "parameters": {"weight_scale", "weight_s_channel"},
+           "comfy_tensor_layout": "AsymW4A8Int8Layout", "quantize_input": False}
+    quant_ops.QUANT_ALGOS["asym_w4a8_int8"] = own
+    del quant_ops.QUANT_ALGOS["convrot_w4a4"], quant_ops.QUANT_ALGOS["mxfp8"]  # a 0.27.0 without MXFP8
+    with R.install(quant_ops, ops) as reg:
+        assert "asym_w4a8_int8" not in reg.kinds and quant_ops.QUANT_ALGOS["asym_w4a8_int8"] is own
+        assert {"convrot_w4a4", "mxfp8"} <= set(reg.kinds)
+        assert quant_ops.QUANT_ALGOS["convrot_w4a4"]["comfy_tensor_layout"] == "LowbitLayout"
+    assert "convrot_w4a4" not in quant_ops.QUANT_ALGOS and quant_ops.QUANT_ALGOS["asym_w4a8_int8"] is own
+
+
+def test_install_refuses_a_comfyui_that_ignores_quantize_input():
+    quant_ops, ops, _, _ = _stand_ins()
+    for entry in quant_ops.QUANT_ALGOS.values():  # ComfyUI 0.23 .. 0.26: no entry says quantize_input
+        entry.pop("quantize_input", None)
+    before = dict(quant_ops.QUANT_ALGOS)
+    with pytest.raises(R.IncompatibleComfyUI, match="quantize_input.*0.27.0"):
+        R.install(quant_ops, ops)
+    assert quant_ops.QUANT_ALGOS == before and "LowbitLayout" not in ck_base.LAYOUTS

@@ -3,13 +3,15 @@
 ComfyUI keeps a quantized Linear's weight as a comfy-kitchen `QuantizedTensor` (`qdata` plus a frozen
 `Params` dataclass, dispatched per layout class). Our kinds (`.comfy_quant` format `lowbit_<name>`:
 int8 with quarot / hadanorm, fp8 with any rotation or per-row scales, nvfp4 / mxfp8 with any rotation;
-and `awq_w4a16` / `svdquant_w4a4`, which stock ComfyUI master's QUANT_ALGOS lacks) have no layout ComfyUI dispatches to,
-so this one computes them with the project's own `Format` objects:
+and the upstream kinds the running ComfyUI's QUANT_ALGOS lacks: `awq_w4a16` / `svdquant_w4a4` everywhere,
+`asym_w4a8_int8` before ComfyUI 0.31.0, ...) have no layout ComfyUI dispatches to, so this one computes them
+with the project's own `Format` objects:
 
 - `qdata` is the stored `weight` tensor, as on disk;
 - `Params` holds the other stored tensors (`weight_scale` -> `scale`, `weight_scale_2` -> `scale_2`,
   `weight_zeros` -> `zeros`, `weight_proj_down` / `weight_proj_up` / `weight_smooth_factor` -> `proj_down` /
-  `proj_up` / `smooth_factor`, `input_scale`; the optional ones are None and `_tensor_fields()` lists only the present ones, so
+  `proj_up` / `smooth_factor`, `weight_s_rel` / `weight_s_channel` / `weight_codebook` / `weight_correction` ->
+  `s_rel` / `s_channel` / `codebook` / `correction`, `input_scale`; the optional ones are None and `_tensor_fields()` lists only the present ones, so
   comfy-kitchen's generic device moves / clones / copies work), the format name, the record as JSON
   text (hashable), the logical `(out, in)` shape, and a `transposed` flag;
 - `aten.linear` runs the format's `linear(x, q, bias)`: the layer's own math, rotation and activation
@@ -49,7 +51,8 @@ LAYOUT_NAME = "LowbitLayout"
 # on-disk suffix -> Params field. `weight` itself is the QuantizedTensor's qdata.
 TENSOR_FIELDS = {"weight_scale": "scale", "weight_scale_2": "scale_2", "weight_zeros": "zeros",
                  "weight_proj_down": "proj_down", "weight_proj_up": "proj_up", "weight_smooth_factor": "smooth_factor",
-                 "input_scale": "input_scale"}
+                 "weight_s_rel": "s_rel", "weight_s_channel": "s_channel", "weight_codebook": "codebook",
+                 "weight_correction": "correction", "input_scale": "input_scale"}
 # Params field -> suffix relative to `<layer>.weight`, comfy-kitchen's `state_dict_tensors` convention
 # (ComfyUI calls `weight.state_dict(f"{prefix}weight")`). `input_scale` is not a suffix of `weight`: ComfyUI
 # writes it from the module's own `input_scale` parameter (the registry registers one, as stock does).
@@ -85,6 +88,10 @@ class LowbitLayout(QuantizedLayout):
         proj_down: torch.Tensor | None = None  # svdquant_w4a4's low-rank branch and smoothing
         proj_up: torch.Tensor | None = None
         smooth_factor: torch.Tensor | None = None
+        s_rel: torch.Tensor | None = None  # asym_w4a8_int8's e4m3 group scales, per-row scale, 4-bit level table
+        s_channel: torch.Tensor | None = None
+        codebook: torch.Tensor | None = None
+        correction: torch.Tensor | None = None  # its asymmetric variant's per-group correction (read, never written)
         input_scale: torch.Tensor | None = None  # static activation scale, when stored
         format_name: str = ""  # lowbit_pipe format name ("int8", "fp8", "nvfp4", ...)
         record: str = "{}"  # the layer's `.comfy_quant` record, JSON text
@@ -135,12 +142,14 @@ class LowbitLayout(QuantizedLayout):
     @classmethod
     def get_plain_tensors(cls, qtensor: QuantizedTensor) -> tuple[torch.Tensor | None, ...]:
         p = qtensor._params
-        return qtensor._qdata, p.scale, p.scale_2, p.input_scale, p.zeros, p.proj_down, p.proj_up, p.smooth_factor
+        return (qtensor._qdata, p.scale, p.scale_2, p.input_scale, p.zeros, p.proj_down, p.proj_up, p.smooth_factor,
+                p.s_rel, p.s_channel, p.codebook, p.correction)
 
     @classmethod
     def state_dict_tensors(cls, qdata: torch.Tensor, params: Params) -> dict[str, torch.Tensor]:
         """Suffixes relative to `<layer>.weight`: "" -> weight, "_scale" -> weight_scale, "_scale_2" ->
-        weight_scale_2, "_zeros" -> weight_zeros (`input_scale` is the module's own parameter, see `_STATE_SUFFIX`)."""
+        weight_scale_2, "_zeros" -> weight_zeros, "_s_rel" -> weight_s_rel, ... (`input_scale` is the module's own
+        parameter, see `_STATE_SUFFIX`)."""
         out = {"": qdata}
         for field, suffix in _STATE_SUFFIX.items():
             t = getattr(params, field)

@@ -7,13 +7,15 @@ three things, each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
 
 1. the `LowbitLayout` comfy-kitchen layout (class and op handlers) is registered with comfy-kitchen's
    registry, the one ComfyUI's `quant_ops` re-exports (`lowbit_pipe.comfy.layout.register`);
-2. `QUANT_ALGOS` gets one entry per lowbit kind the project's formats can write (`lowbit_kinds()`:
-   found by asking every registered format what records it writes; upstream kinds this ComfyUI lacks,
-   such as `awq_w4a16`, count too, unless its QUANT_ALGOS has them), with the format's storage dtype,
-   layout "LowbitLayout" and `quantize_input: False`, so ComfyUI's Linear hands the float input to
-   the layout's linear (which quantizes activations the layer's own way);
+2. `QUANT_ALGOS` gets one entry per kind the project's formats write (`written_kinds()`: found by asking
+   every registered format what records it writes) that this ComfyUI needs: every `lowbit_*` kind, and
+   each upstream kind its QUANT_ALGOS lacks (`awq_w4a16` / `svdquant_w4a4` everywhere, `asym_w4a8_int8`
+   before ComfyUI 0.31.0, `convrot_w4a4` before 0.28.0, `mxfp8` without comfy-kitchen's MXFP8 layout; a
+   ComfyUI that has the entry keeps it and loads those layers its own way). Each entry has the format's
+   storage dtype, layout "LowbitLayout" and `quantize_input: False`, so ComfyUI's Linear hands the float
+   input to the layout's linear (which quantizes activations the layer's own way);
 3. `ops._load_quantized_module` (looked up as a module global at call time by the mixed-precision
-   Linear) is wrapped: a `lowbit_` record is loaded through the project's formats
+   Linear) is wrapped: a record of a kind registered here is loaded through the project's formats
    (`format_for_record` + `from_tensors`, errors naming the layer) into a Parameter-wrapped
    LowbitLayout QuantizedTensor, with the module attributes ComfyUI's Linear.forward reads; every other
    record (or none) goes to the original function untouched. `ops._quantized_weight_state_dict` (ComfyUI's
@@ -24,24 +26,33 @@ three things, each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
 and the layout are gone, and the ledger's teardown report says so. Installing twice returns the
 first, still active, Registration (nothing is wrapped twice).
 
+`install` refuses (`compat.IncompatibleComfyUI`, a TypeError, before changing anything) a ComfyUI or
+comfy-kitchen it cannot work with: no QUANT_ALGOS / layout registry / `_load_quantized_module`, a ComfyUI
+that ignores `quantize_input` (before 0.27.0), a comfy-kitchen older than 0.2.13 (`compat` has the figures).
+
 The two ComfyUI modules are parameters so tests can pass stand-ins; `install_into_comfyui()` imports
-`comfy.quant_ops` and `comfy.ops` itself. No ComfyUI code is imported here.
+`comfy.quant_ops` and `comfy.ops` itself (the node pack calls `compat.register_loader()`, which logs a
+refusal instead of raising it). No ComfyUI code is imported here.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.metadata
 import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
+from comfy_kitchen.tensor import QuantizedTensor
+
 from lowbit_pipe.comfy import layout
+from lowbit_pipe.comfy.compat import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
 from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
-from lowbit_pipe.formats.common import MARKER_KEYS, is_stock_loadable
+from lowbit_pipe.formats.common import MARKER_KEYS
 from lowbit_pipe.ledger import Ledger
 
 PREFIX = "lowbit_"
@@ -51,10 +62,11 @@ _WRAPPER_MARK = "__lowbit_pipe_registration__"
 
 @dataclass(frozen=True)
 class Kind:
-    """One `lowbit_<name>` record format: which of our formats reads it and how it is stored."""
+    """One record format our formats write (`lowbit_fp8`, `asym_w4a8_int8`, ...): which formats write it and how
+    it is stored."""
 
     name: str  # the record's "format", e.g. "lowbit_fp8"
-    format: str  # our format name, e.g. "fp8"
+    formats: tuple[str, ...]  # our formats writing it, e.g. ("fp8",); ("w4a8", "w6a8") for asym_w4a8_int8
     storage_dtype: torch.dtype  # dtype of the stored `weight`
     parameters: frozenset[str]  # stored tensors besides `weight` (input_scale included: any layer may have one)
     variants: tuple[str, ...]  # the marker keys of the records seen, e.g. "lowbit_granularity=row"
@@ -64,12 +76,16 @@ class Kind:
         return {"storage_t": self.storage_dtype, "parameters": set(self.parameters),
                 "comfy_tensor_layout": layout.LAYOUT_NAME, "quantize_input": False}
 
+    def carried(self) -> bool:
+        """Whether LowbitLayout carries every tensor of this kind (else it cannot be registered)."""
+        return self.parameters <= set(layout.TENSOR_FIELDS)
+
 
 @functools.lru_cache(maxsize=1)
-def lowbit_kinds() -> dict[str, Kind]:
-    """Every `lowbit_` format name the project's formats write, found by quantizing a small seeded weight
-    with each rotation and granularity each format accepts (static / weight-only activations keep
-    the name, so they need no probe)."""
+def written_kinds() -> dict[str, Kind]:
+    """Every record format name the project's formats write, stock or ours, found by quantizing a small seeded
+    weight with each rotation and granularity each format accepts (static / weight-only activations keep the
+    name, so they need no probe)."""
     out_f, in_f = 32, 256  # fits every block size (mxfp8 32 x 32) and rotation group (convrot 256, quarot 128)
     weight = torch.randn(out_f, in_f, generator=torch.Generator().manual_seed(0)) * 0.02
     found: dict[str, dict[str, Any]] = {}
@@ -85,19 +101,26 @@ def lowbit_kinds() -> dict[str, Kind]:
                 except (ValueError, FormatError):
                     continue
                 name = str(q.record.get("format", ""))
-                if is_stock_loadable(q.record):
-                    continue
-                entry = found.setdefault(name, {"format": fmt.name, "dtype": q.tensors["weight"].dtype,
+                entry = found.setdefault(name, {"formats": [], "dtype": q.tensors["weight"].dtype,
                                                 "parameters": {"input_scale"}, "variants": []})
-                if entry["format"] != fmt.name or entry["dtype"] != q.tensors["weight"].dtype:
-                    raise RuntimeError(f"{name} is written by formats '{entry['format']}' and '{fmt.name}' "
-                                       "(or with two storage dtypes): one QUANT_ALGOS entry cannot describe both")
+                if entry["dtype"] != q.tensors["weight"].dtype:
+                    raise RuntimeError(f"{name} is stored as {entry['dtype']} by format(s) {entry['formats']} and as "
+                                       f"{q.tensors['weight'].dtype} by '{fmt.name}': one QUANT_ALGOS entry cannot "
+                                       "describe both")
+                if fmt.name not in entry["formats"]:
+                    entry["formats"].append(fmt.name)
                 entry["parameters"].update(k for k in q.tensors if k != "weight")
                 variant = ", ".join(f"{k}={q.record[k]}" for k in MARKER_KEYS if k != "lowbit_format" and k in q.record)
                 if variant not in entry["variants"]:
                     entry["variants"].append(variant)
-    return {name: Kind(name, e["format"], e["dtype"], frozenset(e["parameters"]), tuple(e["variants"]))
+    return {name: Kind(name, tuple(e["formats"]), e["dtype"], frozenset(e["parameters"]), tuple(e["variants"]))
             for name, e in sorted(found.items())}
+
+
+def kinds_to_register(algos: dict) -> dict[str, Kind]:
+    """The written kinds this ComfyUI needs from us: every `lowbit_*` kind, and each other kind its QUANT_ALGOS
+    (`algos`, before our entries) lacks."""
+    return {name: kind for name, kind in written_kinds().items() if name.startswith(PREFIX) or name not in algos}
 
 
 # ---- the registration ------------------------------------------------------------------------------
@@ -108,7 +131,7 @@ class Registration:
     quant_ops: Any
     ops: Any
     ledger: Ledger
-    kinds: tuple[str, ...]
+    kinds: tuple[str, ...]  # the QUANT_ALGOS entries added (loaded through LowbitLayout)
     layout: str = layout.LAYOUT_NAME
     wrapped: tuple[str, ...] = ()  # names of the ops functions wrapped
     active: bool = True
@@ -145,35 +168,29 @@ def installed(ops: Any) -> Registration | None:
 
 
 def install(quant_ops: Any, ops: Any) -> Registration:
-    """Register LowbitLayout, the lowbit kinds' QUANT_ALGOS entries and the loader wrapper into ComfyUI's
-    `comfy.quant_ops` / `comfy.ops` modules (or stand-ins with the same names). Idempotent."""
+    """Register LowbitLayout, the QUANT_ALGOS entries of `kinds_to_register` and the loader wrapper into ComfyUI's
+    `comfy.quant_ops` / `comfy.ops` modules (or stand-ins with the same names). Idempotent. IncompatibleComfyUI
+    (nothing changed) where `check_comfyui` refuses them."""
     existing = installed(ops)
     if existing is not None:
         existing.installs += 1
         return existing
-    algos = getattr(quant_ops, "QUANT_ALGOS", None)
-    if not isinstance(algos, dict):
-        raise TypeError(f"{getattr(quant_ops, '__name__', quant_ops)!r} has no QUANT_ALGOS dict: not ComfyUI's quant_ops")
-    for name in ("register_layout_class", "get_layout_class"):
-        if not callable(getattr(quant_ops, name, None)):
-            raise TypeError(f"ComfyUI's quant_ops has no {name}: comfy-kitchen is missing or too old")
-    if not callable(getattr(ops, "_load_quantized_module", None)):
-        raise TypeError("ComfyUI's ops has no _load_quantized_module: this ComfyUI predates (or changed) the "
-                        "mixed-precision loader this registration wraps")
+    algos = check_comfyui(quant_ops, ops)
 
     ledger = Ledger()
-    kinds = lowbit_kinds()
+    kinds = kinds_to_register(algos)
+    uncarried = sorted(name for name, kind in kinds.items() if not kind.carried())
+    if uncarried:  # a format writing tensors LowbitLayout has no field for: a lowbit_pipe bug, caught by the tests
+        raise RuntimeError(f"LowbitLayout cannot carry kind(s) {uncarried}: add their tensors to layout.TENSOR_FIELDS")
     reg = Registration(quant_ops, ops, ledger, tuple(kinds))
     try:
         layout.register(ledger, register_class=quant_ops.register_layout_class)
         if quant_ops.get_layout_class(layout.LAYOUT_NAME) is not layout.LowbitLayout:
-            raise RuntimeError(f"ComfyUI's get_layout_class('{layout.LAYOUT_NAME}') does not find the registered "
-                               "class: ComfyUI and lowbit_pipe see different comfy-kitchen registries")
+            raise IncompatibleComfyUI(f"ComfyUI's get_layout_class('{layout.LAYOUT_NAME}') does not find the "
+                                      "registered class: ComfyUI and lowbit_pipe see different comfy-kitchen "
+                                      "registries (or ComfyUI runs without comfy-kitchen)")
         for kind in kinds.values():
-            if kind.name in algos and not kind.name.startswith(PREFIX):
-                continue  # a ComfyUI that knows this upstream kind (awq_w4a16) loads it its own way
             ledger.set_item(algos, kind.name, kind.quant_algo(), f"QUANT_ALGOS['{kind.name}']")
-        reg.kinds = tuple(k for k in kinds if algos.get(k, {}).get("comfy_tensor_layout") == layout.LAYOUT_NAME)
         original_load = ops._load_quantized_module
         ledger.patch_function(ops, "_load_quantized_module", _load_wrapper(original_load, algos, reg))
         wrapped = ["_load_quantized_module"]
@@ -187,6 +204,36 @@ def install(quant_ops: Any, ops: Any) -> Registration:
         ledger.unwind()
         raise
     return reg
+
+
+def check_comfyui(quant_ops: Any, ops: Any) -> dict:
+    """ComfyUI's QUANT_ALGOS dict when `quant_ops` / `ops` (and the installed comfy-kitchen) can take the
+    registration, else IncompatibleComfyUI naming what is missing and the versions needed. Changes nothing."""
+    algos = getattr(quant_ops, "QUANT_ALGOS", None)
+    if not isinstance(algos, dict):
+        raise IncompatibleComfyUI(f"{getattr(quant_ops, '__name__', quant_ops)!r} has no QUANT_ALGOS dict: not the "
+                                  f"quant_ops of a ComfyUI >= {PACK_MIN_COMFYUI}")
+    for name in ("register_layout_class", "get_layout_class"):
+        if not callable(getattr(quant_ops, name, None)):
+            raise IncompatibleComfyUI(f"ComfyUI's quant_ops has no {name}: comfy-kitchen is missing or too old")
+    if not callable(getattr(ops, "_load_quantized_module", None)):
+        raise IncompatibleComfyUI("ComfyUI's comfy.ops has no _load_quantized_module (the mixed-precision loader "
+                                  f"this registration wraps, there since ComfyUI 0.23.0; the pack needs "
+                                  f">= {PACK_MIN_COMFYUI})")
+    # A ComfyUI whose Linear reads `quantize_input` declares it in its own entries (int8_tensorwise, since
+    # 0.27.0); one that does not quantizes every quantized layer's input with its layout, which LowbitLayout
+    # refuses (it never quantizes activations for ComfyUI).
+    own = [v for k, v in algos.items() if isinstance(v, dict) and v.get("comfy_tensor_layout") != layout.LAYOUT_NAME]
+    if own and not any("quantize_input" in v for v in own):
+        raise IncompatibleComfyUI("this ComfyUI's QUANT_ALGOS entries have no 'quantize_input' key: its Linear "
+                                  "quantizes every quantized layer's input with the layer's layout (ComfyUI before "
+                                  f"{PACK_MIN_COMFYUI})")
+    try:
+        installed_ck = importlib.metadata.version("comfy-kitchen")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on sys.path: the feature check decides
+        installed_ck = None
+    check_comfy_kitchen(installed_ck, callable(getattr(QuantizedTensor, "requantize_from_float", None)))
+    return algos
 
 
 def install_into_comfyui() -> Registration:
@@ -218,7 +265,7 @@ def _load_wrapper(original: Callable[..., Any], algos: dict, reg: Registration) 
                                missing_keys, unexpected_keys, error_msgs, load_extra_params=False):
         record = _peek_record(state_dict, prefix)
         kind = str(record.get("format", "")) if record is not None else ""
-        if (not (kind.startswith(PREFIX) or kind in reg.kinds)) or f"{prefix}weight" not in state_dict:
+        if not (kind.startswith(PREFIX) or kind in reg.kinds) or f"{prefix}weight" not in state_dict:
             return original(module, super_load, state_dict, prefix, local_metadata, strict,
                             missing_keys, unexpected_keys, error_msgs, load_extra_params=load_extra_params)
         _load_lowbit(module, record, algos, super_load, state_dict, prefix, local_metadata, strict,

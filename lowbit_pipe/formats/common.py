@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from lowbit_pipe.comfy import compat
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.kernels import rotation
 
@@ -14,9 +15,9 @@ from lowbit_pipe.kernels import rotation
 # loudly instead of computing with a rotated weight). INFO_KEYS are harmless hints.
 MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group", "lowbit_granularity")
 INFO_KEYS = ("lowbit_shape", "lowbit_bits")
-# Upstream record formats (comfy-kitchen layouts) that stock ComfyUI master's QUANT_ALGOS lacks: loaded by
-# ComfyUI builds that add them, or by the node pack.
-NOT_IN_STOCK_COMFY = ("awq_w4a16", "svdquant_w4a4")
+# Upstream record formats (comfy-kitchen layouts) no stock ComfyUI release loads: the node pack does. Which
+# ComfyUI / comfy-kitchen loads each kind: lowbit_pipe.comfy.compat (the one table).
+NOT_IN_STOCK_COMFY = tuple(sorted(k for k, row in compat.KINDS.items() if row.pack_only))
 
 
 def check_finite_weight(weight: torch.Tensor, what: str = "weight") -> torch.Tensor:
@@ -124,10 +125,13 @@ def optional_input_scale(tensors: dict[str, torch.Tensor], where: str) -> dict[s
 
 
 def is_stock_loadable(record: dict[str, Any]) -> bool:
-    """True when stock ComfyUI (comfy-kitchen layouts) can load and run this record as written."""
-    name = str(record.get("format", ""))
-    return not any(key in record for key in MARKER_KEYS) and not name.startswith("lowbit_") \
-        and name not in NOT_IN_STOCK_COMFY
+    """True when a stock ComfyUI release (comfy-kitchen layouts) loads and runs this record as written. Not
+    necessarily every release: `compat.support(record["format"])` says from which one (asym_w4a8_int8 from
+    0.31.0, for example)."""
+    if any(key in record for key in MARKER_KEYS):
+        return False
+    row = compat.support(str(record.get("format", "")))
+    return row is not None and not row.pack_only
 
 
 def require(tensors: dict[str, torch.Tensor], key: str, where: str, fmt: str) -> torch.Tensor:

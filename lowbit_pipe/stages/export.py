@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 from lowbit_pipe import layout
 from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
-from lowbit_pipe.checkpoint import atomic_save, atomic_write_text
+from lowbit_pipe.checkpoint import atomic_save, atomic_write_text, metadata_json
+from lowbit_pipe.comfy import compat
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import decode_record, is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, save_residual_lora
@@ -61,6 +62,14 @@ def shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torc
     return shards
 
 
+def warn_comfy_kinds(records: dict[str, dict[str, Any]]) -> None:
+    """Warn when some layer's kind is one that not every ComfyUI the node pack supports loads stock (naming the
+    kinds, what loads each: lowbit_pipe.comfy.compat's table, and the node pack)."""
+    message = compat.comfy_warning(records)
+    if message is not None:
+        warnings.warn(message, stacklevel=3)
+
+
 def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float_dtype: torch.dtype,
                  arch: Arch | None, arch_config: ArchConfig | None, model_config: dict[str, Any],
                  recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = (),
@@ -80,13 +89,7 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     elif key_layout == "diffusers" and native:
         state = layout.from_native(state, arch, arch_config, rows)
     foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
-    if foreign:
-        record = layers[foreign[0]]["record"]
-        kind = record.get("lowbit_format", record.get("format"))
-        rotated = f" + {record['lowbit_rotation']}" if "lowbit_rotation" in record else ""
-        warnings.warn(f"{len(foreign)} layers use kinds stock ComfyUI does not know (e.g. {foreign[0]}: "
-                      f"{kind}{rotated}): stock ComfyUI refuses the whole file; ComfyUI with lowbit_pipe's node pack "
-                      "(python -m lowbit_pipe.comfy install <ComfyUI>) and lowbit_pipe load it", stacklevel=2)
+    warn_comfy_kinds({name: info["record"] for name, info in layers.items()})
     unscaled = sorted(n for n, info in layers.items() if info["format"] == "fp8" and info["activations"] == "dynamic")
     if unscaled:
         warnings.warn(f"{len(unscaled)} fp8 layers quantize their activations per token (e.g. {unscaled[0]}); stock "
@@ -137,6 +140,15 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     return result
 
 
+def _written_records(path: Path) -> dict[str, dict[str, Any]]:
+    """Layer -> `.comfy_quant` record of a written file, from its `_quantization_metadata` header."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        quant = metadata_json(f.metadata() or {}, QUANT_METADATA_KEY, str(path))
+    return dict((quant or {}).get("layers") or {})
+
+
 @register
 class Export(Stage):
     name = "export"
@@ -153,6 +165,7 @@ class Export(Stage):
                 torch.device("cuda" if torch.cuda.is_available() else "cpu")
             result = stream_export(ctx.stream, ctx.plans, path, layout=cfg.layout, float_dtype=dtype,
                                    compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console)
+            warn_comfy_kinds(_written_records(Path(result["path"])))
             ctx.report["export"] = result
             return {k: v for k, v in result.items() if k not in ("not_stock_comfy", "layers")}
         result = write_export(ctx.transformer, path, cfg, float_dtype=dtype, arch=ctx.arch, arch_config=ctx.arch_config,
