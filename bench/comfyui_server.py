@@ -37,7 +37,21 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-ARCHIVE = ROOT.parent / "shared" / "comfyui-0.29.0.tar.xz"
+
+
+def _fixture(name: str) -> Path:
+    """A fixture of ../shared beside the checkout; for a git worktree elsewhere, beside the main checkout."""
+    here = ROOT.parent / "shared" / name
+    if here.exists():
+        return here
+    proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
+                          capture_output=True, text=True)
+    common = Path(proc.stdout.strip()) if proc.returncode == 0 else None
+    main_checkout = common.parent.parent / "shared" / name if common is not None else here
+    return main_checkout if main_checkout.exists() else here
+
+
+ARCHIVE = _fixture("comfyui-0.29.0.tar.xz")
 
 
 # ============================================================================ torchvision / torchaudio stand-ins

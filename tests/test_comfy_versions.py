@@ -27,8 +27,8 @@ from lowbit_pipe.comfy.install import PACK, PREVIOUS_SHIMS, SHIM, install, main,
 from lowbit_pipe.errors import LowbitError
 
 ROOT = Path(__file__).resolve().parents[1]
-# CI's fixture beside the checkout; LOWBIT_COMFYUI_ARCHIVE points a checkout elsewhere (a git worktree) at it.
-ARCHIVE = Path(os.environ.get("LOWBIT_COMFYUI_ARCHIVE", ROOT.parent / "shared" / "comfyui-0.29.0.tar.xz"))
+sys.path.insert(0, str(ROOT / "bench"))
+from comfyui_server import ARCHIVE  # noqa: E402 - the fixture beside the checkout (or the main checkout's)
 
 
 # ---- the version table --------------------------------------------------------------------------------
