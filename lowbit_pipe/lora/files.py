@@ -195,11 +195,12 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     sizes fused splits; `alpha` overrides every alpha of the file (`.alpha` tensors, `lora_alpha`,
     `alpha_pattern`; a `use_rslora` adapter keeps its alpha / sqrt(rank)). Without any: alpha = rank.
     """
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.lora.branches import is_linear
 
     state, metadata, where = read_state(path_or_state)
     configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    # nn.Linear, QuantLinear, and ComfyUI's mixed-precision Linear (no nn.Linear; see branches.is_linear)
+    linears = {n: m for n, m in model.named_modules() if is_linear(m)}
     # A model of the arch that is not its diffusers class carries native names (a ComfyUI model): names are
     # resolved to diffusers modules as usual, then the factors are put back together per native module.
     native = arch is not None and arch.keymap is not None and not arch.detect_model(model)
@@ -260,13 +261,28 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
             layer = linears[module]
             part = up[rows] if rows is not None else up
             if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
+                named = f"'{arch.to_native(module, config)[0]}' (diffusers '{module}')" if native else f"'{module}'"
                 raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
-                                f"layer '{module}' ({layer.out_features}x{layer.in_features})")
+                                f"layer {named} ({layer.out_features}x{layer.in_features})")
             m = mag[rows] if mag is not None and rows is not None and mag.shape[0] == total else mag
-            data.layers.append(LayerFactors(module, kind, down, part, a, None, m, keys, rslora))
+            f = LayerFactors(module, kind, down, part, a, None, m, keys, rslora)
+            data.layers.append(_compact(f) if rows is not None else f)
     if native:
         data.layers = _fuse_native(data.layers, arch, config, native_linears, where)
     return data
+
+
+def _compact(f: LayerFactors) -> LayerFactors:
+    """A part cut from a fused pair without the rank columns its up rows do not use (all zero), which
+    a block-diagonal fused pair (one part per column block, as the residual export writes FLUX qkv)
+    leaves in every part: the delta is the same (zero columns add nothing), the branch is thinner.
+    alpha follows the rank, so the scale stays what it was."""
+    used = f.up.ne(0).any(dim=0)
+    n = int(used.sum())
+    if n == f.rank or n == 0:
+        return f
+    alpha = f.scale * (math.sqrt(n) if f.rslora else n)
+    return dataclasses.replace(f, down=f.down[used], up=f.up[:, used], alpha=alpha)
 
 
 @dataclass(frozen=True)
