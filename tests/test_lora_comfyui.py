@@ -3,7 +3,8 @@
 1. The export's residual LoRA file (`<stem>.lora.safetensors`): stock ComfyUI's LoRA loading on the float
    MODEL patches every weight to W + delta (the residual branches at strength 1) to fp32 rounding, with no
    "lora key not loaded"; in both key styles (native names for export.layout=comfy, peft / diffusers for
-   export.layout=diffusers); FLUX.1's fused qkv / linear1 get one exact pair each.
+   export.layout=diffusers); FLUX.1's fused qkv / linear1 get one exact pair each, and its final
+   modulation (native rows = diffusers' with the halves swapped) its rows swapped.
 2. lowbit_pipe's LoRA node on a quantized file loaded by ComfyUI's "Load Diffusion Model" (comfy.ops'
    mixed-precision Linears, comfy-kitchen QuantizedTensor weights, native names): peft, kohya, diffusers
    (`transformer.`), AI-toolkit (`diffusion_model.`) and native files, and the residual file itself, give
@@ -62,7 +63,10 @@ def _branch_oracle(model, arch, config, native_rows: dict[str, int]) -> dict[str
     for name, stack in lora.export.residual_stacks(model).items():
         native, rows = arch.to_native(name, config)
         delta = out.setdefault(native, torch.zeros(native_rows[native], stack.in_features, dtype=torch.float64))
-        delta[rows if rows is not None else slice(None)] += stack.up.double() @ stack.down.double()
+        d = stack.up.double() @ stack.down.double()
+        if arch.keymap.is_swapped(native):  # FLUX norm_out.linear: native rows are (shift, scale), diffusers' swapped
+            d = torch.cat([d[d.shape[0] // 2:], d[: d.shape[0] // 2]])
+        delta[rows if rows is not None else slice(None)] += d
     return out
 
 
@@ -108,6 +112,11 @@ def cases(tmp_path_factory) -> dict:
         lora.attach(model, example_lora(model, arch, style="kohya", rank=4, seed=20 + i, rel=0.02)[0], name="k",
                     strength=0.7)
         lora.attach(model, _distinct_peft(model, arch, 30 + i), name="p", strength=0.4)
+        if arch_id == "flux1":  # a float modulation whose native rows are swapped halves
+            gen = torch.Generator().manual_seed(40 + i)
+            lora.attach(model, {"transformer.norm_out.linear.lora_A.weight": torch.randn(2, 256, generator=gen) * 0.05,
+                                "transformer.norm_out.linear.lora_B.weight": torch.randn(512, 2, generator=gen) * 0.05},
+                        name="m")
         out = tmp / f"q{i}" / "export"
         figures = lowbit_pipe.export(model, out / "model.safetensors")
         float_rows = {k[: -len(".weight")]: v.shape[0] for k, v in load_file(floating.export_path).items()
@@ -166,6 +175,8 @@ def test_stock_comfyui_loads_the_residual_file_as_the_branches(results):
     for case in checked:
         assert case["not_loaded"] == [], case["name"]
         assert case["patch_keys"] == case["oracle_keys"], case["name"]
+        if "flux1" in case["name"]:
+            assert "diffusion_model.final_layer.adaLN_modulation.1.weight" in case["oracle_keys"]
         for row in case["layers"]:
             assert row["dtype"] == "torch.float32", (case["name"], row)
             # fp32 rounding of W + delta: a few ulps of the weight
@@ -183,6 +194,8 @@ def test_the_lora_node_is_exact_on_layers_comfyui_loaded_quantized(results, mode
         assert any(r["quantized"] for r in rows) and not any(r["is_nn_linear"] for r in rows if r["quantized"])
         if "flux1" in case["name"]:
             assert {"double_blocks.0.img_attn.qkv", "single_blocks.0.linear1"} <= {r["module"] for r in rows}
+            if "residual" in case["name"]:
+                assert "final_layer.adaLN_modulation.1" in {r["module"] for r in rows}
         for r in rows:
             assert r["shares_weight"], (case["name"], r)  # nothing requantized or copied
             assert r["max_abs_err"] <= 1e-6 * r["max_abs_out"] + 1e-7, (case["name"], r)

@@ -173,3 +173,40 @@ def test_an_unknown_layout_is_refused(tiny_model, tmp_path):
     with pytest.raises(ValueError, match="residual LoRA layout 'comfy'"):
         lora.save_residual_lora(model, tmp_path / "x.safetensors", "comfy")
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_branch_on_a_swapped_modulation_round_trips_in_both_namings(tiny_model, tmp_path):
+    """FLUX `norm_out.linear` is native `final_layer.adaLN_modulation.1` with its (scale, shift) halves
+    swapped: the native file's lora_B rows are swapped too, and every reader swaps them back."""
+    model = tiny_model("flux1")
+    arch = get_arch("flux1")
+    tree = comfy_like(model, "flux1")
+    gen = torch.Generator().manual_seed(4)
+    sd = {"transformer.norm_out.linear.lora_A.weight": torch.randn(3, 256, generator=gen) * 0.1,
+          "transformer.norm_out.linear.lora_B.weight": torch.randn(512, 3, generator=gen) * 0.1}
+    x = torch.randn(2, 256, generator=gen)
+
+    def swapped(t):
+        return torch.cat([t[..., 256:], t[..., :256]], dim=-1)
+
+    with torch.no_grad():  # the oracle of the naming itself: native rows = diffusers rows, halves swapped
+        torch.testing.assert_close(tree.get_submodule("final_layer.adaLN_modulation.1")(x), swapped(model.norm_out.linear(x)))
+    lora.attach(model, sd, name="mod")
+    with torch.no_grad():
+        want = model.norm_out.linear(x)
+    path = tmp_path / "native.safetensors"
+    lora.save_residual_lora(model, path, "native")
+    pairs, _ = file_pairs(path)
+    down, up = pairs["diffusion_model.final_layer.adaLN_modulation.1"]
+    branch = lora.export.residual_stacks(model)["norm_out.linear"]
+    torch.testing.assert_close(up, torch.cat([branch.up[256:], branch.up[:256]]), rtol=0, atol=0)
+    again = tiny_model("flux1")
+    lora.attach(again, path)
+    on_tree = structural_copy(tree)
+    lora.attach(on_tree, path)
+    with torch.no_grad():
+        torch.testing.assert_close(again.norm_out.linear(x), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(on_tree.get_submodule("final_layer.adaLN_modulation.1")(x), swapped(want), rtol=1e-5, atol=1e-6)
+    lora.save_residual_lora(on_tree, tmp_path / "back.safetensors", "diffusers")  # native model -> peft keys
+    back, _ = file_pairs(tmp_path / "back.safetensors")
+    torch.testing.assert_close(back["transformer.norm_out.linear"][1], branch.up, rtol=1e-6, atol=0)

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from lowbit_pipe.arch.keymap import SWAP_HALVES, take_rows
 from lowbit_pipe.errors import LoraError
 from lowbit_pipe.lora.peft_config import AdapterConfig, adapter_configs
 
@@ -259,14 +260,14 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
         total = up.shape[0]
         for module, rows in targets:
             layer = linears[module]
-            part = up[rows] if rows is not None else up
+            part = take_rows(up, rows, layer.in_features)
             if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
                 named = f"'{arch.to_native(module, config)[0]}' (diffusers '{module}')" if native else f"'{module}'"
                 raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
                                 f"layer {named} ({layer.out_features}x{layer.in_features})")
-            m = mag[rows] if mag is not None and rows is not None and mag.shape[0] == total else mag
+            m = take_rows(mag, rows, layer.in_features) if mag is not None and mag.shape[0] == total else mag
             f = LayerFactors(module, kind, down, part, a, None, m, keys, rslora)
-            data.layers.append(_compact(f) if rows is not None else f)
+            data.layers.append(_compact(f) if isinstance(rows, slice) else f)
     if native:
         data.layers = _fuse_native(data.layers, arch, config, native_linears, where)
     return data
@@ -316,7 +317,15 @@ def _fuse_native(layers: list[LayerFactors], arch: Any, config: Any, linears: Ma
     out = []
     for native, parts in groups.items():
         if len(parts) == 1 and parts[0][0] is None:
-            out.append(dataclasses.replace(parts[0][1], module=native))
+            f = parts[0][1]
+            if arch.keymap.is_swapped(native):  # back to the native module's (shift, scale) rows
+                n_in = linears[native].in_features
+                f = dataclasses.replace(f, up=take_rows(f.up, SWAP_HALVES, n_in) if f.up is not None else None,
+                                        delta=take_rows(f.delta, SWAP_HALVES, n_in) if f.delta is not None else None,
+                                        magnitude=take_rows(f.magnitude, SWAP_HALVES, n_in)
+                                        if f.magnitude is not None and f.magnitude.shape[0] == linears[native].out_features
+                                        else f.magnitude)
+            out.append(dataclasses.replace(f, module=native))
             continue
         layer = linears[native]
         kinds = {f.kind for _, f in parts}
@@ -352,8 +361,7 @@ def _dense(delta: torch.Tensor, targets: list, linears: Mapping[str, nn.Module],
     out = []
     for module, rows in targets:
         layer = linears[module]
-        part = delta[rows] if rows is not None else delta
-        part = _matrix(part, keys[0], where)
+        part = take_rows(_matrix(delta, keys[0], where), rows, layer.in_features)
         if tuple(part.shape) != (layer.out_features, layer.in_features):
             raise LoraError(f"{where} [{keys[0]}]: diff {tuple(part.shape)} does not fit layer '{module}' "
                             f"({layer.out_features}x{layer.in_features})")
