@@ -48,9 +48,11 @@ def run_child(script: Path, job: dict[str, Any], work: Path, timeout: int = 900)
     job_file, out_file = work / "job.json", work / "result.json"
     job_file.write_text(json.dumps(job, default=str))
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "bench")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    paths = [str(ROOT), str(ROOT / "bench")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
+    env["PYTHONPATH"] = os.pathsep.join(paths)
     proc = subprocess.run([sys.executable, str(script), str(job_file), str(out_file)], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=work)
     if proc.returncode != 0 or not out_file.is_file():
-        raise RuntimeError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-6000:]}")
     return json.loads(out_file.read_text())

@@ -190,7 +190,8 @@ def test_a_branch_on_a_swapped_modulation_round_trips_in_both_namings(tiny_model
         return torch.cat([t[..., 256:], t[..., :256]], dim=-1)
 
     with torch.no_grad():  # the oracle of the naming itself: native rows = diffusers rows, halves swapped
-        torch.testing.assert_close(tree.get_submodule("final_layer.adaLN_modulation.1")(x), swapped(model.norm_out.linear(x)))
+        native = tree.get_submodule("final_layer.adaLN_modulation.1")
+        torch.testing.assert_close(native(x), swapped(model.norm_out.linear(x)))
     lora.attach(model, sd, name="mod")
     with torch.no_grad():
         want = model.norm_out.linear(x)
@@ -206,7 +207,8 @@ def test_a_branch_on_a_swapped_modulation_round_trips_in_both_namings(tiny_model
     lora.attach(on_tree, path)
     with torch.no_grad():
         torch.testing.assert_close(again.norm_out.linear(x), want, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(on_tree.get_submodule("final_layer.adaLN_modulation.1")(x), swapped(want), rtol=1e-5, atol=1e-6)
+        native = on_tree.get_submodule("final_layer.adaLN_modulation.1")
+        torch.testing.assert_close(native(x), swapped(want), rtol=1e-5, atol=1e-6)
     lora.save_residual_lora(on_tree, tmp_path / "back.safetensors", "diffusers")  # native model -> peft keys
     back, _ = file_pairs(tmp_path / "back.safetensors")
     torch.testing.assert_close(back["transformer.norm_out.linear"][1], branch.up, rtol=1e-6, atol=0)

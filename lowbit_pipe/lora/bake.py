@@ -139,7 +139,7 @@ def bake_layer(layer: nn.Module, delta: torch.Tensor | Callable[[torch.Tensor], 
     """Add `delta` (fp32 [out, in], or a function of the current fp32 weight, for DoRA) to one layer.
 
     QuantLinear: requantized in place (its buffers replaced; the ledger records the originals).
-    nn.Linear, or another float Linear (`branches.is_linear`): weight replaced by (W + delta) in its
+    nn.Linear, or another float Linear (`files.is_linear`): weight replaced by (W + delta) in its
     dtype; one with quantized storage lowbit_pipe does not own is refused (`check_bakeable`).
     Returns the fraction of delta kept (quantized layers), else None.
     """
@@ -165,7 +165,7 @@ def check_bakeable(layer: nn.Module, where: str) -> None:
     """Raise (naming the layer) unless `bake_layer` can bake into `layer`: a QuantLinear, or a Linear with a
     plain float weight. ComfyUI's mixed-precision Linear holding a comfy-kitchen QuantizedTensor (or fp8
     storage) is refused: lowbit_pipe cannot requantize a layout it does not own."""
-    from lowbit_pipe.lora.branches import is_linear
+    from lowbit_pipe.lora.files import is_linear
 
     if isinstance(layer, QuantLinear):
         return
@@ -173,10 +173,10 @@ def check_bakeable(layer: nn.Module, where: str) -> None:
         raise TypeError(f"cannot bake a LoRA into '{where}': {type(layer).__name__} is not a Linear or QuantLinear")
     w = layer.weight
     if type(w.data) is not torch.Tensor or w.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-        raise LoraError(f"cannot bake a LoRA into '{where}': its weight is a {type(w.data).__name__} of dtype {w.dtype} "
-                        "(quantized storage lowbit_pipe does not own, e.g. a layer ComfyUI loaded quantized); a DoRA or "
-                        "dense adapter needs the weight rewritten: use ComfyUI's own LoRA loader for it, or quantize the "
-                        "float model with lowbit_pipe and attach it there")
+        raise LoraError(f"cannot bake a LoRA into '{where}': its weight is a {type(w.data).__name__} of dtype "
+                        f"{w.dtype} (quantized storage lowbit_pipe does not own, e.g. a layer ComfyUI loaded "
+                        "quantized); a DoRA or dense adapter needs the weight rewritten: use ComfyUI's own LoRA loader "
+                        "for it, or quantize the float model with lowbit_pipe and attach it there")
 
 
 def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable[[torch.Tensor], torch.Tensor]], *,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.kernels import reference
-from lowbit_pipe.lora.files import lora_scale
+from lowbit_pipe.lora.files import is_linear, lora_scale
 
 
 @dataclass(frozen=True)
@@ -112,26 +112,6 @@ class LoraStack(nn.Module):
     def extra_repr(self) -> str:
         return ", ".join(f"{b.name}: rank={b.rank} alpha={b.alpha:g}{' rslora' if b.rslora else ''} "
                          f"strength={b.strength:g}" for b in self.branches)
-
-
-def is_linear(module: nn.Module) -> bool:
-    """Whether LoRA branches can go on `module`: a QuantLinear, an nn.Linear, or a Linear by duck type.
-
-    The last is ComfyUI's mixed-precision Linear (`comfy.ops.mixed_precision_ops`, what its loader
-    builds every Linear of a quantized checkpoint as): an nn.Module that is no nn.Linear, with int
-    `in_features` / `out_features`, a `weight` parameter of logical shape [out, in] (a comfy-kitchen
-    QuantizedTensor when quantized, whose shape is the unpacked one) and no child modules but a
-    `lora` stack. Wrappers that hold their Linear as a child (peft's LoRA layers) are not matched;
-    their child is.
-    """
-    from lowbit_pipe.nn import QuantLinear
-
-    if isinstance(module, (QuantLinear, nn.Linear)):
-        return True
-    n_in, n_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
-    weight = module._parameters.get("weight")
-    return (isinstance(n_in, int) and isinstance(n_out, int) and weight is not None
-            and tuple(weight.shape) == (n_out, n_in) and all(k == "lora" for k in module._modules))
 
 
 def float_lora_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:

@@ -120,7 +120,10 @@ def _to_native(stacks: dict[str, LoraStack], model: nn.Module, arch: Any, config
     return out
 
 
-def _fused_blocks(members: list[tuple[str, LoraStack]]) -> tuple[list[torch.Tensor], list[list[tuple[tuple[int, int], int]]]]:
+Blocks = list[list[tuple[tuple[int, int], int]]]  # per part: ((start, width) in its stack's up, fused column)
+
+
+def _fused_blocks(members: list[tuple[str, LoraStack]]) -> tuple[list[torch.Tensor], Blocks]:
     """The fused pair's down blocks, and per part [((start, width) of its up columns, fused column)].
 
     One adapter whose parts all carry the same down (a file written for the fused layer: one pair split

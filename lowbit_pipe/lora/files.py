@@ -49,6 +49,26 @@ def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
     return alpha / (math.sqrt(rank) if rslora else rank)
 
 
+def is_linear(module: nn.Module) -> bool:
+    """Whether LoRA branches can go on `module`: a QuantLinear, an nn.Linear, or a Linear by duck type.
+
+    The last is ComfyUI's mixed-precision Linear (`comfy.ops.mixed_precision_ops`, what its loader
+    builds every Linear of a quantized checkpoint as): an nn.Module that is no nn.Linear, with int
+    `in_features` / `out_features`, a `weight` parameter of logical shape [out, in] (a comfy-kitchen
+    QuantizedTensor when quantized, whose shape is the unpacked one) and no child modules but a
+    `lora` stack. Wrappers that hold their Linear as a child (peft's LoRA layers) are not matched;
+    their child is.
+    """
+    from lowbit_pipe.nn import QuantLinear
+
+    if isinstance(module, (QuantLinear, nn.Linear)):
+        return True
+    n_in, n_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    weight = module._parameters.get("weight")
+    return (isinstance(n_in, int) and isinstance(n_out, int) and weight is not None
+            and tuple(weight.shape) == (n_out, n_in) and all(k == "lora" for k in module._modules))
+
+
 @dataclass(frozen=True)
 class LayerFactors:
     """One adapter's contribution to one Linear: delta W = scale * up @ down (kind "lora"), scale =
@@ -196,11 +216,9 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     sizes fused splits; `alpha` overrides every alpha of the file (`.alpha` tensors, `lora_alpha`,
     `alpha_pattern`; a `use_rslora` adapter keeps its alpha / sqrt(rank)). Without any: alpha = rank.
     """
-    from lowbit_pipe.lora.branches import is_linear
-
     state, metadata, where = read_state(path_or_state)
     configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
-    # nn.Linear, QuantLinear, and ComfyUI's mixed-precision Linear (no nn.Linear; see branches.is_linear)
+    # nn.Linear, QuantLinear, and ComfyUI's mixed-precision Linear (no nn.Linear; see is_linear)
     linears = {n: m for n, m in model.named_modules() if is_linear(m)}
     # A model of the arch that is not its diffusers class carries native names (a ComfyUI model): names are
     # resolved to diffusers modules as usual, then the factors are put back together per native module.
@@ -320,10 +338,10 @@ def _fuse_native(layers: list[LayerFactors], arch: Any, config: Any, linears: Ma
             f = parts[0][1]
             if arch.keymap.is_swapped(native):  # back to the native module's (shift, scale) rows
                 n_in = linears[native].in_features
+                rows_wise = f.magnitude is not None and f.magnitude.shape[0] == linears[native].out_features
                 f = dataclasses.replace(f, up=take_rows(f.up, SWAP_HALVES, n_in) if f.up is not None else None,
                                         delta=take_rows(f.delta, SWAP_HALVES, n_in) if f.delta is not None else None,
-                                        magnitude=take_rows(f.magnitude, SWAP_HALVES, n_in)
-                                        if f.magnitude is not None and f.magnitude.shape[0] == linears[native].out_features
+                                        magnitude=take_rows(f.magnitude, SWAP_HALVES, n_in) if rows_wise
                                         else f.magnitude)
             out.append(dataclasses.replace(f, module=native))
             continue

@@ -38,7 +38,7 @@ def example_lora(model: nn.Module, arch: Any = None, *, style: str = "peft", ran
                  rel: float = 0.004, alpha: float | None = None, pattern: str | None = None,
                  config: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, safetensors metadata) of a seeded LoRA for `model`'s block Linears in `style`."""
-    from lowbit_pipe.lora.branches import is_linear
+    from lowbit_pipe.lora.files import is_linear
 
     if style not in STYLES:
         raise ValueError(f"unknown LoRA key style '{style}' (known: {list(STYLES)})")
