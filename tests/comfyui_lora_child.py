@@ -78,6 +78,12 @@ def check_weights(case: dict[str, Any], catcher: LogCatcher) -> dict[str, Any]:
     return out
 
 
+def _storage(weight: Any) -> int:
+    """Where a weight's stored values live (a QuantizedTensor's packed data): equal for the same weight even
+    when ComfyUI re-wraps the Parameter on a load."""
+    return getattr(weight, "_qdata", weight).untyped_storage().data_ptr()
+
+
 def check_attach(case: dict[str, Any]) -> dict[str, Any]:
     import comfy.model_management as mm
     import comfy.sd
@@ -113,7 +119,7 @@ def check_attach(case: dict[str, Any]) -> dict[str, Any]:
                      "is_nn_linear": isinstance(layer, torch.nn.Linear),
                      "quantized": isinstance(layer.weight, QuantizedTensor),
                      "layout": getattr(layer.weight, "_layout_cls", None),
-                     "shares_weight": layer.weight is dm.get_submodule(module).weight,
+                     "shares_weight": _storage(layer.weight) == _storage(dm.get_submodule(module).weight),
                      "max_abs_err": float((got - want).abs().max()),
                      "max_abs_out": float(want.abs().max()),
                      "max_abs_delta_out": float((want - base[module].double()).abs().max())})
