@@ -102,6 +102,13 @@ def test_sd3_fused_qkv_lora():
     assert targets[1][1] == slice(1152, 2304)
 
 
-def test_swapped_modulation_lora_is_skipped_loudly():
-    with pytest.warns(UserWarning, match="swapped"):
-        assert A.get_arch("flux1").lora_targets("diffusion_model.final_layer.adaLN_modulation.1.lora_A.weight") == []
+def test_swapped_modulation_lora_takes_its_rows_with_the_halves_exchanged():
+    import torch
+
+    from lowbit_pipe.arch.keymap import SWAP_HALVES, take_rows
+
+    targets = A.get_arch("flux1").lora_targets("diffusion_model.final_layer.adaLN_modulation.1.lora_A.weight")
+    assert targets == [("norm_out.linear", SWAP_HALVES)]
+    up = torch.arange(8.0).reshape(8, 1)
+    assert take_rows(up, SWAP_HALVES, 4).flatten().tolist() == [4, 5, 6, 7, 0, 1, 2, 3]  # (shift, scale) -> (scale, shift)
+    assert torch.equal(take_rows(up, SWAP_HALVES, 2), up)  # not 2 x in_features rows: as the key map, unswapped

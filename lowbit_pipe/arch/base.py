@@ -133,8 +133,8 @@ class Arch(ABC):
         return resolve_lora_name(self, name, config)
 
     def lora_target(self, name: str, config: ArchConfig | None = None) -> str | None:
-        """The diffusers module of a LoRA module name when the mapping is 1:1; None if unknown or fused
-        (a fused native qkv / linear1 maps to several modules: use `lora_targets`)."""
+        """The diffusers module of a LoRA module name when the mapping is 1:1; None if unknown, fused (a
+        fused native qkv / linear1 maps to several modules) or row-swapped: use `lora_targets`."""
         targets = self.lora_targets(name, config)
         return targets[0][0] if len(targets) == 1 and targets[0][1] is None else None
 

@@ -41,6 +41,32 @@ class Fused:
     parts: tuple[tuple[str, str], ...]
 
 
+@dataclass(frozen=True)
+class SwapHalves:
+    """The "rows" a LoRA factor takes for a native module whose output rows are its diffusers module's
+    with the two halves swapped ((shift, scale) against (scale, shift), `Rename(swap=True)`): the same rows,
+    halves exchanged. As the key map's own swap, only a tensor of 2 x in_features rows is swapped (SD3 runs
+    one rule over 6h- and 2h-row modulations); `take` is its own inverse."""
+
+    def take(self, t: torch.Tensor, in_features: int) -> torch.Tensor:
+        if t.shape[0] != 2 * in_features:
+            return t
+        a, b = t.chunk(2, dim=0)
+        return torch.cat([b, a], dim=0)
+
+
+SWAP_HALVES = SwapHalves()
+
+
+def take_rows(t: torch.Tensor, rows: slice | SwapHalves | None, in_features: int) -> torch.Tensor:
+    """A LoRA factor's rows for one target: all (None), a slice of a fused module, or swapped halves."""
+    if rows is None:
+        return t
+    if isinstance(rows, SwapHalves):
+        return rows.take(t, in_features)
+    return t[rows]
+
+
 def _rx(template: str) -> str:
     return re.escape(template).replace(r"\{i\}", r"(?P<i>\d+)")
 

@@ -9,9 +9,10 @@ dots turned into underscores, resolved against the class's Linear module names i
 from __future__ import annotations
 
 import re
-import warnings
 from functools import lru_cache
 from typing import TYPE_CHECKING
+
+from lowbit_pipe.arch.keymap import SWAP_HALVES, SwapHalves
 
 if TYPE_CHECKING:
     from lowbit_pipe.arch.base import Arch, ArchConfig
@@ -73,8 +74,11 @@ def strip_lora_prefixes(name: str) -> tuple[str, bool]:
     return name, "." not in name and "_" in name
 
 
-def resolve_lora_name(arch: Arch, key: str, config: ArchConfig | None = None) -> list[tuple[str, slice | None]]:
-    """[(diffusers module, rows of the LoRA up matrix for it, or None)]; [] for names of no known module."""
+def resolve_lora_name(arch: Arch, key: str,
+                      config: ArchConfig | None = None) -> list[tuple[str, slice | SwapHalves | None]]:
+    """[(diffusers module, rows of the LoRA up matrix for it, or None)]; [] for names of no known module.
+    Rows are a slice of a fused native module, or SWAP_HALVES for a native modulation whose output halves
+    are swapped against diffusers' (FLUX `final_layer.adaLN_modulation.1`); `keymap.take_rows` applies them."""
     name, kohya = strip_lora_prefixes(lora_module_name(key))
     diff_set = arch.linear_names_set
     if kohya:
@@ -91,11 +95,10 @@ def resolve_lora_name(arch: Arch, key: str, config: ArchConfig | None = None) ->
         return [(name, None)]
     if arch.keymap is None:
         return []
-    if arch.keymap.is_swapped(name):
-        # Native (shift, scale) vs diffusers (scale, shift) rows: a row slice cannot say that; skip loudly.
-        warnings.warn(f"LoRA on '{name}' (swapped modulation halves) is not mapped; skipped", stacklevel=2)
-        return []
     targets = arch.from_native_name(name, config)
+    if arch.keymap.is_swapped(name):
+        # Native (shift, scale) vs diffusers (scale, shift) rows: the factor's rows with their halves exchanged.
+        return [(t, SWAP_HALVES) for t, _ in targets] if all(_templatize(t) in diff_set for t, _ in targets) else []
     if all(_templatize(t) in diff_set for t, _ in targets) and targets != [(name, None)]:
         return targets
     return []

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.lora import branches as br
-from lowbit_pipe.lora.bake import _replace, bake_group, bake_layer
+from lowbit_pipe.lora.bake import _replace, bake_group, bake_layer, check_bakeable
 from lowbit_pipe.lora.files import LayerFactors, LoraData, LoraError, check_matched, parse_lora
 from lowbit_pipe.nn import QuantLinear
 
@@ -137,8 +137,18 @@ def resolve_arch(model: nn.Module, arch: Any) -> Any:
     return found.arch if found is not None else None
 
 
+COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
 def model_dtype(model: nn.Module) -> torch.dtype:
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    """The dtype LoRA factors are kept in: the model's first plain float parameter's. Quantized weights
+    (comfy-kitchen QuantizedTensors, which report a float dtype) and fp8 storage (ComfyUI's weight-only
+    fp8, cast per call) say nothing about the compute dtype; without a plain one, float32. The branch
+    runs in its input's dtype whatever this is (reference.low_rank_delta)."""
+    for p in model.parameters():
+        if p.dtype in COMPUTE_DTYPES and type(p.data) is torch.Tensor:
+            return p.dtype
+    return torch.float32
 
 
 def load(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tensor], *, arch: Any = None,
@@ -191,9 +201,11 @@ def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tens
                         ledger=ledger, rslora=data.rslora, model_ref=weakref.ref(model))
     by_layer = _by_layer(data.layers)
     for module, factors in by_layer.items():  # refuse before changing anything
-        record = _record_of(model, module)
-        if record is not None and any(f.kind != "lora" for f in factors):
-            _check_unchanged(model.get_submodule(module), record, f"attach LoRA '{name}'")
+        if any(f.kind != "lora" for f in factors):
+            check_bakeable(model.get_submodule(module), module)
+            record = _record_of(model, module)
+            if record is not None:
+                _check_unchanged(model.get_submodule(module), record, f"attach LoRA '{name}'")
     for module, factors in by_layer.items():
         layer = model.get_submodule(module)
         low = [f for f in factors if f.kind == "lora"]
@@ -372,6 +384,8 @@ def bake_files(model: nn.Module, loras: list[tuple[Any, float]], *, mode: str = 
                     branch = _branch(f"bake{i}", low, float(strength), data.where, original.weight.dtype,
                                      original.weight.device)
                     br.add_branch(stack, branch, where, ledger)
+    for module in pooled:  # refuse before changing anything
+        check_bakeable(model.get_submodule(module), module)
     kept = []
     baked_layers = len(pooled)
 

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from lowbit_pipe.errors import LoraError
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
 from lowbit_pipe.formats import common
 from lowbit_pipe.kernels import reference, rotation
@@ -138,8 +139,9 @@ def bake_layer(layer: nn.Module, delta: torch.Tensor | Callable[[torch.Tensor], 
     """Add `delta` (fp32 [out, in], or a function of the current fp32 weight, for DoRA) to one layer.
 
     QuantLinear: requantized in place (its buffers replaced; the ledger records the originals).
-    nn.Linear: weight replaced by (W + delta) in its dtype. Returns the fraction of delta kept
-    (quantized layers), else None.
+    nn.Linear, or another float Linear (`files.is_linear`): weight replaced by (W + delta) in its
+    dtype; one with quantized storage lowbit_pipe does not own is refused (`check_bakeable`).
+    Returns the fraction of delta kept (quantized layers), else None.
     """
     if mode not in BAKE_MODES:
         raise ValueError(f"unknown bake mode '{mode}' (known: {list(BAKE_MODES)})")
@@ -151,13 +153,30 @@ def bake_layer(layer: nn.Module, delta: torch.Tensor | Callable[[torch.Tensor], 
         new = {k: t.to(getattr(layer, k).device) for k, t in q.tensors.items()}
         _replace(layer, new, where, ledger)
         return delta_kept(before, layer.dequantize(), d)
-    if isinstance(layer, nn.Linear):
-        w = layer.weight
-        d = delta(w.detach().float()) if callable(delta) else delta.to(w.device)
-        new = nn.Parameter((w.detach().float() + d).to(w.dtype), requires_grad=w.requires_grad)
-        _replace(layer, {"weight": new}, where, ledger)
-        return None
-    raise TypeError(f"cannot bake a LoRA into '{where}': {type(layer).__name__} is not a Linear or QuantLinear")
+    check_bakeable(layer, where)
+    w = layer.weight
+    d = delta(w.detach().float()) if callable(delta) else delta.to(w.device)
+    new = nn.Parameter((w.detach().float() + d).to(w.dtype), requires_grad=w.requires_grad)
+    _replace(layer, {"weight": new}, where, ledger)
+    return None
+
+
+def check_bakeable(layer: nn.Module, where: str) -> None:
+    """Raise (naming the layer) unless `bake_layer` can bake into `layer`: a QuantLinear, or a Linear with a
+    plain float weight. ComfyUI's mixed-precision Linear holding a comfy-kitchen QuantizedTensor (or fp8
+    storage) is refused: lowbit_pipe cannot requantize a layout it does not own."""
+    from lowbit_pipe.lora.files import is_linear
+
+    if isinstance(layer, QuantLinear):
+        return
+    if not is_linear(layer):
+        raise TypeError(f"cannot bake a LoRA into '{where}': {type(layer).__name__} is not a Linear or QuantLinear")
+    w = layer.weight
+    if type(w.data) is not torch.Tensor or w.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        raise LoraError(f"cannot bake a LoRA into '{where}': its weight is a {type(w.data).__name__} of dtype "
+                        f"{w.dtype} (quantized storage lowbit_pipe does not own, e.g. a layer ComfyUI loaded "
+                        "quantized); a DoRA or dense adapter needs the weight rewritten: use ComfyUI's own LoRA loader "
+                        "for it, or quantize the float model with lowbit_pipe and attach it there")
 
 
 def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable[[torch.Tensor], torch.Tensor]], *,

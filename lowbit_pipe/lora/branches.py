@@ -1,14 +1,15 @@
 """LoRA residual branches on layers: a typed branch list per layer, attach / remove / re-weight.
 
-Each LoRA'd layer (QuantLinear or a float nn.Linear) gets one child module `lora` (a
-`LoraStack`). Its `branches` tuple is the typed list (adapter name, factors, alpha, strength);
-from it the stack builds ONE concatenated pair, `down` [sum r, K] and `up` [N, sum r] with each
-branch's `scale` (strength * alpha / rank, or strength * alpha / sqrt(rank) for rslora) folded
-into `up`, so a stack of any size costs two thin matmuls:
+Each LoRA'd layer (QuantLinear, a float nn.Linear, or another Linear: `is_linear`) gets one
+child module `lora` (a `LoraStack`). Its `branches` tuple is the typed list (adapter name,
+factors, alpha, strength); from it the stack builds ONE concatenated pair, `down` [sum r, K] and
+`up` [N, sum r] with each branch's `scale` (strength * alpha / rank, or strength * alpha /
+sqrt(rank) for rslora) folded into `up`, so a stack of any size costs two thin matmuls:
 `delta = (x @ down.T) @ up.T` in the activation dtype, on the layer's unrotated input.
 
-QuantLinear adds the delta in its forward; a float nn.Linear gets a forward hook doing the
-same (its state-dict keys stay untouched, so export and evaluate see the same module).
+QuantLinear adds the delta in its forward; any other Linear (a float nn.Linear, ComfyUI's
+mixed-precision Linear with a quantized or float weight) gets a forward hook doing the same on
+its input (its state-dict keys stay untouched, so export and evaluate see the same module).
 Being a child module, the stack follows `.to(device / dtype)` of its layer (LoRA factors DO
 follow dtype casts, unlike the quantized buffers), and its buffers are non-persistent, so
 the layer's state dict is exactly its pre-LoRA one.
@@ -30,7 +31,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.kernels import reference
-from lowbit_pipe.lora.files import lora_scale
+from lowbit_pipe.lora.files import is_linear, lora_scale
 
 
 @dataclass(frozen=True)
@@ -114,11 +115,16 @@ class LoraStack(nn.Module):
 
 
 def float_lora_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
-    """Forward hook of a float nn.Linear carrying a LoraStack: add its delta (None: output unchanged)."""
+    """Forward hook of a Linear that is no QuantLinear carrying a LoraStack: add its delta on the layer's
+    input (None: output unchanged). Factors left on another device than the input (a layer ComfyUI runs
+    from offloaded weights) are moved for the call."""
     stack = module._modules.get("lora")
     if stack is None or not stack.branches:
         return None
-    return output + stack(args[0])
+    x = args[0]
+    if stack.down.device != x.device:
+        return output + reference.low_rank_delta(x, stack.down.to(x.device), stack.up.to(x.device))
+    return output + stack(x)
 
 
 def stack_of(layer: nn.Module) -> LoraStack | None:
@@ -144,7 +150,7 @@ def ensure_stack(layer: nn.Module, where: str, ledger=None) -> LoraStack:  # noq
     stack = stack_of(layer)
     if stack is not None:
         return stack
-    if not isinstance(layer, (QuantLinear, nn.Linear)):
+    if not is_linear(layer):
         raise TypeError(f"LoRA target '{where}' is a {type(layer).__name__}, not a Linear or QuantLinear")
     stack = LoraStack(int(layer.in_features), int(layer.out_features))
     layer.add_module("lora", stack)  # KeyError if the layer already has a non-module attribute 'lora'

@@ -29,6 +29,7 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
+from lowbit_pipe.arch.keymap import SWAP_HALVES, take_rows
 from lowbit_pipe.errors import LoraError
 from lowbit_pipe.lora.peft_config import AdapterConfig, adapter_configs
 
@@ -46,6 +47,26 @@ SUFFIX = re.compile(r"\.(lora_[AB](\.default)?\.(weight|bias)|lora_(down|up|mid)
 def lora_scale(alpha: float, rank: int, rslora: bool = False) -> float:
     """peft's LoRA scaling: alpha / rank, or alpha / sqrt(rank) for rank-stabilized LoRA (use_rslora)."""
     return alpha / (math.sqrt(rank) if rslora else rank)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """Whether LoRA branches can go on `module`: a QuantLinear, an nn.Linear, or a Linear by duck type.
+
+    The last is ComfyUI's mixed-precision Linear (`comfy.ops.mixed_precision_ops`, what its loader
+    builds every Linear of a quantized checkpoint as): an nn.Module that is no nn.Linear, with int
+    `in_features` / `out_features`, a `weight` parameter of logical shape [out, in] (a comfy-kitchen
+    QuantizedTensor when quantized, whose shape is the unpacked one) and no child modules but a
+    `lora` stack. Wrappers that hold their Linear as a child (peft's LoRA layers) are not matched;
+    their child is.
+    """
+    from lowbit_pipe.nn import QuantLinear
+
+    if isinstance(module, (QuantLinear, nn.Linear)):
+        return True
+    n_in, n_out = getattr(module, "in_features", None), getattr(module, "out_features", None)
+    weight = module._parameters.get("weight")
+    return (isinstance(n_in, int) and isinstance(n_out, int) and weight is not None
+            and tuple(weight.shape) == (n_out, n_in) and all(k == "lora" for k in module._modules))
 
 
 @dataclass(frozen=True)
@@ -195,11 +216,10 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     sizes fused splits; `alpha` overrides every alpha of the file (`.alpha` tensors, `lora_alpha`,
     `alpha_pattern`; a `use_rslora` adapter keeps its alpha / sqrt(rank)). Without any: alpha = rank.
     """
-    from lowbit_pipe.nn import QuantLinear
-
     state, metadata, where = read_state(path_or_state)
     configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
-    linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear))}
+    # nn.Linear, QuantLinear, and ComfyUI's mixed-precision Linear (no nn.Linear; see is_linear)
+    linears = {n: m for n, m in model.named_modules() if is_linear(m)}
     # A model of the arch that is not its diffusers class carries native names (a ComfyUI model): names are
     # resolved to diffusers modules as usual, then the factors are put back together per native module.
     native = arch is not None and arch.keymap is not None and not arch.detect_model(model)
@@ -258,15 +278,30 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
         total = up.shape[0]
         for module, rows in targets:
             layer = linears[module]
-            part = up[rows] if rows is not None else up
+            part = take_rows(up, rows, layer.in_features)
             if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
+                named = f"'{arch.to_native(module, config)[0]}' (diffusers '{module}')" if native else f"'{module}'"
                 raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
-                                f"layer '{module}' ({layer.out_features}x{layer.in_features})")
-            m = mag[rows] if mag is not None and rows is not None and mag.shape[0] == total else mag
-            data.layers.append(LayerFactors(module, kind, down, part, a, None, m, keys, rslora))
+                                f"layer {named} ({layer.out_features}x{layer.in_features})")
+            m = take_rows(mag, rows, layer.in_features) if mag is not None and mag.shape[0] == total else mag
+            f = LayerFactors(module, kind, down, part, a, None, m, keys, rslora)
+            data.layers.append(_compact(f) if isinstance(rows, slice) else f)
     if native:
         data.layers = _fuse_native(data.layers, arch, config, native_linears, where)
     return data
+
+
+def _compact(f: LayerFactors) -> LayerFactors:
+    """A part cut from a fused pair without the rank columns its up rows do not use (all zero), which
+    a block-diagonal fused pair (one part per column block, as the residual export writes FLUX qkv)
+    leaves in every part: the delta is the same (zero columns add nothing), the branch is thinner.
+    alpha follows the rank, so the scale stays what it was."""
+    used = f.up.ne(0).any(dim=0)
+    n = int(used.sum())
+    if n == f.rank or n == 0:
+        return f
+    alpha = f.scale * (math.sqrt(n) if f.rslora else n)
+    return dataclasses.replace(f, down=f.down[used], up=f.up[:, used], alpha=alpha)
 
 
 @dataclass(frozen=True)
@@ -300,7 +335,15 @@ def _fuse_native(layers: list[LayerFactors], arch: Any, config: Any, linears: Ma
     out = []
     for native, parts in groups.items():
         if len(parts) == 1 and parts[0][0] is None:
-            out.append(dataclasses.replace(parts[0][1], module=native))
+            f = parts[0][1]
+            if arch.keymap.is_swapped(native):  # back to the native module's (shift, scale) rows
+                n_in = linears[native].in_features
+                rows_wise = f.magnitude is not None and f.magnitude.shape[0] == linears[native].out_features
+                f = dataclasses.replace(f, up=take_rows(f.up, SWAP_HALVES, n_in) if f.up is not None else None,
+                                        delta=take_rows(f.delta, SWAP_HALVES, n_in) if f.delta is not None else None,
+                                        magnitude=take_rows(f.magnitude, SWAP_HALVES, n_in) if rows_wise
+                                        else f.magnitude)
+            out.append(dataclasses.replace(f, module=native))
             continue
         layer = linears[native]
         kinds = {f.kind for _, f in parts}
@@ -336,8 +379,7 @@ def _dense(delta: torch.Tensor, targets: list, linears: Mapping[str, nn.Module],
     out = []
     for module, rows in targets:
         layer = linears[module]
-        part = delta[rows] if rows is not None else delta
-        part = _matrix(part, keys[0], where)
+        part = take_rows(_matrix(delta, keys[0], where), rows, layer.in_features)
         if tuple(part.shape) != (layer.out_features, layer.in_features):
             raise LoraError(f"{where} [{keys[0]}]: diff {tuple(part.shape)} does not fit layer '{module}' "
                             f"({layer.out_features}x{layer.in_features})")

@@ -25,21 +25,25 @@ BLOCKS = re.compile(r"(^|\.)(transformer_blocks|single_transformer_blocks|layers
 
 
 def _weight(layer: nn.Module) -> torch.Tensor:
+    """The layer's float weight: dequantized for a QuantLinear or a comfy-kitchen QuantizedTensor weight."""
     from lowbit_pipe.nn import QuantLinear
 
-    return layer.dequantize() if isinstance(layer, QuantLinear) else layer.weight.detach().float()
+    if isinstance(layer, QuantLinear):
+        return layer.dequantize()
+    w = layer.weight.detach()
+    return (w.dequantize() if hasattr(w, "dequantize") else w).float()
 
 
 def example_lora(model: nn.Module, arch: Any = None, *, style: str = "peft", rank: int = 8, seed: int = 0,
                  rel: float = 0.004, alpha: float | None = None, pattern: str | None = None,
                  config: Any = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """(tensors, safetensors metadata) of a seeded LoRA for `model`'s block Linears in `style`."""
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.lora.files import is_linear
 
     if style not in STYLES:
         raise ValueError(f"unknown LoRA key style '{style}' (known: {list(STYLES)})")
     rx = re.compile(pattern) if pattern else BLOCKS
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, QuantLinear)) and rx.search(n)}
+    layers = {n: m for n, m in model.named_modules() if is_linear(m) and rx.search(n)}
     if not layers:
         raise ValueError(f"no Linear of the model matches '{rx.pattern}'")
     # kohya / native files carry alpha keys (rank / 2 here, so alpha matters); peft / AI-toolkit: alpha = rank.

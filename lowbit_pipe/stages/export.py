@@ -17,7 +17,7 @@ from lowbit_pipe.checkpoint import atomic_save, atomic_write_text, metadata_json
 from lowbit_pipe.comfy import compat
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import decode_record, is_stock_loadable
-from lowbit_pipe.lora import has_residual_lora, save_residual_lora
+from lowbit_pipe.lora import has_residual_lora, residual_metadata, residual_state_dict
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.recipe import ExportConfig
 from lowbit_pipe.stages.registry import register
@@ -88,6 +88,11 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
         state = layout.to_native(state, arch, arch_config, rows)
     elif key_layout == "diffusers" and native:
         state = layout.from_native(state, arch, arch_config, rows)
+    lora_state = lora_meta = None
+    if residual:  # named as this file's layers are; built before anything is written (a refusal leaves no file)
+        lora_layout = "native" if key_layout == "comfy" else "diffusers"
+        lora_state = residual_state_dict(model, lora_layout, arch=arch, config=arch_config, native=native)
+        lora_meta = residual_metadata(model, lora_layout)
     foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
     warn_comfy_kinds({name: info["record"] for name, info in layers.items()})
     unscaled = sorted(n for n, info in layers.items() if info["format"] == "fp8" and info["activations"] == "dynamic")
@@ -135,7 +140,7 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     if residual:
         lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
         result["lora_path"] = str(lora_path)
-        result["lora_bytes"] = save_residual_lora(model, lora_path)
+        result["lora_bytes"] = atomic_save(lora_state, lora_path, lora_meta)
         result["files"] += 1
     return result
 
