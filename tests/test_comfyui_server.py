@@ -293,8 +293,10 @@ def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stoc
             # stock fp8 / nvfp4 / mxfp8 run weight-only in ComfyUI on a CPU (disabled formats: dequantize + matmul)
             # while the node quantizes activations too (up to 2.5e-3 seen); stock int8 / convrot_w4a4 run
             # comfy-kitchen's kernels.
+            # svdquant_w4a4: its branch is an SVD, whose last bits differ between two processes' LAPACK runs
+            # (1.7e-4 seen on FLUX.1's fused layers, 4e-6 on Krea 2).
             weight_only_here = not lowbit_kinds and spec["format"] in ("fp8", "nvfp4", "mxfp8")
-            bound = 5e-3 if weight_only_here else 1e-4
+            bound = 5e-3 if weight_only_here else 1e-3 if spec["format"] == "svdquant_w4a4" else 1e-4
             if rel(pack, node) > bound:
                 problems.append(f"{name}: file vs Quantize node {rel(pack, node):.2e} > {bound}")
     print("\n".join(f"{r[0]:6s} {r[1]:14s} lowbit={r[2]!s:5s} stock={'refused' if r[3] else 'ok':8s} "

@@ -1,9 +1,11 @@
-"""The detect stage on every embedded tiny model: `model=tiny_<arch>` reports exactly `<arch>`."""
+"""The detect stage on every embedded tiny model: `model=tiny_<arch>` (or a variant, `tiny_<arch>_comfy`) reports
+exactly `<arch>`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 
 import lowbit_pipe
 from conftest import cli
@@ -16,9 +18,10 @@ def test_every_listed_arch_has_a_tiny_model():
     assert {"krea2", "flux1", "flux2", "qwen_image", "z_image", "sd3", "chroma", "wan"} <= set(TINY)
 
 
-@pytest.mark.parametrize("arch", TINY)
-def test_tiny_model_is_detected_as_its_id(tmp_path, arch, capsys):
-    result = lowbit_pipe.run("default", [f"model=tiny_{arch}", "pipeline=[load,detect]"], run_dir=tmp_path / "run")
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_model_is_detected_as_its_id(tmp_path, name, capsys):
+    arch = yaml.safe_load(tiny_models()[f"tiny_{name}"].read_text())["tiny_arch"]
+    result = lowbit_pipe.run("default", [f"model=tiny_{name}", "pipeline=[load,detect]"], run_dir=tmp_path / "run")
     det = result.report["detect"]
     assert det["arch"] == arch
     assert det["config"]["arch"] == arch and det["config"]["hidden_size"] > 0

@@ -48,7 +48,7 @@ import torch
 from comfy_kitchen.tensor import QuantizedTensor
 
 from lowbit_pipe.comfy import layout
-from lowbit_pipe.comfy.compat import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
+from lowbit_pipe.formats.comfy_versions import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
 from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY

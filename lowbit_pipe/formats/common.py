@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.comfy import compat
+from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.kernels import rotation
 

@@ -14,7 +14,7 @@ from lowbit_pipe import layout
 from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
 from lowbit_pipe.checkpoint import atomic_save, atomic_write_text, metadata_json
-from lowbit_pipe.comfy import compat
+from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import decode_record, is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, residual_metadata, residual_state_dict
