@@ -193,6 +193,7 @@ def package_version(python: str, name: str) -> str | None:
 
 def install_pack(base_dir: Path, python: str = sys.executable) -> str:
     """`python -m lowbit_pipe.comfy install --base-directory BASE`: the README's command; returns its output."""
+    base_dir.mkdir(parents=True, exist_ok=True)  # the folder a user starts ComfyUI with exists
     proc = subprocess.run([python, "-m", "lowbit_pipe.comfy", "install", "--base-directory", str(base_dir)],
                           capture_output=True, text=True, env=_env(), timeout=300)
     if proc.returncode != 0:
