@@ -69,6 +69,11 @@ class _Placeholder:
             raise AttributeError(item)
         return _Placeholder(f"{self._name}.{item}")
 
+    def __or__(self, other: Any) -> Any:  # in annotations evaluated at import: `Image.Image | None`
+        return self
+
+    __ror__ = __or__
+
 
 class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Empty packages for one top-level name (and its submodules) whose attributes are placeholders."""
