@@ -74,8 +74,13 @@ class LowbitBenchDeviceMemory:
             torch.cuda.synchronize()
             if reset:
                 torch.cuda.reset_peak_memory_stats()
-        text = "{}" if not cuda else '{"allocated": %d, "peak": %d, "reserved": %d}' % (
-            torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved())
+        if cuda:  # torch's allocator, and the device as a whole (an allocator of ComfyUI's own is seen there only)
+            free, total = torch.cuda.mem_get_info()
+            text = '{"allocated": %d, "peak": %d, "reserved": %d, "device_used": %d}' % (
+                torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved(),
+                total - free)
+        else:
+            text = "{}"
         return {"ui": {"text": [text]}, "result": (value, text)}
 
 
@@ -199,7 +204,8 @@ def time_file(server: cs.ComfyUIServer, unet: str, steps: int, size: int, tokens
     t1, tn = executed_seconds(one), executed_seconds(many)
     latent = server.latent(many, "s")
     return {"s_per_step": (tn - t1) / (steps - 1), "queue_1_step_s": t1, f"queue_{steps}_steps_s": tn,
-            "peak_bytes": memory(server, many, "p").get("peak"), "finite": bool(torch.isfinite(latent).all()),
+            "peak_bytes": memory(server, many, "p").get("peak"),
+            "device_used_bytes": memory(server, many, "p").get("device_used"), "finite": bool(torch.isfinite(latent).all()),
             "latent_std": float(latent.float().std())}
 
 
@@ -306,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 cycles.append({"cycle": i, "seconds": time.time() - t0,
                                "allocated_after": memory(server, entry, "a").get("allocated", 0),
                                "peak": memory(server, entry, "p").get("peak"),
+                               "device_used_after": memory(server, entry, "a").get("device_used"),
                                "purge": json.loads(purge_text.split(":", 1)[1])})
                 print(json.dumps(cycles[-1]), flush=True)
                 save()
