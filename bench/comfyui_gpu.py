@@ -99,10 +99,10 @@ KINDS = {
 }
 
 
-def prepare(work: Path, tiny: bool) -> tuple[Path, Path]:
+def prepare(work: Path, archive: Path) -> tuple[Path, Path]:
     src = work / "src" / "comfyui"
     if not (src / "main.py").is_file():
-        src = cs.unpack(cs.ARCHIVE, work / "src")
+        src = cs.unpack(archive, work / "src")
     base = work / "base"
     print(cs.install_pack(base).strip(), flush=True)
     (base / "custom_nodes" / STATS_NODES).mkdir(parents=True, exist_ok=True)
@@ -252,9 +252,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=512)
     p.add_argument("--cycles", type=int, default=20)
     p.add_argument("--tiny", action="store_true", help="the tiny Krea 2 on the CPU (a smoke run of this script)")
+    p.add_argument("--archive", default=str(cs.ARCHIVE), help="the ComfyUI source archive (default: ../shared's; the "
+                   "GPU machine gets a copy carried in the repo)")
     args = p.parse_args(argv)
     work = Path(args.work)
-    src, base = prepare(work, args.tiny)
+    src, base = prepare(work, Path(args.archive))
     source = float_file(base, args.tiny)
     cuda = torch.cuda.is_available() and not args.tiny
     server_args = ("--front-end-root", str(work / "no_frontend"), *(() if cuda else ("--cpu",)))
