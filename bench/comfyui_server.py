@@ -368,15 +368,21 @@ def main(argv: list[str]) -> None:
     while len(argv) > 2 and argv[1] == "--stand-in":
         always.append(argv[2])
         del argv[1:3]
+    sys.argv = [str(comfyui / "main.py"), *argv[1:]]
+    sys.path.insert(0, str(comfyui))
+    os.chdir(comfyui)
+    # ComfyUI picks its CUDA allocator (PYTORCH_CUDA_ALLOC_CONF) from its arguments before torch is first imported,
+    # as main.py does; the imports below load torch.
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    import cuda_malloc  # noqa: F401
     # diffusers and transformers note which optional packages exist at their first import (and read their
     # versions): they must see this machine as it is, not the stand-ins, which have no version to read.
     import diffusers.utils.import_utils  # noqa: F401
     import transformers.utils.import_utils  # noqa: F401
 
     stub_missing(always=tuple(always))
-    sys.argv = [str(comfyui / "main.py"), *argv[1:]]
-    sys.path.insert(0, str(comfyui))
-    os.chdir(comfyui)
     runpy.run_path(str(comfyui / "main.py"), run_name="__main__")
 
 

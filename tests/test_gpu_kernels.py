@@ -472,7 +472,8 @@ def test_gptq_block_graph_replays_the_eager_loop():
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4", "fp8"])
 def test_quantize_on_the_gpu_a_model_that_stays_on_the_cpu(fmt, tiny_model):
     """quantize.compute_device=cuda: each layer rounded on the GPU, the QuantLinear back on the CPU where the model
-    is, with the codes and scales CPU rounding gives."""
+    is, computing what CPU rounding's layer computes (the GPU's scale arithmetic may differ in a last bit, which
+    can move a code that sat on a rounding boundary: seen on the H200 for int8's per-row scales)."""
     import lowbit_pipe
     from lowbit_pipe.nn import QuantLinear
 
@@ -485,6 +486,12 @@ def test_quantize_on_the_gpu_a_model_that_stays_on_the_cpu(fmt, tiny_model):
     for a, b in pairs:
         for key in a._quant_names:
             ta, tb = getattr(a, key), getattr(b, key)
-            assert tb.device.type == "cpu" and ta.dtype == tb.dtype
-            assert torch.equal(ta.view(torch.uint8) if ta.element_size() == 1 else ta,
-                               tb.view(torch.uint8) if tb.element_size() == 1 else tb), key
+            assert tb.device.type == "cpu" and ta.dtype == tb.dtype and ta.shape == tb.shape, key
+            if ta.is_floating_point() and ta.element_size() > 1:  # scales
+                assert torch.allclose(ta, tb, rtol=1e-6, atol=0), key
+            else:  # codes: bytes, a rounding-boundary code may move
+                differ = (ta.view(torch.uint8) != tb.view(torch.uint8)).float().mean()
+                assert differ < 1e-3, (key, float(differ))
+        x = torch.randn(5, a.in_features, generator=torch.Generator().manual_seed(0))
+        want, got = a(x), b(x)
+        assert float((got - want).norm() / want.norm()) < 1e-3
