@@ -214,18 +214,21 @@ def table(rows: list[dict[str, Any]], cycles: list[dict[str, Any]], meta: dict[s
              f"ComfyUI 0.29.0 server, torch {meta['torch']}, comfy-kitchen {meta.get('comfy_kitchen')}. "
              f"{meta['model']}; {meta['size']} x {meta['size']}, {meta['tokens']} text tokens, batch 1, Euler, cfg 1 "
              "(one model call per step). s/step from ComfyUI's execution timestamps (a "
-             f"{meta['steps']}-step queue minus a 1-step queue); peak VRAM: the device's peak allocation during the "
-             "timed queue. Random weights: speed and memory, not images.", "",
-             "| file | how ComfyUI loads it | s/step | speedup vs bf16 | peak VRAM GB | file GB | export s |",
-             "|---|---|---|---|---|---|---|"]
+             f"{meta['steps']}-step queue minus a 1-step queue). Memory: ComfyUI 0.29 on a GPU loads weights through "
+             "its own allocator (comfy-aimdo's dynamic VRAM), which torch's allocator statistics do not see: 'in use' is "
+             "the device's used memory (total - free) after the timed queue, weights included; 'allocator peak' is "
+             "torch's peak during it (activations, workspaces). Random weights: speed and memory, not images.", "",
+             "| file | how ComfyUI loads it | s/step | speedup vs bf16 | device memory in use GB | torch allocator peak GB | file GB | export s |",
+             "|---|---|---|---|---|---|---|---|"]
     bf16 = next((r for r in rows if r["kind"] == "bf16" and "s_per_step" in r), None)
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['kind']} | error: {r['error'][:120]} | | | | | |")
+            lines.append(f"| {r['kind']} | error: {r['error'][:120]} | | | | | | |")
             continue
         speed = f"{bf16['s_per_step'] / r['s_per_step']:.2f}x" if bf16 else "-"
-        peak = f"{r['peak_bytes'] / 1e9:.1f}" if r.get("peak_bytes") else "-"
-        lines.append(f"| {r['kind']} | {r['loader']} | {r['s_per_step']:.3f} | {speed} | {peak} | "
+        peak = f"{r['peak_bytes'] / 1e9:.2f}" if r.get("peak_bytes") else "-"
+        used = f"{r['device_used_bytes'] / 1e9:.1f}" if r.get("device_used_bytes") else "-"
+        lines.append(f"| {r['kind']} | {r['loader']} | {r['s_per_step']:.3f} | {speed} | {used} | {peak} | "
                      f"{r['file_bytes'] / 1e9:.2f} | {r.get('export_s', 0):.0f} |")
     if cycles:
         base = meta.get("cycle_baseline_bytes")

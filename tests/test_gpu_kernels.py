@@ -472,26 +472,28 @@ def test_gptq_block_graph_replays_the_eager_loop():
 @pytest.mark.parametrize("fmt", ["int8", "nvfp4", "fp8"])
 def test_quantize_on_the_gpu_a_model_that_stays_on_the_cpu(fmt, tiny_model):
     """quantize.compute_device=cuda: each layer rounded on the GPU, the QuantLinear back on the CPU where the model
-    is, computing what CPU rounding's layer computes (the GPU's scale arithmetic may differ in a last bit, which
-    can move a code that sat on a rounding boundary: seen on the H200 for int8's per-row scales)."""
+    is, as good as CPU rounding's layer. The GPU's scale arithmetic may differ in a last bit, which moves a code
+    that sat on a rounding boundary (seen on the H200: int8 per-row scales; nvfp4 layers 1.1e-3 apart in output)."""
     import lowbit_pipe
     from lowbit_pipe.nn import QuantLinear
 
-    cpu_model, gpu_model = tiny_model("krea2"), tiny_model("krea2")
+    float_model, cpu_model, gpu_model = tiny_model("krea2"), tiny_model("krea2"), tiny_model("krea2")
     cfg = {"default": {"format": fmt}}
     lowbit_pipe.quantize(cpu_model, cfg)
     lowbit_pipe.quantize(gpu_model, {**cfg, "compute_device": "cuda"})
-    pairs = [(a, b) for a, b in zip(cpu_model.modules(), gpu_model.modules()) if isinstance(a, QuantLinear)]
+    floats = dict(float_model.named_modules())
+    pairs = [(n, a, b) for (n, a), b in zip(cpu_model.named_modules(), gpu_model.modules()) if isinstance(a, QuantLinear)]
     assert pairs
-    for a, b in pairs:
+    for name, a, b in pairs:
         for key in a._quant_names:
             ta, tb = getattr(a, key), getattr(b, key)
             assert tb.device.type == "cpu" and ta.dtype == tb.dtype and ta.shape == tb.shape, key
             if ta.is_floating_point() and ta.element_size() > 1:  # scales
                 assert torch.allclose(ta, tb, rtol=1e-6, atol=0), key
-            else:  # codes: bytes, a rounding-boundary code may move
+            else:  # codes (bytes): only boundary codes may move
                 differ = (ta.view(torch.uint8) != tb.view(torch.uint8)).float().mean()
                 assert differ < 1e-3, (key, float(differ))
         x = torch.randn(5, a.in_features, generator=torch.Generator().manual_seed(0))
-        want, got = a(x), b(x)
-        assert float((got - want).norm() / want.norm()) < 1e-3
+        ref = floats[name](x)
+        err_cpu, err_gpu = float((a(x) - ref).norm()), float((b(x) - ref).norm())
+        assert err_gpu <= 1.05 * err_cpu + 1e-6, (name, err_gpu, err_cpu)
