@@ -164,10 +164,13 @@ def shard_files(path: str) -> list[str]:
     return [str(Path(path).parent / f) for f in files]
 
 
+# E8M0 (mxfp8's block scales) is written as its bytes, U8: ComfyUI 0.29's own safetensors reader, the one it uses
+# on a GPU with dynamic VRAM, has no F8_E8M0 and refuses the whole file (KeyError: 'F8_E8M0', seen on the H200);
+# ComfyUI's mxfp8 loader and lowbit_pipe's view uint8 scales as E8M0 again.
 _ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
               torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
               torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-              torch.float8_e8m0fnu: "F8_E8M0"}
+              torch.float8_e8m0fnu: "U8"}
 
 
 class StreamingWriter:

@@ -173,3 +173,26 @@ def test_same_tensors_and_metadata_give_the_same_bytes(tmp_path):
     with safe_open(str(tmp_path / "m0.safetensors"), "pt") as f:
         assert f.metadata() == metadata
         assert torch.equal(f.get_tensor("b.weight"), tensors["b.weight"])
+
+
+def test_mxfp8_block_scales_are_written_as_bytes_and_reload_exactly(tmp_path):
+    """E8M0 scales go to disk as U8 (ComfyUI 0.29's own reader, the GPU path, has no F8_E8M0) and come back equal."""
+    import struct
+
+    from lowbit_pipe.nn import QuantLinear
+
+    path = tmp_path / "m.safetensors"
+    result = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,export]", "quantize.default.format=mxfp8",
+                                         f"export.path={path}"], run_dir=tmp_path / "run")
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    scales = {k: v["dtype"] for k, v in header.items() if k.endswith(".weight_scale")}
+    assert scales and set(scales.values()) == {"U8"}
+    again = lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]"], run_dir=tmp_path / "reload")
+    ours = {n: m for n, m in result.model.named_modules() if isinstance(m, QuantLinear) and m.format.name == "mxfp8"}
+    back = dict(again.model.named_modules())
+    assert ours
+    for name, layer in ours.items():
+        assert torch.equal(back[name].weight_scale.view(torch.uint8), layer.weight_scale.view(torch.uint8))
+        x = torch.randn(3, layer.in_features, generator=torch.Generator().manual_seed(0))
+        assert torch.equal(back[name](x), layer(x))
