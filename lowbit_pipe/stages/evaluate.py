@@ -160,8 +160,11 @@ class Evaluate(Stage):
         root = ctx.transformer
         layers = {}
         for name, (signal, noise) in sums.items():
+            # To 1e-4 dB: the sums' last bits follow the CPU thread count (a float matmul's reduction
+            # order), and a rerun on another machine must report the very same figures.
+            sqnr = metrics.finite(metrics.sqnr_db(signal, noise))
             layers[name] = {"format": _format_name(root.get_submodule(name)),
-                            "sqnr_db": metrics.finite(metrics.sqnr_db(signal, noise))}
+                            "sqnr_db": None if sqnr is None else round(sqnr, 4)}
         finite = [(v["sqnr_db"], n) for n, v in layers.items() if v["sqnr_db"] is not None]
         worst = min(finite) if finite else (None, None)
         return {"layers": layers, "sqnr_min_db": worst[0], "sqnr_worst_layer": worst[1]}
