@@ -34,7 +34,7 @@ class Patcher:
 
     def __init__(self, model: BaseModel, object_patches: dict | None = None):
         self.model, self.object_patches = model, dict(object_patches or {})
-        self.load_device, self.patches = torch.device("cpu"), {}
+        self.load_device, self.offload_device, self.patches = torch.device("cpu"), torch.device("cpu"), {}
 
     def clone(self) -> "Patcher":
         return Patcher(self.model, self.object_patches)

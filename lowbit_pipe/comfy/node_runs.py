@@ -19,6 +19,7 @@ rules this module implements:
 from __future__ import annotations
 
 import time
+import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,6 +56,8 @@ class NodeRun:
     result: Any = None  # lowbit_pipe.runner.RunResult of a quantize run
     trees: list[weakref.ref] = field(default_factory=list)
     purged: str | None = None  # after Purge: when and by what
+    # ComfyUI's clone_base_uuid of every MODEL made from this run: ComfyUI unloads them together, nothing else.
+    clone_id: uuid.UUID = field(default_factory=uuid.uuid4)
 
     def adopt(self, tree: nn.Module) -> None:
         self.trees.append(weakref.ref(tree))

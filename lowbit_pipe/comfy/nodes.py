@@ -1,9 +1,9 @@
 """ComfyUI nodes: quantize a MODEL by a recipe, add exact LoRA residual branches, export, purge with proof,
 and example inputs for calibrating or trying a model without its text encoder.
 
-Every node that changes a model returns a clone of the MODEL it was given whose diffusion model is a
-structural copy (new modules, shared tensors: lowbit_pipe.comfy.tree) set as an object patch, so the MODEL
-upstream stays as it was. What later nodes need rides on that copy as a `NodeState`
+Every node that changes a model returns a MODEL of its own (lowbit_pipe.comfy.patchers) whose diffusion
+model is a structural copy (new modules, shared tensors: lowbit_pipe.comfy.tree) of the one it was given, so
+the MODEL upstream stays as it was. What later nodes need rides on that copy as a `NodeState`
 (lowbit_pipe.comfy.node_runs): the `NodeRun` owning it (the quantize run and its ledger), the float tree it
 came from, the tree before any LoRA. A LoRA node re-attaches to a fresh copy of that base: a new strength or
 another file costs a copy and an attach, never a requantization.
@@ -26,7 +26,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from omegaconf import OmegaConf
 
 from lowbit_pipe.comfy import node_runs
 from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
+from lowbit_pipe.comfy.patchers import model_with_tree, release_weights, unload_from_comfy
 from lowbit_pipe.nn import QuantLinear
 
 CATEGORY = "lowbit_pipe"
@@ -59,12 +59,8 @@ def _tree(model: Any):  # noqa: ANN202
     return model.get_model_object("diffusion_model")
 
 
-def _with_tree(model: Any, tree: Any, patches: dict | None = None) -> Any:
-    out = model.clone()
-    if patches is not None and patches != model.patches:
-        out.patches = patches
-        out.patches_uuid = uuid.uuid4()  # ComfyUI reloads a model whose patch set changed by this id
-    out.add_object_patch("diffusion_model", tree)
+def _with_tree(model: Any, tree: Any, run: NodeRun, patches: dict | None = None) -> Any:
+    out = model_with_tree(model, tree, run.clone_id, patches)
     _guard_weight_patches(out)
     return out
 
@@ -201,7 +197,7 @@ class LowbitQuantize:
         converted = len(patches.low_rank) - sum(1 for layer in patches.low_rank if layer not in quantized)
         if converted:
             summary += f"\nComfyUI LoRA patches on {converted} quantized layers became exact residual branches"
-        return _with_tree(model, tree, kept_patches), summary
+        return _with_tree(model, tree, run, kept_patches), summary
 
 
 def _branches_from_patches(tree: Any, model: Any, patches: Any, quantized: set[str], run: NodeRun) -> dict:
@@ -311,7 +307,7 @@ class LowbitLoRA:
                 run.ledger.watch(f"{name} (LoRA node copy)", module)
         run.ledger.record("comfy_tree", f"diffusion model with LoRAs {[Path(str(s.source)).stem for s in specs]}",
                           lambda: _hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
-        return (_with_tree(model, tree, kept),)
+        return (_with_tree(model, tree, run, kept),)
 
 
 def _is_quantized(module: Any) -> bool:
@@ -480,31 +476,6 @@ class LowbitExampleInputs:
 
 
 # ============================================================================================== ComfyUI glue
-def release_weights(model: Any) -> None:
-    """Make the model ComfyUI shares between clones hold its own weights before they are copied: ComfyUI applies
-    a clone's weight patches (a LoRA) to the shared module when it loads that clone, and keeps them there while
-    loaded. A copy taken then would carry another MODEL's LoRA."""
-    base = getattr(model, "model", None)
-    if getattr(base, "current_weight_patches_uuid", None) is None and not getattr(base, "model_lowvram", False):
-        return
-    unload_from_comfy(model)
-
-
-def unload_from_comfy(model: Any) -> None:
-    """Unload `model` and its clones through ComfyUI's model management (its bookkeeping then agrees: nothing
-    of ours stays patched in or counted as loaded); every model on older ComfyUIs without the targeted call."""
-    try:
-        import comfy.model_management as mm
-    except ImportError:  # not inside ComfyUI (tests with stand-in MODELs)
-        return
-    unload = getattr(mm, "unload_model_and_clones", None)
-    if callable(unload) and hasattr(model, "clone_base_uuid"):
-        unload(model, all_devices=True)
-    else:
-        mm.unload_all_models()
-    mm.soft_empty_cache()
-
-
 def _run_dir(node_id: str | None) -> Path:
     """Where a node's run writes its report: ComfyUI's output folder (lowbit_runs/<date>/<time>-node<id>), else
     the working directory."""
