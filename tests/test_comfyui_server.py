@@ -227,6 +227,40 @@ def test_comfyui_lora_then_quantize_keeps_the_lora_exactly(comfy, arch):
     assert rel(quantized_lora, quantized) > 0.3 * rel(with_lora, floating)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_exported_model_and_lora_file_load_back_in_comfyui(comfy, arch):
+    """Quantize -> LoRA residual -> Export writes the model into models/diffusion_models and the branches into
+    models/loras. Load Diffusion Model on the file + LoRA residual on the LoRA file samples what the node graph
+    sampled; stock LoraLoaderModelOnly reads the LoRA file on the float model as the LoRA it came from."""
+    comfy.server.free()
+    name, strength = f"rt_{arch}", 0.8
+    m = {"m": loader(arch), "q": quantize(["m", 0]), "r": lowbit_lora(["q", 0], f"{arch}_peft.safetensors", strength)}
+    g = {**m, **sampler_nodes(arch, ["r", 0], 4, f"rt0_{arch}_", float_model=["m", 0]),
+         "x": {"class_type": "LowbitExport", "inputs": {"model": ["r", 0], "filename": f"lowbit/{name}.safetensors"}}}
+    entry = comfy.server.run(g)
+    in_graph = comfy.server.latent(entry, f"rt0_{arch}_s")
+    assert f"LoRA branches: {comfy.base / 'models' / 'loras' / f'{name}.lora.safetensors'}" in comfy.server.texts(entry, "x")[0]
+
+    reloaded = sample(comfy, arch, {"m": loader(arch), "f": loader(arch, f"lowbit/{name}.safetensors"),
+                                    "l": lowbit_lora(["f", 0], f"{name}.lora.safetensors", 1.0)},
+                      ["l", 0], 4, f"rt1_{arch}_", float_model=["m", 0])
+    assert rel(reloaded, in_graph) < 1e-4, rel(reloaded, in_graph)
+
+    def stock_lora(file: str, strength_model: float) -> dict[str, Any]:
+        return {"m": loader(arch), "s": {"class_type": "LoraLoaderModelOnly", "inputs": {
+            "model": ["m", 0], "lora_name": file, "strength_model": strength_model}}}
+
+    log_start = len(comfy.server.log())
+    original = sample(comfy, arch, stock_lora(f"{arch}_peft.safetensors", strength), ["s", 0], 4, f"rt2_{arch}_",
+                      float_model=["m", 0])
+    from_export = sample(comfy, arch, stock_lora(f"{name}.lora.safetensors", 1.0), ["s", 0], 4, f"rt3_{arch}_",
+                         float_model=["m", 0])
+    floating = sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 4, f"rt4_{arch}_")
+    assert rel(original, floating) > 1e-3  # the LoRA does something
+    assert rel(from_export, original) < 1e-5, rel(from_export, original)
+    assert "lora key not loaded" not in comfy.server.log()[log_start:]
+
+
 # ---------------------------------------------------------------------------------------------- every export kind
 def _cases() -> dict[str, dict[str, str]]:
     from comfy_check import CASES
