@@ -10,6 +10,9 @@ keeps the first and the last in float). One sample x [1, T, 512] is run
 - unpadded, and with P rows appended along the token dim: zeros ("pad 0") or 100x loud random rows ("pad r"),
   its first T tokens compared.
 
+Formats with an opt-in per-tensor activation statistic (nvfp4's `act_granularity: tensor`, stock ComfyUI's math)
+get a row of their own, which is expected to differ.
+
 Each figure is max |y_alone - y_other| / max |y_alone| over the sample's tokens. A figure of 0 is bit-exact.
 The float first and last Linears are part of every run, so a figure of a few 1e-7 (fp32) can be the CPU GEMM's
 own reduction order changing with the row count, not the format.
@@ -47,6 +50,8 @@ def variants() -> list[tuple[str, dict]]:
                 choice = {"format": name, "rotation": rot, "activations": acts}
                 label = name + ("" if rot == "none" else f" +{rot}") + ("" if acts == "dynamic" else " (weight-only)")
                 out.append((label, choice))
+                if acts == "dynamic" and "tensor" in getattr(fmt, "act_granularities", ()):
+                    out.append((f"{label} (act_granularity tensor)", {**choice, "act_granularity": "tensor"}))
     return out
 
 
