@@ -21,7 +21,7 @@ EXAMPLES = """\
 def help_template() -> str:
     from lowbit_pipe.arch import ARCHS
     from lowbit_pipe.formats import FORMATS
-    from lowbit_pipe.formats.base import ACTIVATION_MODES, ROTATIONS
+    from lowbit_pipe.formats.base import ACT_GRANULARITIES, ACTIVATION_MODES, ROTATIONS
 
     formats = ", ".join(f"{n} ({f.comfy_name})" for n, f in sorted(FORMATS.items()))
     return f"""\
@@ -35,6 +35,8 @@ YAML recipe, measure it against the float model, export a .safetensors file Comf
   formats:        {formats}
   rotations:      {", ".join(ROTATIONS)}
   activations:    {", ".join(ACTIVATION_MODES)}
+  act_granularity: {", ".join(ACT_GRANULARITIES)} (dynamic activation scales per token, the default; per call:
+                  nvfp4 only, stock ComfyUI's global scale, which ties a sample to its batch-mates)
   architectures:  {", ".join(sorted(ARCHS))}, generic
 
 == Recipes and models (group=option) ==

@@ -39,7 +39,7 @@ def _spec(choice: FormatChoice, rule: LayerRule | None = None) -> FormatSpec:
         return value if value is not None else getattr(choice, key)
 
     return FormatSpec(pick("format"), pick("rotation"), pick("rotation_group"), pick("granularity"), pick("activations"),
-                      pick("rank"))
+                      pick("rank"), pick("act_granularity"))
 
 
 def rotation_note(spec: FormatSpec, in_features: int) -> str:

@@ -43,6 +43,10 @@ class FormatChoice:
     granularity: Optional[str] = None  # "row" or "tensor" weight scales (int8, fp8); None: the format's default
     activations: str = "dynamic"
     rank: Optional[int] = None  # low-rank branch of svdquant_w4a4; None: its default (32)
+    # Dynamic activations' scale statistic: "token" (each token alone: an output never depends on its batch-mates
+    # or padding; None means this) or "tensor" (nvfp4 only: one global scale from the whole input of the call, as
+    # stock ComfyUI computes it, which makes a token's result depend on every other token in the call).
+    act_granularity: Optional[str] = None
 
 
 @dataclass
@@ -57,6 +61,7 @@ class LayerRule:
     granularity: Optional[str] = None
     activations: Optional[str] = None
     rank: Optional[int] = None
+    act_granularity: Optional[str] = None
 
 
 @dataclass

@@ -19,7 +19,7 @@ OBJECTIVES = ("psnr_db", "cosine", "sqnr_min_db", "rel_error", "trajectory_min_c
 
 def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
     from lowbit_pipe.formats import FORMATS, FormatSpec
-    from lowbit_pipe.formats.base import ACTIVATION_MODES, GRANULARITIES, ROTATIONS
+    from lowbit_pipe.formats.base import ACT_GRANULARITIES, ACTIVATION_MODES, GRANULARITIES, ROTATIONS
 
     if choice.format is not None and choice.format not in FORMATS:
         raise RecipeError(f"{path}.format", f"unknown format '{choice.format}' (known: {', '.join(sorted(FORMATS))})")
@@ -29,6 +29,14 @@ def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
         raise RecipeError(f"{path}.granularity", f"must be one of {list(GRANULARITIES)}, got '{choice.granularity}'")
     if choice.activations is not None and choice.activations not in ACTIVATION_MODES:
         raise RecipeError(f"{path}.activations", f"must be one of {list(ACTIVATION_MODES)}, got '{choice.activations}'")
+    if choice.act_granularity is not None and choice.act_granularity not in ACT_GRANULARITIES:
+        raise RecipeError(f"{path}.act_granularity", f"must be one of {list(ACT_GRANULARITIES)}, "
+                                                     f"got '{choice.act_granularity}'")
+    if choice.act_granularity == "tensor" and choice.format is not None and \
+            choice.act_granularity not in FORMATS[choice.format].act_granularities:
+        raise RecipeError(f"{path}.act_granularity", f"format '{choice.format}' takes "
+                                                     f"{list(FORMATS[choice.format].act_granularities)} only: its dynamic "
+                                                     "activation scales come from each token alone")
     if choice.rank is not None and choice.rank < 1:
         raise RecipeError(f"{path}.rank", f"must be >= 1, got {choice.rank}")
     group = choice.rotation_group
@@ -40,9 +48,24 @@ def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
     if isinstance(choice, FormatChoice):
         try:
             FORMATS[choice.format].check_spec(FormatSpec(choice.format, choice.rotation, choice.rotation_group,
-                                                          choice.granularity, choice.activations, choice.rank))
+                                                          choice.granularity, choice.activations, choice.rank,
+                                                          choice.act_granularity))
         except ValueError as err:
             raise RecipeError(path, str(err)) from None
+
+
+def _check_rule_act_granularity(path: str, rule: LayerRule, default: FormatChoice) -> None:
+    """A rule takes the keys it leaves unset from quantize.default: a per-tensor act_granularity it inherits must fit
+    the rule's format too."""
+    from lowbit_pipe.formats import FORMATS
+
+    if rule.keep or rule.act_granularity is not None or default.act_granularity != "tensor":
+        return
+    fmt = rule.format or default.format
+    if fmt in FORMATS and "tensor" not in FORMATS[fmt].act_granularities:
+        raise RecipeError(f"{path}.act_granularity", f"inherits 'tensor' from quantize.default, which format '{fmt}' "
+                                                     "does not take (its dynamic activation scales come from each token "
+                                                     "alone): set act_granularity: token on this rule")
 
 
 def check_pattern(path: str, pattern: str) -> None:
@@ -181,6 +204,7 @@ def validate(recipe: Recipe) -> Recipe:
     for i, rule in enumerate(q.rules):
         check_pattern(f"quantize.rules[{i}].match", rule.match)
         check_choice(f"quantize.rules[{i}]", rule)
+        _check_rule_act_granularity(f"quantize.rules[{i}]", rule, q.default)
     if q.budget_bytes is not None and q.budget_ratio is not None:
         raise RecipeError("quantize.budget_ratio", "set budget_bytes or budget_ratio, not both")
     if q.budget_bytes is not None and q.budget_bytes <= 0:

@@ -28,8 +28,8 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "decode", "svdquant", "mxfp8", "formats",
-         "compile")
+CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "nvfp4_rows", "decode", "svdquant",
+         "mxfp8", "formats", "compile")
 CHILD_TIMEOUT_S = 600
 
 
@@ -396,9 +396,9 @@ def case_nvfp4() -> None:
     m, k, n = 24, 256, 48
     x = torch.randn(m, k, generator=gen)
     bias = torch.randn(n, generator=gen)
-    g = reference.positive_scale(x.abs().amax(), 6 * 448.0)
+    g = reference.positive_scale(x.abs().amax(), 6 * 448.0)  # one scalar: the per-tensor opt-in (and static scales)
     a = nvfp4_act_quant(x, g)
-    _close(a * g, reference.nvfp4_fake_quant(x), 1e-2, "nvfp4 activation emulation")  # fp8-cast trap: ~1% mis-round
+    _close(a * g, reference.nvfp4_fake_quant(x, per_tensor=True), 1e-2, "nvfp4 activation emulation")  # fp8-cast trap
     for rot in ("none", "convrot"):
         q = fmt.quantize(torch.randn(n, k, generator=gen) * 0.02, FormatSpec("nvfp4", rotation=rot))
         kind, group = common.record_rotation(q.record, q.format)
@@ -408,6 +408,10 @@ def case_nvfp4() -> None:
         y = dispatch.nvfp4_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"], None, n, bias, kind, group,
                                   compute_dtype=torch.float32)
         _close(y, ref, 2e-2, f"nvfp4 {rot}")  # same fp8-cast trap on the activation block scales
+        ref_t = reference.nvfp4_fake_quant(x_rot, per_tensor=True) @ fmt._dequantize_rotated(q).t() + bias
+        y = dispatch.nvfp4_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"], None, n, bias, kind, group,
+                                  compute_dtype=torch.float32, per_tensor=True)
+        _close(y, ref_t, 2e-2, f"nvfp4 {rot} per-tensor")
         # W4A16 use of the GEMM: plain activations, scale = weight global -> x @ W_deq^T exactly
         from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_gemm
 
@@ -427,6 +431,56 @@ def case_nvfp4() -> None:
                                   compute_dtype=torch.float32)
         _close(y, reference.nvfp4_fake_quant(xs_rot) @ fmt._dequantize_rotated(q).t() + bias, 2e-2,
                f"nvfp4 {rot} M={dispatch.DECODE_MIN_ROWS}")
+        y = dispatch.nvfp4_linear(xs, t["weight"], t["weight_scale"], t["weight_scale_2"], None, n, bias, kind, group,
+                                  compute_dtype=torch.float32, per_tensor=True)
+        _close(y, reference.nvfp4_fake_quant(xs_rot, per_tensor=True) @ fmt._dequantize_rotated(q).t() + bias, 2e-2,
+               f"nvfp4 {rot} per-tensor M={dispatch.DECODE_MIN_ROWS}")
+
+
+def case_nvfp4_rows() -> None:
+    """The act kernel with one global scale per row (dynamic nvfp4's default) against the torch reference, and a
+    sample's rows the same alone and beside loud batch-mates, through the kernel and through nvfp4_linear's two
+    GEMM paths (register decode below DECODE_MIN_ROWS rows, decode + matmul from there)."""
+    from lowbit_pipe.formats import FormatSpec, get_format
+    from lowbit_pipe.kernels import dispatch, reference
+    from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant
+
+    gen = torch.Generator().manual_seed(5)
+    m, k, n = 40, 160, 48  # K: two 64-wide kernel blocks and a masked third (kp 160 < 192)
+    x = torch.randn(m, k, generator=gen) * 10 ** (torch.rand(m, 1, generator=gen) * 4 - 2)  # rows 1e-2 .. 1e2
+    x[7] = 0  # an all-zero row: global scale 1, zero codes
+    g = reference.nvfp4_act_global_scale(x)  # [m, 1]
+    a = nvfp4_act_quant(x, g.reshape(-1))
+    # each row as the scalar-scale kernel computes it with that row's scale: the same interpreted casts, bit for bit
+    for i in range(m):
+        assert torch.equal(a[i:i + 1], nvfp4_act_quant(x[i:i + 1], g[i])), f"row {i}: per-row scale != its scalar"
+    ref = reference.nvfp4_fake_quant(x)
+    assert torch.equal(a[7], torch.zeros(k)) and torch.equal(ref[7], torch.zeros(k))
+    amax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)  # each row weighs the same, whatever its magnitude
+    _close(a * g / amax, ref / amax, 1e-2, "nvfp4 per-row activation emulation")  # the fp8-cast trap, as above
+    # a sample of 8 rows alone and as rows 8..15 of 3 loud samples: the same codes, the same outputs
+    sample, mates = x[:8], torch.randn(24, k, generator=gen) * 100
+    batch = torch.cat([mates[:8], sample, mates[8:]])
+    alone_a = nvfp4_act_quant(sample, reference.nvfp4_act_global_scale(sample).reshape(-1))
+    batch_a = nvfp4_act_quant(batch, reference.nvfp4_act_global_scale(batch).reshape(-1))
+    assert torch.equal(alone_a, batch_a[8:16]), "act kernel: a row's codes depend on its batch-mates"
+    fmt = get_format("nvfp4")
+    q = fmt.quantize(torch.randn(n, k, generator=gen) * 0.02, FormatSpec("nvfp4"))
+    t, bias = q.tensors, torch.randn(n, generator=gen)
+
+    def linear(v: torch.Tensor, per_tensor: bool = False) -> torch.Tensor:
+        return dispatch.nvfp4_linear(v, t["weight"], t["weight_scale"], t["weight_scale_2"], None, n, bias,
+                                     compute_dtype=torch.float32, per_tensor=per_tensor)
+
+    big = torch.cat([batch, torch.randn(dispatch.DECODE_MIN_ROWS, k, generator=gen) * 100])  # the decode path
+    for what, rows in (("register-decode GEMM", batch), (f"decode + matmul (M={big.shape[0]})", big)):
+        y_alone, y_batch = linear(sample), linear(rows)[8:16]
+        _close(y_batch, y_alone, 1e-6, f"nvfp4_linear {what}: a sample beside loud batch-mates")
+        _close(y_batch, reference.nvfp4_fake_quant(sample) @ fmt._dequantize_rotated(q).t() + bias, 2e-2,
+               f"nvfp4_linear {what} vs the reference")
+    # the per-tensor opt-in really is per tensor: the loud mates change the sample
+    assert (linear(batch, per_tensor=True)[8:16] - linear(sample, per_tensor=True)).abs().max() > 1e-2 * \
+        linear(sample).abs().max(), "per-tensor: the batch-mates should change the sample"
 
 
 def case_decode() -> None:

@@ -42,7 +42,7 @@ from comfy_kitchen.tensor import BaseLayoutParams, QuantizedLayout, QuantizedTen
 from comfy_kitchen.tensor import base as ck_base
 
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
-from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
+from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, WEIGHT_ONLY_KEY
 from lowbit_pipe.formats.common import record_rotation
 from lowbit_pipe.ledger import Ledger
 
@@ -116,7 +116,8 @@ class LowbitLayout(QuantizedLayout):
         fmt = get_format(format_name)
         rec = _record_of(record) if isinstance(record, str) else dict(record)
         kind, group = record_rotation(rec, format_name)
-        spec = FormatSpec(format=fmt.name, rotation=kind, rotation_group=group or None, granularity=granularity)
+        spec = FormatSpec(format=fmt.name, rotation=kind, rotation_group=group or None, granularity=granularity,
+                          act_granularity=rec.get(ACT_GRANULARITY_KEY))
         with torch.no_grad():
             q = fmt.quantize(tensor.detach(), spec)
             if rec.get(WEIGHT_ONLY_KEY):

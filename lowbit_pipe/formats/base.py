@@ -22,11 +22,20 @@ from lowbit_pipe.kernels import rotation
 from lowbit_pipe.kernels.reference import low_rank_delta, positive_scale
 
 ROTATIONS = ("none", "convrot", "quarot", "hadanorm")
-# What a quantized layer does with its input: "dynamic" quantizes it per token (per tensor for nvfp4)
-# at run time; "static" with one calibrated per-tensor scale, stored as the layer's `input_scale`;
+# What a quantized layer does with its input: "dynamic" quantizes it at run time from statistics of each token
+# alone (per token, per block or per group: a token's result never depends on the other tokens of the call, its
+# batch-mates or padding); "static" with one calibrated per-tensor scale, stored as the layer's `input_scale`;
 # "none" not at all (weight-only: the dequantized weight times the input, in the input's dtype).
 ACTIVATION_MODES = ("dynamic", "static", "none")
 GRANULARITIES = ("row", "tensor")
+# Where a dynamic activation scale's statistic is taken (FormatSpec.act_granularity): "token" (each row of the
+# input: batch- and padding-invariant, the default) or "tensor" (the whole input of the call, every token of every
+# sample in it: nvfp4's global scale as stock ComfyUI computes it; opt-in, formats listing it in
+# `act_granularities` only).
+ACT_GRANULARITIES = ("token", "tensor")
+# The record key of a layer whose dynamic activations use a per-tensor statistic (only ever "tensor": absent means
+# per token). An informational key: stock ComfyUI computes nvfp4's per tensor anyway.
+ACT_GRANULARITY_KEY = "lowbit_act_granularity"
 # The record key stock ComfyUI reads for weight-only layers (it then dequantizes the weight and
 # runs the matmul in the compute dtype): how activations "none" is stored.
 WEIGHT_ONLY_KEY = "full_precision_matrix_mult"
@@ -44,6 +53,7 @@ class FormatSpec:
     granularity: str | None = None  # int8 / fp8 weight scales: "row", "tensor", None = the format's default
     activations: str = "dynamic"  # "dynamic" per-token, "static" (calibrated input_scale), "none" (weight-only)
     rank: int | None = None  # low-rank branch (svdquant_w4a4); None: the format's default
+    act_granularity: str | None = None  # dynamic activation scales: "token" / "tensor" (ACT_GRANULARITIES); None: "token"
 
 
 @dataclass
@@ -96,6 +106,7 @@ class Format(ABC):
     act_qmax: ClassVar[float]  # activation code range: a static input_scale is input amax / act_qmax
     stock_input_scale: ClassVar[bool] = False  # stock ComfyUI reads `input_scale` for this format
     no_static_reason: ClassVar[str] = ""  # why activations=static is refused ("" = it is supported)
+    act_granularities: ClassVar[tuple[str, ...]] = ("token",)  # FormatSpec.act_granularity values it computes
     # Stored tensors whose output rows are not on dim 0: 1 for those stored [.., N] (transposed), None for
     # input-side tensors that the parts of a fused layer share. The rest: per row on dim 0, or shared scalars.
     row_axes: ClassVar[dict[str, int | None]] = {}
@@ -130,6 +141,17 @@ class Format(ABC):
         if spec.activations == "static" and self.no_static_reason:
             raise ValueError(f"{self.name}: {self.no_static_reason}; use activations 'dynamic' or 'none' "
                              "(no static input_scale)")
+        if spec.act_granularity is not None and spec.act_granularity not in ACT_GRANULARITIES:
+            raise ValueError(f"format '{self.name}': act_granularity must be one of {list(ACT_GRANULARITIES)}, "
+                             f"got '{spec.act_granularity}'")
+        if spec.act_granularity not in (None, *self.act_granularities):
+            raise ValueError(f"format '{self.name}' takes act_granularity {list(self.act_granularities)} only: its dynamic "
+                             "activation scales come from each token alone")
+
+    def act_per_tensor(self, q: QuantizedWeight) -> bool:
+        """Whether the layer's dynamic activations take their scale from the whole input of the call (the record's
+        ACT_GRANULARITY_KEY, an opt-in) rather than from each token."""
+        return q.record.get(ACT_GRANULARITY_KEY) == "tensor"
 
     def checked_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """fp32 2-D copy of a finite weight this format can store; FormatError naming the problem otherwise."""
@@ -155,7 +177,9 @@ class Format(ABC):
                          where: str = "") -> QuantizedWeight:
         """`q` set up for activation `mode`: "none" writes the weight-only record key, "static" stores
         input_scale = input_amax / act_qmax (`input_amax`: of the rotated input), "dynamic" neither."""
-        record = {k: v for k, v in q.record.items() if k != WEIGHT_ONLY_KEY}
+        # the per-tensor activation marker means something for dynamic activations only
+        drop = (WEIGHT_ONLY_KEY,) if mode == "dynamic" else (WEIGHT_ONLY_KEY, ACT_GRANULARITY_KEY)
+        record = {k: v for k, v in q.record.items() if k not in drop}
         tensors = {k: v for k, v in q.tensors.items() if k != "input_scale"}
         if mode == "none":
             record[WEIGHT_ONLY_KEY] = True

@@ -14,7 +14,7 @@ from lowbit_pipe.kernels import rotation
 # (the "format" field is then also set to an unknown name so ComfyUI refuses it
 # loudly instead of computing with a rotated weight). INFO_KEYS are harmless hints.
 MARKER_KEYS = ("lowbit_format", "lowbit_rotation", "lowbit_rotation_group", "lowbit_granularity")
-INFO_KEYS = ("lowbit_shape", "lowbit_bits")
+INFO_KEYS = ("lowbit_shape", "lowbit_bits", "lowbit_act_granularity")
 # Upstream record formats (comfy-kitchen layouts) no stock ComfyUI release loads: the node pack does. Which
 # ComfyUI / comfy-kitchen loads each kind: lowbit_pipe.comfy.compat (the one table).
 NOT_IN_STOCK_COMFY = tuple(sorted(k for k, row in compat.KINDS.items() if row.pack_only))

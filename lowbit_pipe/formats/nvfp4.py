@@ -13,6 +13,12 @@ Tensors (ComfyUI / comfy-kitchen `TensorCoreNVFP4Layout`):
   (amax_x / (6 * 448)), set by `attach_input_scale`.
 Value = e2m1(code) * fp32(block) * weight_scale_2.
 
+Dynamic activations: their global scale is amax / (6 * 448) of each token (row) by default, so a token's
+codes never depend on the rest of the call (batch-mates, padding, the other stream's tokens); recipe
+`act_granularity: tensor` takes it over the whole input of the call instead, as stock ComfyUI /
+comfy-kitchen do, and writes "lowbit_act_granularity": "tensor" into the record (informational: stock
+ComfyUI computes per tensor whatever the record says).
+
 Record: {"format": "nvfp4"}; when padded we add "lowbit_shape": [N, K] (an
 informational key ComfyUI ignores; it takes the shape from the module).
 Rotations are ours only (nvfp4 in ComfyUI has no rotation): markers.
@@ -31,7 +37,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, Format, FormatSpec, GridRounder, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
@@ -59,6 +65,7 @@ class NVFP4(Format):
     rotations = ("none", "convrot", "quarot", "hadanorm")
     act_qmax = GLOBAL_DIV  # a static input_scale is the activations' NVFP4 global scale
     stock_input_scale = True
+    act_granularities = ("token", "tensor")  # dynamic global scale per token (default) or per call (stock ComfyUI's)
 
     def shape_problem(self, out_features: int, in_features: int) -> str | None:
         # Padding works in our reference and in comfy-kitchen's fast path, but ComfyUI's
@@ -80,6 +87,8 @@ class NVFP4(Format):
         record: dict[str, Any] = {"format": self.comfy_name}
         if (np_, kp) != (n, k):
             record["lowbit_shape"] = [n, k]
+        if spec.act_granularity == "tensor" and spec.activations == "dynamic":
+            record[ACT_GRANULARITY_KEY] = "tensor"
         record = common.rotation_record(record, self.name, kind, group, stock_convrot=False)
         tensors = {"weight": packed, "weight_scale": swizzled, "weight_scale_2": global_scale}
         return QuantizedWeight(self.name, (n, k), tensors, record)
@@ -99,8 +108,9 @@ class NVFP4(Format):
         return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """NVFP4 activations emulated (dynamic per-tensor global scale, or the stored input_scale), or weight-only
-        (record `full_precision_matrix_mult`, or `q.compute`: see computes_weight_only)."""
+        """NVFP4 activations emulated (dynamic: a global scale per token, or per call where the record asks for it
+        (`act_per_tensor`); static: the stored input_scale), or weight-only (record `full_precision_matrix_mult`, or
+        `q.compute`: see computes_weight_only)."""
         kind, group = common.record_rotation(q.record, q.format)
         if q.compute == "fp8":
             return self._fp8_compute_linear(x, q, bias, kind, group)
@@ -113,13 +123,13 @@ class NVFP4(Format):
         if dispatch.nvfp4_supported(x, kind):  # GPU: Triton act emulation + register-decoded NVFP4 GEMM
             t = q.tensors
             return dispatch.nvfp4_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"], t.get("input_scale"),
-                                         q.shape[0], bias, kind, group)
+                                         q.shape[0], bias, kind, group, per_tensor=self.act_per_tensor(q))
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         n, k = q.shape
         kp = q.tensors["weight"].shape[1] * 2
         if kp != k:
             x_rot = torch.nn.functional.pad(x_rot, (0, kp - k))
-        xq = reference.nvfp4_fake_quant(x_rot, q.tensors.get("input_scale"))[..., :k]
+        xq = reference.nvfp4_fake_quant(x_rot, q.tensors.get("input_scale"), self.act_per_tensor(q))[..., :k]
         y = xq @ self._dequantize_rotated(q).t()
         if mu is not None:
             y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
@@ -223,6 +233,9 @@ class NVFP4(Format):
             raise FormatError(f"{where}.weight_scale_2: expected a scalar, got shape {tuple(g.shape)}")
         common.check_finite_scale(g, "weight_scale_2", where)
         out = {"weight": w, "weight_scale": s, "weight_scale_2": g.reshape(()), **common.optional_input_scale(tensors, where)}
+        if record.get(ACT_GRANULARITY_KEY, "tensor") not in ("tensor", "token"):
+            raise FormatError(f"{where}: .comfy_quant '{ACT_GRANULARITY_KEY}' is {record[ACT_GRANULARITY_KEY]!r}, "
+                              "expected 'tensor' (or 'token', the default)")
         common.check_rotation_fits(record, k, where)
         return QuantizedWeight(self.name, (n, k), out, dict(record))
 

@@ -15,7 +15,8 @@ its torch reference (the CPU path and the oracle the GPU paths are tested agains
 | convrot_w4a4                          | rotation + int4 quant + INT8 GEMM unpacking int4                |
 | w4a8 / w6a8 (no weight_correction)    | Triton int8-grid decode per call (or the prepacked grid) + the   |
 |                                       | int8 path above                                                 |
-| nvfp4 (none / convrot / quarot)       | [rotation] + Triton NVFP4 act emulation, then M < 256:          |
+| nvfp4 (none / convrot / quarot)       | [rotation] + Triton NVFP4 act emulation (global scale per row,  |
+|                                       | or per tensor / static: one scalar), then M < 256:              |
 |                                       | Triton GEMM decoding e2m1/e4m3 in registers (bf16 tensor cores); |
 |                                       | M >= 256: Triton decode of the layer's weight + cuBLAS           |
 | nvfp4 weight-only (activations none)  | the same two paths on x as it is (W4A16)                         |
@@ -377,37 +378,53 @@ DECODE_MIN_ROWS = 256
 
 
 def _nvfp4_product(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
-                   bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    """a [M, Kp] @ (e2m1 * block)^T * scale (+ bias) -> out_dtype [M, n], by the path M calls for."""
+                   bias: torch.Tensor | None, out_dtype: torch.dtype, row_scale: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """a [M, Kp] @ (e2m1 * block)^T * scale (* row_scale [M] per row, when given) (+ bias) -> out_dtype [M, n], by
+    the path M calls for. With row scales the decode path rounds a @ W^T to a's dtype before scaling its rows."""
     from lowbit_pipe.kernels.decode import nvfp4_decode, nvfp4_decode_op
     from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_gemm, nvfp4_gemm_op
 
     if a.shape[0] < DECODE_MIN_ROWS:
-        return launcher(nvfp4_gemm_op, nvfp4_gemm)(a, w_packed, w_block, scale, n, bias, out_dtype)
+        if row_scale is None:
+            return launcher(nvfp4_gemm_op, nvfp4_gemm)(a, w_packed, w_block, scale, n, bias, out_dtype)
+        return launcher(nvfp4_gemm_op, nvfp4_gemm)(a, w_packed, w_block, scale, n, bias, out_dtype, row_scale=row_scale)
     w = launcher(nvfp4_decode_op, nvfp4_decode)(w_packed, w_block, scale, n, a.shape[1], a.dtype)
-    return F.linear(a, w, bias.to(a.dtype) if bias is not None else None).to(out_dtype)
+    if row_scale is None:
+        return F.linear(a, w, bias.to(a.dtype) if bias is not None else None).to(out_dtype)
+    y = F.linear(a, w).float().mul_(row_scale.float().reshape(-1, 1))
+    return (y.add_(bias.float()) if bias is not None else y).to(out_dtype)
 
 
 def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, w_global: torch.Tensor,
                  input_scale: torch.Tensor | None, n: int, bias: torch.Tensor | None, rot: str = "none",
-                 group: int | None = None, compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The format's GPU math (rotate, NVFP4 activations with a per-tensor global scale, NVFP4
-    weight) on bf16 tensor cores: both operands are exact in bf16 once the global scales are
-    taken out, so only the fp32 accumulation order differs from the reference.
+                 group: int | None = None, compute_dtype: torch.dtype = torch.bfloat16,
+                 per_tensor: bool = False) -> torch.Tensor:
+    """The format's GPU math (rotate, NVFP4 activations, NVFP4 weight) on bf16 tensor cores: both operands are exact
+    in bf16 once the global scales are taken out, so only the fp32 accumulation order differs from the reference.
+    Activations' global scale: the static `input_scale`, else amax / (6 * 448) of each rotated row (a token's result
+    never depends on the other rows), or with `per_tensor` of the whole rotated input (stock ComfyUI's).
     `compute_dtype` fp32 exists for the CPU interpreter tests (its bf16 dot is broken)."""
     from lowbit_pipe.kernels.nvfp4_gemm import nvfp4_act_quant, nvfp4_act_quant_op
 
     k = x.shape[-1]
     kp = w_packed.shape[1] * 2
     x2 = x.reshape(-1, k)
-    x2 = rotate(x2, rot, group)  # the global scale needs the amax of the whole rotated tensor first
-    if input_scale is not None:
-        gx = input_scale.float().reshape(())
+    x2 = rotate(x2, rot, group)  # the global scales need the amax of the rotated rows first
+    w_global = w_global.float().reshape(())
+    if input_scale is not None or per_tensor:
+        if input_scale is not None:
+            gx = input_scale.float().reshape(())
+        else:
+            amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
+            gx = reference.positive_scale(amax, reference.NVFP4_GLOBAL_DIV)
+        a = launcher(nvfp4_act_quant_op, nvfp4_act_quant)(x2, gx, kp, compute_dtype)
+        y = _nvfp4_product(a, w_packed, w_block, gx * w_global, n, bias, x.dtype)
     else:
-        amax = torch.linalg.vector_norm(x2, float("inf"), dtype=torch.float32)
-        gx = reference.positive_scale(amax, reference.E2M1_MAX * reference.FP8_E4M3_MAX)
-    a = launcher(nvfp4_act_quant_op, nvfp4_act_quant)(x2, gx, kp, compute_dtype)
-    y = _nvfp4_product(a, w_packed, w_block, gx * w_global.float().reshape(()), n, bias, x.dtype)
+        amax = torch.linalg.vector_norm(x2, float("inf"), dim=-1, dtype=torch.float32)
+        gx = reference.positive_scale(amax, reference.NVFP4_GLOBAL_DIV)  # [M]
+        a = launcher(nvfp4_act_quant_op, nvfp4_act_quant)(x2, gx, kp, compute_dtype)
+        y = _nvfp4_product(a, w_packed, w_block, w_global, n, bias, x.dtype, row_scale=gx)
     return y.reshape(*x.shape[:-1], n)
 
 

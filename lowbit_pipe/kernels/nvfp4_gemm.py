@@ -3,10 +3,11 @@
 Two kernels, each laid out kernel -> launcher -> custom op (fake impl for torch.compile):
 
 1. `nvfp4_act_quant`: NVFP4 activation emulation (what the format's GPU reference does:
-   per-16 e4m3 block scales under a per-tensor global scale g, e2m1 codes). It writes
+   per-16 e4m3 block scales under a global scale g, one per row [M] (dynamic, the default)
+   or one scalar (static input_scale, or the per-tensor opt-in), e2m1 codes). It writes
    a' = e2m1 * block (no g) in bf16/fp16/fp32: a product of a 2-bit and a 4-bit
    significand, so EXACT in bf16; g goes into the GEMM epilogue.
-2. `nvfp4_gemm`: y = (a' @ W'^T) * (g_x * g_w) + bias, where W' = e2m1 * block_w is built
+2. `nvfp4_gemm`: y = (a' @ W'^T) * (g_x * g_w) + bias (g_x per row with `row_scale`), where W' = e2m1 * block_w is built
    per tile in registers from the packed uint8 codes (even column in the HIGH nibble,
    comfy-kitchen hi_first) and the swizzled e4m3 block scales, also exact in bf16.
    With plain bf16 activations (a_scale 1) the same kernel is a W4A16 GEMM.
@@ -34,14 +35,17 @@ FP8_MAX = tl.constexpr(448.0)
 
 @triton.jit
 def _nvfp4_act_kernel(x_ptr, g_ptr, out_ptr, M, K, KP, stride_xm, stride_om,
-                      BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                      PER_ROW: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     r_ok = rows < M
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=r_ok[:, None] & (cols[None, :] < K), other=0.0)
-    g = tl.load(g_ptr)
+    if PER_ROW:  # one global scale per row (token): [BLOCK_M, 1] against the [BLOCK_M, BLOCK_K // 16] block scales
+        g = tl.load(g_ptr + rows, mask=r_ok, other=1.0)[:, None]
+    else:
+        g = tl.load(g_ptr)
     blocks = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 16, 16))
     bscale = tl.math.div_rn(tl.max(tl.abs(blocks), axis=2), E2M1_MAX)
     s8 = tl.minimum(tl.math.div_rn(bscale, g), FP8_MAX).to(tl.float8e4nv).to(tl.float32)
@@ -63,7 +67,8 @@ def _nvfp4_act_kernel(x_ptr, g_ptr, out_ptr, M, K, KP, stride_xm, stride_om,
 
 def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor, k_padded: int | None = None,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] -> a' [M, Kp] (e2m1 * e4m3 block scale, zero beyond K); Kp = k_padded or K."""
+    """x [M, K] -> a' [M, Kp] (e2m1 * e4m3 block scale, zero beyond K); Kp = k_padded or K. `global_scale`: one
+    fp32 value for every row, or [M] (or [M, 1]), one per row."""
     if x.dim() != 2:
         raise ValueError(f"nvfp4_act_quant: expected 2-D x, got {tuple(x.shape)}")
     m, k = x.shape
@@ -75,11 +80,15 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor, k_padded: int |
     out = torch.empty((m, kp), dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    g = global_scale.float().reshape(1).contiguous()
+    per_row = global_scale.numel() != 1
+    if per_row and global_scale.numel() != m:
+        raise ValueError(f"nvfp4_act_quant: {global_scale.numel()} global scales for {m} rows (one, or one per row)")
+    g = global_scale.float().reshape(-1).contiguous()
     block_k = min(triton.next_power_of_2(kp), 256)
     block_m = 16
     grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
-    _nvfp4_act_kernel[grid](x, g, out, m, k, kp, x.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+    _nvfp4_act_kernel[grid](x, g, out, m, k, kp, x.stride(0), out.stride(0), PER_ROW=per_row, BLOCK_M=block_m,
+                            BLOCK_K=block_k, num_warps=4)
     return out
 
 
@@ -124,10 +133,10 @@ CONFIGS = {
 
 @triton.jit
 def _nvfp4_gemm_kernel(
-    a_ptr, w_ptr, ws_ptr, scale_ptr, bias_ptr, c_ptr,
+    a_ptr, w_ptr, ws_ptr, scale_ptr, row_scale_ptr, bias_ptr, c_ptr,
     M, N, K, M_BUCKET, SCALE_COLS,
     stride_am, stride_wn, stride_cm,
-    HAS_BIAS: tl.constexpr, IEEE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ROW_SCALE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -161,7 +170,10 @@ def _nvfp4_gemm_kernel(
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2
 
-    y = acc * tl.load(scale_ptr)
+    if ROW_SCALE:  # the activations' per-row global scale times the weight's, in fp32, then the accumulator
+        y = acc * (tl.load(row_scale_ptr + offs_m, mask=m_ok, other=0.0) * tl.load(scale_ptr))[:, None]
+    else:
+        y = acc * tl.load(scale_ptr)
     if HAS_BIAS:
         y = y + tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(c_ptr + offs_m[:, None] * stride_cm + offs_n[None, :], y.to(c_ptr.dtype.element_ty),
@@ -173,9 +185,10 @@ _nvfp4_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K
 
 def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
-               config: dict | None = None) -> torch.Tensor:
+               config: dict | None = None, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """a [M, Kp] (bf16/fp16/fp32; fp32 computes an fp32 dot), w_packed uint8 [Np, Kp/2],
-    w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], scale fp32 scalar (g_x * g_w)
+    w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], scale fp32 scalar (g_x * g_w, or g_w alone with
+    `row_scale`: fp32 [M], the activations' global scale per row, y = acc * (row_scale * scale))
     -> out_dtype [M, n] (n <= Np: the logical out_features)."""
 
     if a.dim() != 2 or w_packed.dim() != 2:
@@ -192,13 +205,16 @@ def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, s
     w_packed = w_packed.view(torch.uint8).contiguous()
     w_block = w_block.view(torch.float8_e4m3fn).contiguous()
     scale = scale.float().reshape(1).contiguous()
+    if row_scale is not None and row_scale.numel() != m:
+        raise ValueError(f"nvfp4_gemm: {row_scale.numel()} row scales for {m} rows")
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
     bias_arg = bias.contiguous() if bias is not None else scale
-    args = (a, w_packed, w_block, scale, bias_arg, c, m, n, kp, m_bucket(m), w_block.shape[1],
+    row_arg = row_scale.float().reshape(-1).contiguous() if row_scale is not None else scale
+    args = (a, w_packed, w_block, scale, row_arg, bias_arg, c, m, n, kp, m_bucket(m), w_block.shape[1],
             a.stride(0), w_packed.stride(0), c.stride(0))
-    flags = {"HAS_BIAS": bias is not None, "IEEE": a.dtype == torch.float32}
+    flags = {"HAS_BIAS": bias is not None, "ROW_SCALE": row_scale is not None, "IEEE": a.dtype == torch.float32}
     launch_gemm(_nvfp4_gemm_tuned, _nvfp4_gemm_kernel, args, flags, m, n, config, a.is_cuda)
     return c
 
@@ -219,10 +235,10 @@ def _(x, global_scale, k_padded, out_dtype):
 
 @torch.library.custom_op("lowbit_pipe::nvfp4_gemm", mutates_args=())
 def nvfp4_gemm_op(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
-                  bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
-    return nvfp4_gemm(a, w_packed, w_block, scale, n, bias, out_dtype)
+                  bias: torch.Tensor | None, out_dtype: torch.dtype, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+    return nvfp4_gemm(a, w_packed, w_block, scale, n, bias, out_dtype, row_scale=row_scale)
 
 
 @nvfp4_gemm_op.register_fake
-def _(a, w_packed, w_block, scale, n, bias, out_dtype):
+def _(a, w_packed, w_block, scale, n, bias, out_dtype, row_scale=None):
     return a.new_empty((a.shape[0], n), dtype=out_dtype)

@@ -124,7 +124,8 @@ def unswizzle_block_scales(swizzled: torch.Tensor, rows: int, cols: int) -> torc
 
 
 def nvfp4_quantize_blocks(x: torch.Tensor, global_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x fp32 [rows, K] (K % 16 == 0) -> (codes int32 [rows, K], block scales e4m3 [rows, K/16]).
+    """x fp32 [rows, K] (K % 16 == 0) -> (codes int32 [rows, K], block scales e4m3 [rows, K/16]); `global_scale`
+    a scalar, or [rows, 1] (one per row).
 
     Same arithmetic as comfy-kitchen's `quantize_nvfp4`: block = amax/6/global,
     clamped to 448 and cast to e4m3; codes = e2m1(x / (global * block)).
@@ -150,15 +151,27 @@ def nvfp4_dequantize_blocks(codes: torch.Tensor, block_scales: torch.Tensor, glo
     return (e2m1_decode(codes).reshape(rows, k // 16, 16) * total.unsqueeze(-1)).reshape(rows, k)
 
 
-def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor | None = None) -> torch.Tensor:
+NVFP4_GLOBAL_DIV = E2M1_MAX * FP8_E4M3_MAX  # 6 * 448: a global scale is amax / this
+
+
+def nvfp4_act_global_scale(x2: torch.Tensor, per_tensor: bool = False) -> torch.Tensor:
+    """Dynamic NVFP4 activations' global scale of x2 [M, K], fp32: amax / (6 * 448) of each row ([M, 1], the
+    default: a token's codes depend on that token alone) or, `per_tensor`, of the whole call's input (a scalar:
+    stock ComfyUI / comfy-kitchen's, which makes every token depend on the others in the call)."""
+    if per_tensor:
+        return positive_scale(x2.abs().amax(), NVFP4_GLOBAL_DIV).reshape(())
+    return positive_scale(x2.abs().amax(dim=-1, keepdim=True), NVFP4_GLOBAL_DIV)
+
+
+def nvfp4_fake_quant(x: torch.Tensor, global_scale: torch.Tensor | None = None, per_tensor: bool = False) -> torch.Tensor:
     """Activation emulation: quantize rows of x [..., K] to NVFP4 and back (fp32).
 
-    Global scale: `global_scale` (static input_scale) or amax(x)/(6*448) of the whole tensor,
-    as ComfyUI does for dynamic activations.
+    Global scale: `global_scale` (a static input_scale), else dynamic (`nvfp4_act_global_scale`): per token by
+    default, one amax(x) / (6*448) over the whole tensor with `per_tensor` (what ComfyUI does).
     """
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).float()
-    g = positive_scale(x2.abs().amax(), E2M1_MAX * FP8_E4M3_MAX) if global_scale is None else global_scale.float().reshape(())
+    g = nvfp4_act_global_scale(x2, per_tensor) if global_scale is None else global_scale.float().reshape(())
     codes, scales = nvfp4_quantize_blocks(x2, g)
     return nvfp4_dequantize_blocks(codes, scales, g).reshape(shape)
 

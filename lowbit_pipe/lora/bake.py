@@ -23,6 +23,7 @@ from torch import nn
 from lowbit_pipe.errors import LoraError
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
 from lowbit_pipe.formats import common
+from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY
 from lowbit_pipe.kernels import reference, rotation
 from lowbit_pipe.nn import QuantLinear
 
@@ -36,7 +37,8 @@ def spec_of(layer: QuantLinear, where: str = "") -> FormatSpec:
     scale = tensors.get("weight_scale")
     granularity = "tensor" if layer.format.name in ("int8", "fp8") and scale is not None and scale.numel() == 1 else "row"
     return FormatSpec(layer.format.name, kind, group or None, granularity,
-                      "static" if "input_scale" in tensors else "dynamic")
+                      "static" if "input_scale" in tensors else "dynamic",
+                      act_granularity=record.get(ACT_GRANULARITY_KEY))
 
 
 def layer_generator(seed: int, name: str, device: torch.device) -> torch.Generator:
