@@ -32,7 +32,7 @@ class ModelConfig:
     # never loaded): pipeline [load, detect, quantize, export(, teardown)], float weights, nothing calibrated on
     # forwards (static activations, budgets, GPTQ). "auto" (or null): stream whenever the run allows it; true:
     # stream, or refuse naming what prevents it; false: load the model whole. The plan line and report.json's
-    # `stream` say which, and why (lowbit_pipe.validate.stream_blockers; docs/streaming.md).
+    # `stream` say which, and why (lowbit_pipe.stream_choice; docs/streaming.md).
     stream: Any = "auto"
 
 

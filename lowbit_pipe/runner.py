@@ -25,7 +25,7 @@ from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import dynamo_counters
 from lowbit_pipe.stages.teardown import teardown
-from lowbit_pipe.validate import decide_stream
+from lowbit_pipe.stream_choice import decide_stream
 
 
 @dataclass

@@ -21,7 +21,7 @@ from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
-from lowbit_pipe.validate import StreamChoice, decide_stream
+from lowbit_pipe.stream_choice import StreamChoice, decide_stream
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
 QUANT_METADATA_KEY = "_quantization_metadata"  # ComfyUI's header description of the quantized layers
