@@ -33,7 +33,7 @@ def _main(cfg: DictConfig) -> float | None:
     console = Console(prefix=f"[job {hydra_cfg.job.num}] " if sweep else "")
     try:
         recipe = to_recipe(cfg)
-        result = Runner(recipe, run_dir, console=console).run()
+        result = Runner(recipe, run_dir, console=console, hands_back=False).run()  # nothing is kept: auto streams
     except LowbitError as err:
         print(f"{console.prefix}lowbit_pipe: {err}  (run dir: {run_dir})", file=sys.stderr)
         if sweep:  # the other jobs still run; lowbit_pipe.sweep_outcome exits 1 at the sweep's end

@@ -34,6 +34,7 @@ class Context:
     fused_groups: list[list[str]] = field(default_factory=list)  # layers quantized as one native fused weight
     console: Console = field(default_factory=Console)  # messages, one-line warnings, progress
     stream: Any = None  # model.stream: the checkpoint (load.SourceFile) the export streams from
+    stream_choice: Any = None  # validate.StreamChoice: whether this run streams, and why (the runner decides)
     plans: list = field(default_factory=list)  # the quantize stage's layer plan (what a stream quantizes)
     # run(..., calibrate=): runs the model on the caller's calibration inputs (a ComfyUI sampler, a natively
     # named model's own forward); used instead of the arch's example inputs wherever the recipe calibrates.

@@ -29,8 +29,11 @@ class ModelConfig:
     tiny_config: dict[str, Any] = field(default_factory=dict)  # diffusers config kwargs of the tiny model
     config: dict[str, Any] = field(default_factory=dict)  # config overrides for a state-dict file without one
     # Stream model.path through quantize into the export, one tensor at a time (bounded memory; the model is
-    # never loaded): pipeline [load, detect, quantize, export(, teardown)], float weights, no static activations.
-    stream: bool = False
+    # never loaded): pipeline [load, detect, quantize, export(, teardown)], float weights, nothing calibrated on
+    # forwards (static activations, budgets, GPTQ). "auto" (or null): stream whenever the run allows it; true:
+    # stream, or refuse naming what prevents it; false: load the model whole. The plan line and report.json's
+    # `stream` say which, and why (lowbit_pipe.stream_choice; docs/streaming.md).
+    stream: Any = "auto"
 
 
 @dataclass

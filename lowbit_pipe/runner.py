@@ -25,6 +25,7 @@ from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import dynamo_counters
 from lowbit_pipe.stages.teardown import teardown
+from lowbit_pipe.stream_choice import decide_stream
 
 
 @dataclass
@@ -104,12 +105,15 @@ def _write_json(path: Path, data: Any) -> None:
 
 class Runner:
     def __init__(self, recipe: Recipe, run_dir: str | Path, model: Any = None, console: Console | None = None,
-                 calibrate: Callable[[], None] | None = None):
+                 calibrate: Callable[[], None] | None = None, hands_back: bool = True):
+        """`hands_back`: the caller gets the model back (RunResult.model), so model.stream=auto loads it unless
+        the pipeline tears it down; the CLI, which keeps nothing, passes False."""
         self.recipe = recipe
         self.run_dir = Path(run_dir)
         self.model = model
         self.console = console or Console()
         self.calibrate = calibrate
+        self.hands_back = hands_back
 
     def run(self) -> RunResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -122,6 +126,8 @@ class Runner:
         _write_json(self.run_dir / "environment.json", environment(self.recipe.seed))
         report: dict[str, Any] = {"status": "running", "recipe": recipe_dict, "stages": {}, "warnings": []}
         ctx.report = report
+        ctx.stream_choice = decide_stream(self.recipe, model_given=self.model is not None, hands_back=self.hands_back)
+        report["stream"] = ctx.stream_choice.as_dict()  # the load stage may still load a file streaming cannot read
         failure: BaseException | None = None
         compiles = "compile" in self.recipe.pipeline
         dynamo_start = dynamo_counters() if compiles else None

@@ -46,6 +46,10 @@ def format_summary(report: dict[str, Any]) -> str:
     det = report.get("detect")
     if det:
         lines.append(f"arch: {det['arch']}")
+    st = report.get("stream")
+    if st and (report["recipe"].get("model") or {}).get("path"):  # a run reading model.path: streamed or loaded
+        lines.append(f"model: {'streamed file to file' if st['streamed'] else 'loaded whole'} "
+                     f"(model.stream={st['mode']}: {st['reason']})")
     plan = report.get("plan")
     if plan:
         lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])

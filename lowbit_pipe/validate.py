@@ -11,6 +11,7 @@ import re
 
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.recipe import DTYPES, EvaluateConfig, FormatChoice, LayerRule, Recipe
+from lowbit_pipe.stream_choice import stream_blockers, stream_mode
 
 # The GPU kernels rotate with tl.dot, which needs 16 or more columns per group.
 MIN_ROTATION_GROUP = 16
@@ -135,31 +136,17 @@ def _check_model(recipe: Recipe) -> None:
                                         f"pick it with model=tiny_{m.arch}")
 
 
-STREAM_STAGES = ("load", "detect", "quantize", "export", "teardown")
-
-
 def _check_stream(recipe: Recipe) -> None:
-    """What streaming (no model in memory, no forward) can do."""
-    if not recipe.model.stream:
+    """model.stream=true: what streaming (no model in memory, no forward) cannot do is refused here."""
+    if stream_mode(recipe.model.stream) != "true":
         return
     if recipe.model.path is None:
         raise RecipeError("model.stream", "streams a checkpoint file: set model.path")
-    extra = [s for s in recipe.pipeline if s not in STREAM_STAGES]
-    if extra or "export" not in recipe.pipeline:
-        raise RecipeError("pipeline", f"model.stream=true runs {list(STREAM_STAGES[:4])} (+ teardown); "
-                                      f"{extra or 'export is missing'} needs the model loaded (model.stream=false)")
-    q = recipe.quantize
-    if q.budget_bytes is not None or q.budget_ratio is not None:
-        raise RecipeError("quantize.budget_bytes", "a byte budget calibrates on forwards: not with model.stream=true")
-    if q.gptq.enabled:
-        raise RecipeError("quantize.gptq.enabled", "GPTQ calibrates on forwards of the loaded model: not with "
-                                                   "model.stream=true")
-    choices = [("quantize.default", q.default), ("quantize.sensitive", q.sensitive), ("quantize.fallback", q.fallback)]
-    choices += [(f"quantize.rules[{i}]", r) for i, r in enumerate(q.rules)]
-    for path, choice in choices:
-        if choice is not None and choice.activations == "static":
-            raise RecipeError(f"{path}.activations", "static scales are calibrated on forwards: not with "
-                                                     "model.stream=true (use dynamic or none)")
+    blockers = stream_blockers(recipe)
+    if blockers:
+        key, why = blockers[0]
+        raise RecipeError(key, f"{why}: not with model.stream=true, which never loads the model (model.stream=auto "
+                               "or false loads it)")
 
 
 def validate(recipe: Recipe) -> Recipe:

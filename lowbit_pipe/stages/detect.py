@@ -63,7 +63,9 @@ class Detect(Stage):
                                "activations": p.spec.activations if p.spec else None, "reason": p.reason}
                               for p in plans]
         shape = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("arch", "extra") and v is not None)
+        # A run reading model.path says whether it streams it (model.stream, stream_choice.decide_stream) and why.
+        how = f"; {ctx.stream_choice.line()}" if ctx.stream_choice is not None and ctx.source.get("path") else ""
         ctx.console.say(f"detect: {arch_id} ({shape}){', native module names' if ctx.native else ''}\n"
                         f"plan:   {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} layers; "
-                        f"linear weights {fmt_bytes(before)} -> {fmt_bytes(after)}")
+                        f"linear weights {fmt_bytes(before)} -> {fmt_bytes(after)}{how}")
         return {"arch": arch_id, **{f"layers_{k}": v for k, v in counts.items()}}

@@ -164,10 +164,13 @@ class Export(Stage):
         dtype = ctx.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
         if ctx.stream is not None:
+            from lowbit_pipe.stages.quantize import compute_device
             from lowbit_pipe.stream import stream_export
 
+            # Rounding runs where the loading path would run it: quantize.compute_device, else model.device.
             device = torch.device(ctx.recipe.model.device or "cpu") if ctx.recipe.model.device != "auto" else \
                 torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            device = compute_device(ctx.recipe.quantize.compute_device) or device
             result = stream_export(ctx.stream, ctx.plans, path, layout=cfg.layout, float_dtype=dtype,
                                    compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console)
             warn_comfy_kinds(_written_records(Path(result["path"])))

@@ -21,6 +21,7 @@ from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stream_choice import StreamChoice, decide_stream
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
 QUANT_METADATA_KEY = "_quantization_metadata"  # ComfyUI's header description of the quantized layers
@@ -262,8 +263,16 @@ class Load(Stage):
 
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.model
-        if cfg.stream:
-            return self._stream(ctx)
+        choice = ctx.stream_choice or decide_stream(ctx.recipe, model_given=ctx.model is not None, hands_back=True)
+        source = None
+        if choice.stream and choice.mode == "auto":  # the recipe allows it; can streaming read the file?
+            source, choice = _streamable_source(cfg, choice)
+        ctx.stream_choice = choice
+        ctx.report["stream"] = choice.as_dict()
+        if cfg.path is not None and ctx.model is None and "detect" not in ctx.recipe.pipeline:
+            ctx.console.say(f"load:   {choice.line()}")  # else on the plan line
+        if choice.stream:
+            return self._stream(ctx, source)
         if ctx.model is not None:  # handed in through the Python API: the caller owns it
             ctx.source = {"path": None, "layout": "object", "object": ctx.adapter.name}
             ctx.adapter.prepare(ctx.model)
@@ -289,19 +298,40 @@ class Load(Stage):
         params = sum(p.numel() for p in ctx.transformer.parameters())
         return {"params": params, "source": ctx.source.get("layout"), "device": str(ctx.device), "dtype": str(ctx.dtype)}
 
-    def _stream(self, ctx: Context) -> dict[str, Any]:
+    def _stream(self, ctx: Context, src: SourceFile | None = None) -> dict[str, Any]:
         """model.stream: the structure on the meta device (no weights), the checkpoint opened lazily by export."""
         cfg = ctx.recipe.model
         if ctx.model is not None:
             raise ValueError("model.stream=true streams model.path; a model passed in is loaded already")
         path = cfg.path
-        src = inspect_dir(path, dict(cfg.config)) if Path(path).is_dir() else inspect_file(path, cfg.arch, dict(cfg.config))
+        src = src or inspect_source(path, cfg.arch, dict(cfg.config))
         ctx.stream = src
         ctx.set_model(_build_empty(src.arch.model_class(), src.kwargs).eval(), owned=True)
         ctx.source = {"path": path, "layout": src.layout, "arch": src.arch.id, "files": len(src.files), "stream": True}
         params = sum(p.numel() for p in ctx.transformer.parameters())
         return {"params": params, "source": src.layout, "device": str(_resolve_device(cfg.device or "cpu")),
                 "dtype": str(ctx.dtype), "stream": True}
+
+
+def inspect_source(path: str, arch_id: str | None, config_override: dict[str, Any]) -> SourceFile:
+    """What streaming reads model.path as: a diffusers folder, or a single file / shard index."""
+    if Path(path).is_dir():
+        return inspect_dir(path, config_override)
+    return inspect_file(path, arch_id, config_override)
+
+
+def _streamable_source(cfg: Any, choice: StreamChoice) -> tuple[SourceFile | None, StreamChoice]:
+    """model.stream=auto with a recipe that allows it: the source when streaming can read it, else a choice to
+    load it whole, saying why (quantized layers; a diffusers class no architecture here builds)."""
+    try:
+        src = inspect_source(cfg.path, cfg.arch, dict(cfg.config))
+    except CheckpointError as err:  # loading reads what it can (any diffusers class), or fails naming the file
+        why = f"streaming cannot read model.path ({err})"
+        return None, StreamChoice(choice.mode, False, why, (("model.path", why),))
+    if src.records:
+        why = f"model.path holds {len(src.records)} quantized layers (a stream reads float checkpoints)"
+        return None, StreamChoice(choice.mode, False, why, (("model.path", why),))
+    return src, choice
 
 
 def _check_given_dtype(ctx: Context) -> None:
