@@ -1,0 +1,41 @@
+"""What a new user meets on a fresh clone with the README's commands (issue 29, item 6): no silent no-op,
+refusals before any work, errors that say what to set, progress while it works."""
+
+from __future__ import annotations
+
+import pytest
+
+import lowbit_pipe
+from conftest import cli
+from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.errors import RecipeError
+
+
+def _one_line_refusal(proc, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# ---- (a) lora.files without a lora stage -----------------------------------------------------------------------
+
+def test_lora_files_without_a_lora_stage_are_refused(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        compose_recipe("krea2_nvfp4", ["lora.files=[{path: /nonexistent/style.safetensors}]"])
+    assert err.value.path == "lora.files"
+    assert "no 'lora' stage" in str(err.value) and "add 'lora' after 'quantize'" in str(err.value)
+    with pytest.raises(RecipeError, match="lora.files"):
+        lowbit_pipe.run("krea2_nvfp4", ["lora.files=[{path: 'example:kohya:seed=1'}]"], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    # the recipe that has the stage still runs its files; an empty list needs no stage
+    assert compose_recipe("krea2_nvfp4_lora").lora.files
+    assert compose_recipe("krea2_nvfp4_lora", ["pipeline=[load,detect,quantize]", "lora.files=[]"])
+
+
+def test_cli_refuses_lora_files_without_a_lora_stage(tmp_path):
+    proc = cli(["recipe=krea2_nvfp4", "lora.files=[{path: /nonexistent/style.safetensors}]"], tmp_path)
+    _one_line_refusal(proc, "lora.files", "/nonexistent/style.safetensors", "no 'lora' stage")
+    assert not (tmp_path / "runs").exists()
