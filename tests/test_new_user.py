@@ -39,3 +39,33 @@ def test_cli_refuses_lora_files_without_a_lora_stage(tmp_path):
     proc = cli(["recipe=krea2_nvfp4", "lora.files=[{path: /nonexistent/style.safetensors}]"], tmp_path)
     _one_line_refusal(proc, "lora.files", "/nonexistent/style.safetensors", "no 'lora' stage")
     assert not (tmp_path / "runs").exists()
+
+
+# ---- (b) lowbit_pipe.quantize on a module of no known architecture -----------------------------------------------
+
+def test_quantize_api_says_which_layers_stay_float_and_warns_when_none_is_quantized():
+    import torch
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    with pytest.warns(UserWarning, match="nothing was quantized") as caught:
+        stats = lowbit_pipe.quantize(mlp, {"default": {"format": "fp8"}})
+    message = str(caught[0].message)
+    assert "all 2 Linear layers stay float" in message and "arch_keep_float=false" in message
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert stats["layers"] == {} and stats["arch"] == "generic"
+    assert stats["kept_float"] == {"0": "arch keep-float", "2": "arch keep-float"}
+    stats = lowbit_pipe.quantize(mlp, {"default": {"format": "fp8"}, "arch_keep_float": False})
+    assert stats["layers"] == {"fp8": 2} and stats["kept_float"] == {}
+
+
+def test_quantize_api_on_a_deeper_module_warns_nothing():
+    import warnings
+
+    import torch
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = lowbit_pipe.quantize(net, {"default": {"format": "int8"}})
+    assert stats["layers"] == {"int8": 2} and sorted(stats["kept_float"]) == ["0", "3"]
