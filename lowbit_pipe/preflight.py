@@ -8,6 +8,7 @@ key and the path. The CLI exits with code 2; `lowbit_pipe.run` raises before cre
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -56,16 +57,29 @@ def _check_device(device: str | None) -> None:
         raise RecipeError("model.device", f"'{device}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
 
 
-def _writable_dir(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` (the folder mkdir would start from), if it is not writable."""
+def _writable_dir(path: Path) -> tuple[Path, str] | None:
+    """(the folder, why) when `path` cannot be written to or created; None when it can.
+
+    Tried, not inferred from permission bits: as root `os.access` says yes to everything, and /proc, a
+    read-only mount or a full quota refuse what the bits allow. A temp file is created and removed in the
+    folder when it exists, else a temp folder in its nearest existing ancestor (where mkdir would start)."""
     p = path
     while not p.exists():
         if p.parent == p:
             break
         p = p.parent
     if not p.is_dir():
-        return p
-    return None if os.access(p, os.W_OK | os.X_OK) else p
+        return p, "not a directory"
+    try:
+        if p == path:
+            fd, name = tempfile.mkstemp(prefix=".lowbit_pipe-probe-", dir=p)
+            os.close(fd)
+            os.unlink(name)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".lowbit_pipe-probe-", dir=p))
+    except OSError as err:
+        return p, err.strerror or type(err).__name__
+    return None
 
 
 def _check_export(recipe: Recipe) -> None:
@@ -76,7 +90,8 @@ def _check_export(recipe: Recipe) -> None:
         raise RecipeError("export.path", f"{out} is a directory; name the .safetensors file to write")
     blocked = _writable_dir(out.parent)
     if blocked is not None:
-        raise RecipeError("export.path", f"{out}: cannot write there ({blocked} is not a writable directory)")
+        folder, why = blocked
+        raise RecipeError("export.path", f"{out}: cannot write there ({folder} is not a writable directory: {why})")
     if out.exists() and not os.access(out, os.W_OK):
         raise RecipeError("export.path", f"{out}: exists and is not writable")
     src = recipe.model.path

@@ -69,3 +69,23 @@ def test_quantize_api_on_a_deeper_module_warns_nothing():
         warnings.simplefilter("error")
         stats = lowbit_pipe.quantize(net, {"default": {"format": "int8"}})
     assert stats["layers"] == {"int8": 2} and sorted(stats["kept_float"]) == ["0", "3"]
+
+
+# ---- (c) refusals before any work, errors that say what to set ---------------------------------------------------
+
+@pytest.mark.parametrize("target", ["/proc/model.safetensors", "/proc/lowbit_pipe/out/model.safetensors"])
+def test_an_export_path_that_cannot_be_written_is_refused_before_any_work(target, tmp_path):
+    """Root passes every permission check and /proc refuses what its bits allow: the folder is tried, not read."""
+    from lowbit_pipe.preflight import preflight
+
+    with pytest.raises(RecipeError) as err:
+        preflight(compose_recipe("default", [f"export.path={target}"]))
+    assert err.value.path == "export.path" and "/proc is not a writable directory" in str(err.value)
+    ok = tmp_path / "new" / "dir" / "model.safetensors"
+    preflight(compose_recipe("default", [f"export.path={ok}"]))  # a folder to create is fine, and is not created
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_an_export_path_under_proc_with_exit_2(tmp_path):
+    _one_line_refusal(cli(["export.path=/proc/lowbit_pipe/model.safetensors"], tmp_path), "export.path", "/proc")
+    assert not (tmp_path / "runs").exists()
