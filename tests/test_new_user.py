@@ -89,3 +89,38 @@ def test_an_export_path_that_cannot_be_written_is_refused_before_any_work(target
 def test_cli_refuses_an_export_path_under_proc_with_exit_2(tmp_path):
     _one_line_refusal(cli(["export.path=/proc/lowbit_pipe/model.safetensors"], tmp_path), "export.path", "/proc")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_checkpoint_of_another_size_names_the_keys_briefly_and_says_to_set_model_config(tiny_model, tmp_path):
+    """A plain state dict (no lowbit_pipe header) of the tiny Krea 2: the model is built from the class defaults
+    (28 blocks), so keys are missing; the message is short, counts the blocks and names model.config."""
+    from safetensors.torch import save_file
+
+    from lowbit_pipe.arch.tiny import tiny_model_config
+    from lowbit_pipe.errors import StageError
+
+    path = tmp_path / "plain.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_model("krea2").state_dict().items()}, str(path))
+    with pytest.raises(StageError) as err:
+        lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]"], run_dir=tmp_path / "run")
+    message = str(err.value)
+    assert "missing 362 (" in message and "transformer_blocks.2-27.*" in message and "unexpected none" in message
+    assert "transformer_blocks: 2 in the file, 28 in the model" in message
+    assert "Krea2Transformer2DModel class defaults" in message and "+model.config.num_layers=N" in message
+    assert len(message) < 900 and "norm1.weight" not in message  # brief: no list of every key
+    config = tiny_model_config("krea2")
+    value = "{" + ", ".join(f"{k}: {list(v) if isinstance(v, (list, tuple)) else v}" for k, v in config.items()) + "}"
+    result = lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]", f"+model.config={value}"],
+                             run_dir=tmp_path / "ok")
+    assert result.report["stages"]["load"]["params"] == sum(p.numel() for p in tiny_model("krea2").parameters())
+
+
+def test_brief_keys_and_the_plus_hint_for_model_config():
+    from lowbit_pipe.stages.load import brief_keys
+
+    keys = [f"blocks.{i}.w" for i in (1, 2, 3, 7)] + ["norm.weight"]
+    assert brief_keys(keys) == "5 (blocks.{1-3,7}.*, norm.weight)"
+    assert brief_keys([]) == "none"
+    with pytest.raises(RecipeError, match=r"takes any key, added with '\+': \+model.config.num_layers"):
+        compose_recipe("default", ["model.config.num_layers=2"])
+    assert compose_recipe("default", ["+model.config.num_layers=2"]).model.config == {"num_layers": 2}

@@ -32,11 +32,55 @@ def _build_empty(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
         return cls(**config)
 
 
+def _list_entries(keys: Any) -> dict[str, set[int]]:
+    """Indices per module list a set of keys reaches: {"transformer_blocks": {0, 1}} (first numeric part)."""
+    out: dict[str, set[int]] = {}
+    for key in keys:
+        parts = key.split(".")
+        i = next((j for j, p in enumerate(parts) if p.isdigit()), None)
+        if i is not None:
+            out.setdefault(".".join(parts[:i]), set()).add(int(parts[i]))
+    return out
+
+
+def _ranges(indices: set[int]) -> str:
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return text if len(runs) == 1 else "{" + text + "}"
+
+
+def brief_keys(keys: list[str], limit: int = 4) -> str:
+    """`keys` in a few words: a count, then module lists by index range (transformer_blocks.2-27.*) and other keys."""
+    if not keys:
+        return "none"
+    lists = _list_entries(keys)
+    items = [f"{path}.{_ranges(ix)}.*" for path, ix in lists.items()]
+    items += [k for k in keys if not any(p.isdigit() for p in k.split("."))]
+    more = f", ... {len(items) - limit} more" if len(items) > limit else ""
+    return f"{len(keys)} ({', '.join(items[:limit])}{more})"
+
+
+def key_mismatch(expected: Any, found: Any, missing: list[str], unexpected: list[str]) -> str:
+    """The key-mismatch message: what is missing and unexpected, briefly, and each module list whose length
+    differs between the model and the file (a file of another size than the config the model was built from)."""
+    have, want = _list_entries(found), _list_entries(expected)
+    lengths = [f"{path}: {len(have.get(path, ()))} in the file, {len(want.get(path, ()))} in the model"
+               for path in dict.fromkeys([*want, *have]) if len(have.get(path, ())) != len(want.get(path, ()))]
+    text = f"keys do not match the model: missing {brief_keys(missing)}, unexpected {brief_keys(unexpected)}"
+    return text + (f"; {'; '.join(lengths[:3])}" if lengths else "")
+
+
 def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
-                       file_key: Callable[[str], str] = lambda name: name) -> list[str]:
+                       file_key: Callable[[str], str] = lambda name: name, hint: str = "") -> list[str]:
     """Load `state` into a (meta) model, rebuilding QuantLinear layers from `.comfy_quant` records.
 
-    Returns the names of the quantized layers. Raises CheckpointError naming the file and key.
+    Returns the names of the quantized layers. Raises CheckpointError naming the file and key; `hint` ends a
+    key or shape mismatch's message (what the model was built from, what to set).
     """
     quantized = sorted(k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant"))
     for name in quantized:
@@ -63,12 +107,11 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
     missing = [k for k in expected if k not in state and not _is_quant_key(model, k)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise CheckpointError(where, f"keys do not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                                     f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+        raise CheckpointError(where, key_mismatch(expected, state, missing, unexpected) + hint)
     for key, tensor in state.items():
         if key in expected and expected[key].shape != tensor.shape:
             raise CheckpointError(where, f"shape {tuple(tensor.shape)} does not match the model's "
-                                         f"{tuple(expected[key].shape)} (wrong model.config?)", key)
+                                         f"{tuple(expected[key].shape)}{hint or ' (wrong model.config?)'}", key)
         if tensor.is_floating_point():
             if not torch.isfinite(tensor).all():
                 raise CheckpointError(where, "NaN or Inf in weights", key)
@@ -191,6 +234,18 @@ def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]
     return SourceFile(path, files, meta, records, header_records, arch, arch_config, file_layout, kwargs)
 
 
+def config_hint(src: SourceFile, config_override: dict[str, Any]) -> str:
+    """What the model was built from and what to set when the file does not fit it (a mismatch's last words)."""
+    if src.meta.get("transformer_config"):
+        built = "the constructor config in the file's own header"
+    else:
+        built = f"the {src.arch.model_class().__name__} class defaults (the released model's size)"
+    if config_override:
+        built += f" with model.config {dict(config_override)}"
+    return (f"; the model was built from {built}: for a file of another size set model.config to its constructor "
+            f"config, e.g. +model.config.num_layers=N (the diffusers config.json keys; docs/usage.md, 'model.config')")
+
+
 def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
     """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized."""
     from lowbit_pipe import layout
@@ -218,7 +273,7 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
     def file_key(name: str) -> str:  # errors name the layer as the file spells it
         return prefix + (arch.to_native(name, arch_config)[0] if src.layout == "native" else name)
 
-    quantized = install_state_dict(model, state, path, dtype, file_key)
+    quantized = install_state_dict(model, state, path, dtype, file_key, config_hint(src, config_override))
     return model.eval(), {"path": path, "layout": src.layout, "prefix": prefix, "quantized_layers": len(quantized),
                           "arch": arch.id, "recipe": src.meta.get("recipe"), "files": len(src.files)}
 
