@@ -47,7 +47,21 @@ def _main(cfg: DictConfig) -> float | None:
     return (result.report.get("evaluate") or {}).get("objective")
 
 
+def version() -> str:
+    """`--version`: this package's version, with the versions of what runs it (Hydra's flag, listed by --help,
+    shows Hydra's own)."""
+    import hydra
+    import torch
+
+    from lowbit_pipe.version import __version__
+
+    return f"lowbit_pipe {__version__} (Hydra {hydra.__version__}, torch {torch.__version__})"
+
+
 def main() -> None:
+    if "--version" in sys.argv[1:]:
+        print(version())
+        sys.exit(0)
     # Refuse a bad recipe, or inputs that cannot work, in one line before Hydra creates any run dir.
     try:
         flags, overrides = split_cli(sys.argv[1:])

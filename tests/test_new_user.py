@@ -124,3 +124,13 @@ def test_brief_keys_and_the_plus_hint_for_model_config():
     with pytest.raises(RecipeError, match=r"takes any key, added with '\+': \+model.config.num_layers"):
         compose_recipe("default", ["model.config.num_layers=2"])
     assert compose_recipe("default", ["+model.config.num_layers=2"]).model.config == {"num_layers": 2}
+
+
+def test_version_flag_prints_the_version_and_exits_0(tmp_path):
+    from lowbit_pipe.version import __version__
+
+    assert "--version prints lowbit_pipe's version" in cli(["--help"], tmp_path).stdout  # --help lists it
+    proc = cli(["--version"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"lowbit_pipe {__version__} (Hydra ") and proc.stderr == ""
+    assert not (tmp_path / "runs").exists()
