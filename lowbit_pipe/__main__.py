@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from lowbit_pipe.compose import cli_recipes, recipe_file_args, register_schema, split_cli, to_recipe
 from lowbit_pipe.errors import LowbitError
 from lowbit_pipe.paths import config_dir
-from lowbit_pipe.preflight import preflight
+from lowbit_pipe.preflight import check_extras, preflight
 from lowbit_pipe.progress import Console
 from lowbit_pipe.runner import Runner
 
@@ -66,6 +66,7 @@ def main() -> None:
     try:
         flags, overrides = split_cli(sys.argv[1:])
         if not (flags.help or flags.hydra_help or flags.shell_completion):
+            check_extras(overrides)
             sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:])
             for recipe in cli_recipes(recipe_file_args(overrides)):
                 preflight(recipe)

@@ -108,6 +108,43 @@ def _check_loras(recipe: Recipe) -> None:
         _check_safetensors(f"lora.files[{i}].path", spec.path)
 
 
+_OPTUNA = ("hydra_plugins.hydra_optuna_sweeper", "optuna", "Hydra's Optuna sweeper (hydra-optuna-sweeper)")
+_JOBLIB = ("hydra_plugins.hydra_joblib_launcher", "sweep", "Hydra's joblib launcher (hydra-joblib-launcher)")
+_SUBMITIT = ("hydra_plugins.hydra_submitit_launcher", "sweep", "Hydra's submitit launcher (hydra-submitit-launcher)")
+# Hydra config group options (ours in conf/hydra/, and Hydra's own names) -> (module they need, the pyproject extra
+# that installs it, what it is). Without it Hydra stops with a multi-line "Could not load 'hydra/sweeper/optuna'".
+EXTRAS: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("hydra/sweeper", "optuna_budget"): _OPTUNA, ("hydra/sweeper", "optuna"): _OPTUNA,
+    ("hydra/launcher", "local"): _JOBLIB, ("hydra/launcher", "joblib"): _JOBLIB,
+    ("hydra/launcher", "slurm"): _SUBMITIT, ("hydra/launcher", "submitit_slurm"): _SUBMITIT,
+    ("hydra/launcher", "submitit_local"): _SUBMITIT,
+    ("hydra/launcher", "ray"): ("ray", "ray", "Ray"),
+    ("hydra/callbacks", "mlflow"): ("mlflow", "mlflow", "MLflow"),
+}
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_extras(overrides: list[str]) -> None:
+    """Refuse a Hydra plugin option (hydra/sweeper=optuna_budget, hydra/launcher=ray, ...) whose optional extra is
+    not installed, naming the pip command, before Hydra fails on it."""
+    for arg in overrides:
+        key, _, value = arg.lstrip("+~").partition("=")
+        need = EXTRAS.get((key.strip(), value.strip()))
+        if need is not None and not _importable(need[0]):
+            module, extra, what = need
+            raise RecipeError(key.strip(), f"'{value.strip()}' needs {what}, which is not installed: "
+                                           f"pip install \".[{extra}]\" (from the source tree; "
+                                           f"else pip install \"lowbit_pipe[{extra}]\")")
+
+
 def preflight(recipe: Recipe, *, model_given: bool = False) -> None:
     """Raise RecipeError (one line, naming the key and the path) for what can be refused without weights.
     `model_given`: a model object is passed in (model.path is then not read)."""

@@ -134,3 +134,25 @@ def test_version_flag_prints_the_version_and_exits_0(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"lowbit_pipe {__version__} (Hydra ") and proc.stderr == ""
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_hydra_plugin_option_without_its_extra_names_the_pip_command(monkeypatch):
+    from lowbit_pipe import preflight
+
+    monkeypatch.setattr(preflight, "_importable", lambda module: False)
+    for arg, extra in [("hydra/sweeper=optuna_budget", "optuna"), ("hydra/launcher=local", "sweep"),
+                       ("hydra/launcher=ray", "ray"), ("+hydra/callbacks=mlflow", "mlflow")]:
+        with pytest.raises(RecipeError) as err:
+            preflight.check_extras(["quantize.default.format=int8", arg])
+        assert f'pip install ".[{extra}]"' in str(err.value) and err.value.path == arg.lstrip("+").split("=")[0]
+    monkeypatch.setattr(preflight, "_importable", lambda module: True)
+    preflight.check_extras(["hydra/sweeper=optuna_budget", "hydra/launcher=ray"])
+    preflight.check_extras(["hydra/launcher=basic", "quantize.default.format=int8"])  # needs nothing
+
+
+@pytest.mark.skipif(__import__("conftest").has_module("hydra_plugins.hydra_optuna_sweeper"),
+                    reason="the Optuna sweeper is installed here")
+def test_cli_optuna_command_without_the_extra_is_one_line_exit_2(tmp_path):
+    proc = cli(["-m", "recipe=krea2_nvfp4", "hydra/sweeper=optuna_budget", "evaluate.budget_bytes=3000000"], tmp_path)
+    _one_line_refusal(proc, "hydra/sweeper", 'pip install ".[optuna]"')
+    assert not (tmp_path / "runs").exists()
