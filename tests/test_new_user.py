@@ -3,6 +3,8 @@ refusals before any work, errors that say what to set, progress while it works."
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 import lowbit_pipe
@@ -156,3 +158,39 @@ def test_cli_optuna_command_without_the_extra_is_one_line_exit_2(tmp_path):
     proc = cli(["-m", "recipe=krea2_nvfp4", "hydra/sweeper=optuna_budget", "evaluate.budget_bytes=3000000"], tmp_path)
     _one_line_refusal(proc, "hydra/sweeper", 'pip install ".[optuna]"')
     assert not (tmp_path / "runs").exists()
+
+
+# ---- (d) compile + evaluate -------------------------------------------------------------------------------------
+
+def test_compile_then_evaluate_is_fast_and_silent(tmp_path, capfd):
+    """The per-layer probes and the float reference run eagerly: no dynamo tracing of the hooks (a graph break
+    and a warning block per hook, recompiles for the float layers), so evaluate after compile costs about
+    what it costs without (the compile of the quantized blocks aside: aot_eager here, cheap)."""
+    fast = ["evaluate.samples=1", "evaluate.trajectory_seeds=1", "evaluate.steps=2"]
+    plain = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,evaluate]", *fast], run_dir=tmp_path / "a")
+    capfd.readouterr()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # torch's log handlers hold the stderr of import time: listen to its loggers
+    loggers = [logging.getLogger(n) for n in ("torch", "torch._dynamo", "torch._inductor")]  # propagate=False
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        compiled = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,compile,evaluate]",
+                                               "compile.backend=aot_eager", *fast], run_dir=tmp_path / "b")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert not records, records[0].getMessage()[:2000]
+    assert "torch/_dynamo" not in err and "Graph break" not in err and "recompil" not in err.lower(), err[-3000:]
+    assert compiled.report["dynamo"]["graph_breaks"] == 0
+    assert compiled.report["dynamo"]["graphs"] <= 2  # the quantized blocks only: no float variant, no hook graph
+    seconds = compiled.report["stages"]["evaluate"]["seconds"], plain.report["stages"]["evaluate"]["seconds"]
+    assert seconds[0] < 6 * seconds[1] + 10, seconds
+    # the figures are the eager run's (the reference is the eager float model either way)
+    a, b = plain.report["evaluate"], compiled.report["evaluate"]
+    assert b["rel_error"] == pytest.approx(a["rel_error"], rel=1e-3)
+    assert b["layers"].keys() == a["layers"].keys()
+    assert not [w for w in compiled.report["warnings"] if w["stage"] == "evaluate"]
+
