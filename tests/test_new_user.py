@@ -194,3 +194,26 @@ def test_compile_then_evaluate_is_fast_and_silent(tmp_path, capfd):
     assert b["layers"].keys() == a["layers"].keys()
     assert not [w for w in compiled.report["warnings"] if w["stage"] == "evaluate"]
 
+
+def test_a_repeated_warning_is_one_report_entry_with_its_count_and_torch_internal_deprecations_are_hidden(
+        tmp_path, monkeypatch):
+    import warnings
+
+    from lowbit_pipe.stages import STAGES
+    from lowbit_pipe.stages.base import Stage
+
+    class Noisy(Stage):
+        name = "detect"
+
+        def run(self, ctx):
+            for _ in range(3):
+                warnings.warn("the same thing again")
+            warnings.warn_explicit("deprecated inside torch", DeprecationWarning, "torch/utils/mkldnn.py", 19,
+                                   module="torch.utils.mkldnn")
+            return {}
+
+    monkeypatch.setitem(STAGES, "detect", Noisy)
+    result = lowbit_pipe.run("default", ["pipeline=[load,detect]"], run_dir=tmp_path / "run")
+    assert result.report["warnings"] == [{"stage": "detect", "message": "the same thing again", "count": 3}]
+    summary = (tmp_path / "run" / "summary.txt").read_text()
+    assert summary.count("the same thing again") == 1 and "(x3)" in summary
