@@ -112,7 +112,9 @@ def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = 
     validate(Recipe(pipeline=["load"], export=cfg))
     found = detect_module(transformer)
     if dtype is None:
-        dtype = next((p.dtype for p in transformer.parameters() if p.is_floating_point()), torch.float32)
+        from lowbit_pipe.arch.base import compute_dtype
+
+        dtype = compute_dtype(transformer, torch.float32)
     return write_export(transformer, Path(path), cfg, float_dtype=dtype, arch=found.arch if found else None,
                         arch_config=found.config if found else None, model_config=adapter.model_config(model),
                         native=bool(found and found.native))

@@ -217,3 +217,64 @@ def test_a_repeated_warning_is_one_report_entry_with_its_count_and_torch_interna
     assert result.report["warnings"] == [{"stage": "detect", "message": "the same thing again", "count": 3}]
     summary = (tmp_path / "run" / "summary.txt").read_text()
     assert summary.count("the same thing again") == 1 and "(x3)" in summary
+
+
+# ---- (e) model.dtype=bfloat16 keeps diffusers' fp32 modules -------------------------------------------------------
+
+def _fp32_split(model):
+    from lowbit_pipe.arch.base import keeps_fp32
+
+    from lowbit_pipe.nn import QuantLinear
+
+    kept = keeps_fp32(type(model))
+    quant = [n + "." for n, m in model.named_modules() if isinstance(m, QuantLinear)]  # fp32 scales by design
+    named = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+             if t.is_floating_point() and not any(n.startswith(q) for q in quant)]
+    return {t.dtype for n, t in named if kept(n)}, {t.dtype for n, t in named if not kept(n)}
+
+
+def test_bfloat16_keeps_the_fp32_modules_and_a_forward_warns_nothing(tmp_path):
+    import warnings
+
+    import torch
+
+    from lowbit_pipe.arch import get_arch
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        result = lowbit_pipe.run("default", ["model.dtype=bfloat16", "pipeline=[load,detect,quantize,export]",
+                                             "evaluate.samples=1"], run_dir=tmp_path / "run")
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert not records, records[0].getMessage()  # diffusers' "should be kept in float32" (a cast with to())
+    model, arch, ctx = result.model, get_arch("krea2"), result.context
+    assert type(model)._keep_in_fp32_modules  # Krea 2's norms
+    assert _fp32_split(model) == ({torch.float32}, {torch.bfloat16})
+    assert ctx.dtype == torch.bfloat16 and not result.report["warnings"]
+    inputs = arch.example_inputs(ctx.model_config, batch=1, image_tokens=16, text_tokens=4,
+                                 generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16,
+                                 device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
+        out = arch.output_tensor(model(**inputs))
+    assert not [w for w in caught if "dtype" in str(w.message).lower()], [str(w.message) for w in caught]
+    # the file (bf16, as ComfyUI files are) loads back with the same split, and computes the very same output
+    back = lowbit_pipe.run("default", [f"model.path={result.export_path}", "model.dtype=bfloat16", "pipeline=[load]"],
+                           run_dir=tmp_path / "back")
+    assert _fp32_split(back.model) == ({torch.float32}, {torch.bfloat16})
+    with torch.inference_mode():
+        assert torch.equal(arch.output_tensor(back.model(**inputs)), out)
+
+
+def test_compute_dtype_skips_the_fp32_modules(tiny_model):
+    import torch
+
+    from lowbit_pipe.arch.base import cast_keeping_fp32, compute_dtype
+
+    wan = cast_keeping_fp32(tiny_model("wan"), torch.bfloat16)  # its first parameter is the fp32 modulation table
+    assert next(wan.parameters()).dtype == torch.float32 and compute_dtype(wan) == torch.bfloat16
+    result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan)
+    assert result.context.dtype == torch.bfloat16  # a passed-in model computes in its own dtype

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.arch import ARCHS, Arch, ArchConfig, get_arch
+from lowbit_pipe.arch.base import compute_dtype, keeps_fp32
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
@@ -82,6 +83,7 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
     Returns the names of the quantized layers. Raises CheckpointError naming the file and key; `hint` ends a
     key or shape mismatch's message (what the model was built from, what to set).
     """
+    kept = keeps_fp32(type(model))  # diffusers' fp32 modules stay float32, as its from_pretrained keeps them
     quantized = sorted(k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant"))
     for name in quantized:
         try:
@@ -102,7 +104,8 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
                                          f"{type(target).__name__} {tuple(shape.shape) if shape is not None else ''}",
                                   file_key(name))
         parent, attr = parent_of(model, name)
-        setattr(parent, attr, QuantLinear(qweight, bias.to(dtype) if bias is not None else None))
+        bias_dtype = torch.float32 if kept(f"{name}.bias") else dtype
+        setattr(parent, attr, QuantLinear(qweight, bias.to(bias_dtype) if bias is not None else None))
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not _is_quant_key(model, k)]
     unexpected = [k for k in state if k not in expected]
@@ -115,7 +118,7 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
         if tensor.is_floating_point():
             if not torch.isfinite(tensor).all():
                 raise CheckpointError(where, "NaN or Inf in weights", key)
-            state[key] = _owned(tensor, dtype)
+            state[key] = _owned(tensor, torch.float32 if kept(key) else dtype)
         else:
             state[key] = _owned(tensor)
     model.load_state_dict(state, strict=False, assign=True)
@@ -363,7 +366,7 @@ def _check_given_dtype(ctx: Context) -> None:
     """A passed-in model is computed in its own dtype; casting the caller's weights is not undoable
     exactly (fp32 -> bf16 loses bits), so a different model.dtype is refused, not applied."""
     want = ctx.recipe.model.dtype
-    have = next((p.dtype for p in ctx.transformer.parameters() if p.is_floating_point()), None)
+    have = compute_dtype(ctx.transformer)
     if want is not None and have is not None and getattr(torch, want) != have:
         raise ValueError(f"model.dtype={want}, but the model passed in is {str(have).removeprefix('torch.')}; "
                          "cast it yourself or leave model.dtype unset")
