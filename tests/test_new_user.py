@@ -278,3 +278,45 @@ def test_compute_dtype_skips_the_fp32_modules(tiny_model):
     assert next(wan.parameters()).dtype == torch.float32 and compute_dtype(wan) == torch.bfloat16
     result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan)
     assert result.context.dtype == torch.bfloat16  # a passed-in model computes in its own dtype
+
+
+# ---- (f) progress for load, export and evaluate; labelled images.png -----------------------------------------------
+
+def test_console_task_lines_in_a_log():
+    import io
+
+    from lowbit_pipe.progress import Console
+
+    log = io.StringIO()
+    with Console(prefix="[job 1] ", err=log, interval=0.0).task("evaluate: forwards", 3) as task:
+        for _ in range(3):
+            task.advance()
+    assert log.getvalue().splitlines() == [f"[job 1] evaluate: forwards: {i}/3" for i in (1, 2, 3)]
+    quiet = io.StringIO()
+    with Console(err=quiet).task("fast", 3) as task:
+        task.advance(3)
+    assert quiet.getvalue() == ""  # done in a blink: no line
+
+
+def test_load_export_and_evaluate_report_progress(tmp_path):
+    import io
+
+    from lowbit_pipe.progress import Console
+    from lowbit_pipe.runner import Runner
+
+    source = lowbit_pipe.run("default", ["pipeline=[load,detect,export]"], run_dir=tmp_path / "float").export_path
+    recipe = compose_recipe("default", [f"model.path={source}", "pipeline=[load,detect,quantize,evaluate,export]",
+                                        "evaluate.samples=2", "evaluate.trajectory_seeds=1", "evaluate.steps=3",
+                                        f"export.path={tmp_path / 'out.safetensors'}"])
+    out, err = io.StringIO(), io.StringIO()
+    Runner(recipe, tmp_path / "run", console=Console(out=out, err=err, interval=0.0)).run()
+    lines = err.getvalue().splitlines()
+    assert f"load: {source} (krea2, " in out.getvalue()  # what is read, how big
+    tensors = len(__import__("safetensors").safe_open(source, "pt").keys())
+    for label, total in [("load: read", tensors), ("load: check values", tensors), ("load: check and cast", tensors),
+                         ("evaluate: forwards", 2 * (2 + 1 * 3))]:
+        assert f"{label}: 1/{total}" in lines and f"{label}: {total}/{total}" in lines, (label, lines[:5])
+    writes = [line for line in lines if line.startswith("export: write: ")]
+    done, total = writes[-1].removeprefix("export: write: ").split("/")
+    assert writes[0] == f"export: write: 1/{total}" and done == total
+

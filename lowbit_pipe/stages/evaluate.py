@@ -133,13 +133,28 @@ class Evaluate(Stage):
 
     def _measure(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.evaluate
-        forward = self._forward(ctx)
+        with ctx.console.task("evaluate: forwards", 2 * (cfg.samples + cfg.trajectory_seeds * cfg.steps)) as task:
+            return self._measured(ctx, self._counted(self._forward(ctx), task))
+
+    @staticmethod
+    def _counted(forward: Callable[[dict[str, Any]], torch.Tensor], task: Any) -> Callable:
+        """`forward`, advancing the progress task once per model forward (quantized or float): a full-size
+        model's evaluate is minutes of forwards, each sample and trajectory step a few of them."""
+        def counted(kwargs: dict[str, Any]) -> torch.Tensor:
+            out = forward(kwargs)
+            task.advance()
+            return out
+        counted.uncounted = forward
+        return counted
+
+    def _measured(self, ctx: Context, forward: Callable) -> dict[str, Any]:
+        cfg = ctx.recipe.evaluate
         cuda = ctx.device.type == "cuda"
         result: dict[str, Any] = {}
         refs, outs = [], []
         sums: dict[str, list[float]] = {}
         with torch.inference_mode():
-            for i in ctx.console.progress(range(cfg.samples), "evaluate: output samples"):
+            for i in range(cfg.samples):
                 inputs = self._inputs(ctx, cfg.seed + i, cfg.batch)
                 if cuda and i == 0:  # peak of one quantized forward (the runner reset the stats at stage start)
                     torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -162,7 +177,7 @@ class Evaluate(Stage):
                 result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png")
             result.update(self._bytes(ctx))
             result["peak_device_bytes"] = result.get("peak_device_bytes")
-            result["latency_ms"] = self._latency(ctx, forward) if cfg.latency and cuda else None
+            result["latency_ms"] = self._latency(ctx, forward.uncounted) if cfg.latency and cuda else None
         result["objective"] = objective(result, cfg.objective, cfg.budget_bytes)
         return result
 
@@ -184,7 +199,7 @@ class Evaluate(Stage):
         scale = sampler.TIME_SCALE.get(ctx.arch.id, 1.0)
         seeds = [cfg.seed + TRAJECTORY_SEED_OFFSET + k for k in range(cfg.trajectory_seeds)]
         cosines, finals = [], []
-        for seed in ctx.console.progress(seeds, "evaluate: trajectories"):
+        for seed in seeds:
             inputs = self._inputs(ctx, seed, 1)
             quant = sampler.euler_sample(forward, inputs, cfg.steps, scale)
             with float_reference(ctx):

@@ -20,6 +20,8 @@ from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import decode_record, encode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.progress import Console
+from lowbit_pipe.summary import fmt_bytes
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 
@@ -77,7 +79,8 @@ def key_mismatch(expected: Any, found: Any, missing: list[str], unexpected: list
 
 
 def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
-                       file_key: Callable[[str], str] = lambda name: name, hint: str = "") -> list[str]:
+                       file_key: Callable[[str], str] = lambda name: name, hint: str = "",
+                       console: Console | None = None) -> list[str]:
     """Load `state` into a (meta) model, rebuilding QuantLinear layers from `.comfy_quant` records.
 
     Returns the names of the quantized layers. Raises CheckpointError naming the file and key; `hint` ends a
@@ -111,7 +114,8 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         raise CheckpointError(where, key_mismatch(expected, state, missing, unexpected) + hint)
-    for key, tensor in state.items():
+    items = list(state.items())
+    for key, tensor in console.progress(items, "load: check and cast") if console is not None else items:
         if key in expected and expected[key].shape != tensor.shape:
             raise CheckpointError(where, f"shape {tuple(tensor.shape)} does not match the model's "
                                          f"{tuple(expected[key].shape)}{hint or ' (wrong model.config?)'}", key)
@@ -169,7 +173,7 @@ def _read_records(path: str, keys: list[str]) -> dict[str, dict]:
     return {k[: -len(".comfy_quant")]: decode_record(t, f"{path} [{k}]") for k, t in tensors.items()}
 
 
-def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
+def check_file_tensors(state: dict[str, torch.Tensor], path: str, console: Console | None = None) -> None:
     """Validate every layer under the keys the FILE uses (before any renaming), so errors name them."""
     quantized = {k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant")}
     for name in sorted(quantized):
@@ -180,7 +184,8 @@ def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
             format_for_record(record, name).from_tensors(tensors, record, name)
         except FormatError as err:
             raise CheckpointError(path, str(err)) from err
-    for key, tensor in state.items():
+    items = list(state.items())
+    for key, tensor in console.progress(items, "load: check values") if console is not None else items:
         if key.rsplit(".", 1)[0] not in quantized and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(path, "NaN or Inf in weights", key)
 
@@ -249,18 +254,25 @@ def config_hint(src: SourceFile, config_override: dict[str, Any]) -> str:
             f"config, e.g. +model.config.num_layers=N (the diffusers config.json keys; docs/usage.md, 'model.config')")
 
 
-def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized."""
+def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype,
+                     console: Console | None = None) -> tuple[nn.Module, dict]:
+    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized.
+    `console`: a line saying what is read, then progress per tensor (a 12B model's load is minutes)."""
     from lowbit_pipe import layout
     from lowbit_pipe.arch.detect import strip_prefix
 
     src = inspect_file(path, arch_id, config_override)
     arch, arch_config, records = src.arch, src.arch_config, src.records
+    if console is not None:
+        size = sum(Path(f).stat().st_size for f in src.files)
+        console.say(f"load: {path} ({src.arch.id}, {fmt_bytes(size)} in {len(src.files)} "
+                    f"file{'s' if len(src.files) > 1 else ''})")
     state: dict[str, torch.Tensor] = {}
-    for f in src.files:
-        state.update(load_tensors(f))
+    for i, f in enumerate(src.files, 1):
+        label = "load: read" + (f" shard {i}/{len(src.files)}" if len(src.files) > 1 else "")
+        state.update(load_tensors(f, console=console, label=label))
     state.update({f"{name}.comfy_quant": encode_record(record) for name, record in src.header_records.items()})
-    check_file_tensors(state, path)
+    check_file_tensors(state, path, console)
     state, prefix = strip_prefix(state)
     if src.layout == "native":
         rows = {}
@@ -276,7 +288,7 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
     def file_key(name: str) -> str:  # errors name the layer as the file spells it
         return prefix + (arch.to_native(name, arch_config)[0] if src.layout == "native" else name)
 
-    quantized = install_state_dict(model, state, path, dtype, file_key, config_hint(src, config_override))
+    quantized = install_state_dict(model, state, path, dtype, file_key, config_hint(src, config_override), console)
     return model.eval(), {"path": path, "layout": src.layout, "prefix": prefix, "quantized_layers": len(quantized),
                           "arch": arch.id, "recipe": src.meta.get("recipe"), "files": len(src.files)}
 
@@ -333,10 +345,11 @@ class Load(Stage):
             ctx.set_model(build_tiny(arch_id, dict(cfg.tiny_config), cfg.seed, ctx.dtype), owned=True)
             ctx.source = {"path": None, "layout": "tiny", "arch": arch_id}
         elif Path(cfg.path).is_dir():
+            ctx.console.say(f"load: {cfg.path} (diffusers model folder, read by diffusers' from_pretrained)")
             model, ctx.source = load_diffusers_dir(cfg.path, ctx.dtype)
             ctx.set_model(model, owned=True)
         elif Path(cfg.path).is_file():
-            model, ctx.source = load_single_file(cfg.path, cfg.arch, dict(cfg.config), ctx.dtype)
+            model, ctx.source = load_single_file(cfg.path, cfg.arch, dict(cfg.config), ctx.dtype, ctx.console)
             ctx.set_model(model, owned=True)
         else:
             raise CheckpointError(cfg.path, "no such file or directory (model.path)")
