@@ -320,3 +320,30 @@ def test_load_export_and_evaluate_report_progress(tmp_path):
     done, total = writes[-1].removeprefix("export: write: ").split("/")
     assert writes[0] == f"export: write: 1/{total}" and done == total
 
+
+def test_images_png_panels_are_labelled(tmp_path):
+    from PIL import Image
+
+    from lowbit_pipe.images import COLUMNS, LABEL_HEIGHT, grid_layout
+
+    layout = grid_layout((128, 128), "krea2_nvfp4: int8 + nvfp4, 4 Euler steps", ["seed 1: PSNR 40.0 dB", "seed 2"])
+    texts = [t for _, _, t in layout.texts]
+    assert texts == ["krea2_nvfp4: int8 + nvfp4, 4 Euler steps", *COLUMNS, "seed 1: PSNR 40.0 dB", "seed 2"]
+    assert layout.size == (3 * 128, 4 * LABEL_HEIGHT + 2 * 128) and len(layout.tiles) == 6
+    bands = {y - 1 for _, y, _ in layout.texts}  # each text line's top (texts sit 1 px below it)
+    for x, y in layout.tiles:  # no tile covers a label line
+        assert all(top + LABEL_HEIGHT <= y or y + 128 <= top for top in bands), (x, y, bands)
+    long = grid_layout((16, 16), "x" * 200, ["r"])  # cut to the image's width
+    assert long.texts[0][2].endswith("...") and len(long.texts[0][2]) * 6 <= 48
+
+    result = lowbit_pipe.run("krea2_nvfp4", ["pipeline=[load,detect,quantize,evaluate]", "evaluate.images=true",
+                                             "evaluate.samples=1", "evaluate.steps=2", "evaluate.trajectory_seeds=2"],
+                             run_dir=tmp_path / "run")
+    labels = result.report["evaluate"]["images"]["labels"]
+    seeds = result.report["evaluate"]["trajectory"]["seeds"]
+    assert labels["title"] == "krea2_nvfp4: int8 + nvfp4, 2 Euler steps, stand-in VAE"
+    assert labels["columns"] == list(COLUMNS)
+    assert [r.split(":")[0] for r in labels["rows"]] == [f"seed {s}" for s in seeds] and "PSNR" in labels["rows"][0]
+    grid = Image.open(tmp_path / "run" / "images.png").convert("RGB")
+    title_band = grid.crop((0, 0, grid.size[0], LABEL_HEIGHT))
+    assert len(set(title_band.getdata())) > 1  # text drawn on the band

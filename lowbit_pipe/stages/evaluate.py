@@ -174,7 +174,8 @@ class Evaluate(Stage):
             if cfg.images:
                 from lowbit_pipe.images import compare_images
 
-                result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png")
+                result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png",
+                                                  seeds=result["trajectory"]["seeds"], steps=cfg.steps)
             result.update(self._bytes(ctx))
             result["peak_device_bytes"] = result.get("peak_device_bytes")
             result["latency_ms"] = self._latency(ctx, forward.uncounted) if cfg.latency and cuda else None
