@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from lowbit_pipe.compose import cli_recipes, recipe_file_args, register_schema, split_cli, to_recipe
 from lowbit_pipe.errors import LowbitError
 from lowbit_pipe.paths import config_dir
-from lowbit_pipe.preflight import preflight
+from lowbit_pipe.preflight import check_extras, preflight
 from lowbit_pipe.progress import Console
 from lowbit_pipe.runner import Runner
 
@@ -47,11 +47,26 @@ def _main(cfg: DictConfig) -> float | None:
     return (result.report.get("evaluate") or {}).get("objective")
 
 
+def version() -> str:
+    """`--version`: this package's version, with the versions of what runs it (Hydra's flag, listed by --help,
+    shows Hydra's own)."""
+    import hydra
+    import torch
+
+    from lowbit_pipe.version import __version__
+
+    return f"lowbit_pipe {__version__} (Hydra {hydra.__version__}, torch {torch.__version__})"
+
+
 def main() -> None:
+    if "--version" in sys.argv[1:]:
+        print(version())
+        sys.exit(0)
     # Refuse a bad recipe, or inputs that cannot work, in one line before Hydra creates any run dir.
     try:
         flags, overrides = split_cli(sys.argv[1:])
         if not (flags.help or flags.hydra_help or flags.shell_completion):
+            check_extras(overrides)
             sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:])
             for recipe in cli_recipes(recipe_file_args(overrides)):
                 preflight(recipe)

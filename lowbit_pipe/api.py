@@ -46,6 +46,10 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
              calibrate: Callable[[], None] | None = None) -> dict[str, Any]:
     """Quantize `module` in place per a `quantize:` config (dict or QuantizeConfig); no recipe, no run dir.
 
+    The layer plan is a recipe's: the detected architecture's keep-float and sensitive lists apply (a module of
+    no known architecture gets the generic policy, which keeps its first and its last Linear float, so a 2-layer
+    MLP quantizes nothing unless `arch_keep_float: False`); the result's `kept_float` names each float layer with
+    its reason, `arch` the policy used, and a call that quantizes nothing warns.
     Pass a Ledger to be able to undo it (`ledger.unwind()`); returns the counts and bytes. `calibrate`:
     a function that runs `module` on representative inputs, needed by layers with activations=static
     (their input_scale is the amax of the input it sees, after the layer's rotation) and by GPTQ
@@ -82,7 +86,11 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
                              gptq=config.gptq, run_examples=calibrate,
                              compute_device=compute_device(config.compute_device))
-    return {**result, **runtime_settings(module, config, ledger)}
+    # Which layers stayed float and why, by name: with the generic policy (a module of no known architecture) the
+    # first and the last Linear stay float, so a 2-layer MLP gets nothing quantized (warned about, above).
+    kept = {p.name: p.reason for p in plans if p.spec is None}
+    return {**result, **runtime_settings(module, config, ledger), "arch": found.arch.id if found else "generic",
+            "kept_float": kept}
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,
@@ -104,7 +112,9 @@ def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = 
     validate(Recipe(pipeline=["load"], export=cfg))
     found = detect_module(transformer)
     if dtype is None:
-        dtype = next((p.dtype for p in transformer.parameters() if p.is_floating_point()), torch.float32)
+        from lowbit_pipe.arch.base import compute_dtype
+
+        dtype = compute_dtype(transformer, torch.float32)
     return write_export(transformer, Path(path), cfg, float_dtype=dtype, arch=found.arch if found else None,
                         arch_config=found.config if found else None, model_config=adapter.model_config(model),
                         native=bool(found and found.native))

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 
 from lowbit_pipe.errors import CheckpointError
+from lowbit_pipe.progress import Console
 
 _DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64",
            "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
@@ -73,13 +74,15 @@ def read_header(path: str | Path) -> Header:
     return Header(path, dict(metadata), tensors, 8 + n)
 
 
-def load_tensors(path: str | Path, keys: list[str] | None = None) -> dict[str, torch.Tensor]:
-    """Tensors of a checked file (memory-mapped by safetensors)."""
+def load_tensors(path: str | Path, keys: list[str] | None = None, *, console: Console | None = None,
+                 label: str = "load: read") -> dict[str, torch.Tensor]:
+    """Tensors of a checked file (memory-mapped by safetensors); `console`: progress per tensor."""
     path = str(path)
     out = {}
     try:
         with safe_open(path, framework="pt") as f:
-            for key in keys if keys is not None else list(f.keys()):
+            todo = keys if keys is not None else list(f.keys())
+            for key in console.progress(todo, label) if console is not None else todo:
                 out[key] = f.get_tensor(key)
     except CheckpointError:
         raise
@@ -112,10 +115,11 @@ def _publish(tmp: Path, path: Path) -> None:
 
 
 def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
-                *, inputs: tuple[str | Path, ...] = ()) -> int:
+                *, inputs: tuple[str | Path, ...] = (), console: Console | None = None,
+                label: str = "export: write") -> int:
     """Write `path` via a temp file + rename (StreamingWriter, so the bytes depend only on the tensors and
     the metadata, in the order given: safetensors' own writer orders metadata keys randomly); never
-    overwrites one of `inputs`. Returns bytes written."""
+    overwrites one of `inputs`. Returns bytes written. `console`: progress per tensor."""
     entries, offset = {}, 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -126,7 +130,8 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
         entries["__metadata__"] = metadata
     with StreamingWriter(path, len(json.dumps(entries, separators=(",", ":")).encode("utf-8")),
                          inputs=inputs) as writer:
-        for key, t in tensors.items():
+        items = list(tensors.items())
+        for key, t in console.progress(items, label) if console is not None else items:
             writer.write(key, t)
         return writer.close(metadata)
 

@@ -26,6 +26,9 @@ from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.validate import validate
 
 CONFIG_NAME = "config"
+# Recipe keys that map any key to a value (constructor kwargs): Hydra's struct mode makes a new key there an
+# override with '+' (+model.config.num_layers=2), or an entry of a recipe file's mapping.
+FREE_DICTS = ("model.config", "model.tiny_config")
 FILE_RECIPE = "_lowbit_file"  # group option a recipe file or dict is served under
 
 
@@ -131,6 +134,9 @@ def _one_line(err: BaseException) -> RecipeError:
             key = str(err).splitlines()[0].split("'")[1]
     if "not in" in message and key:
         message = "no such key" + (f" ({message})" if message else "")
+        head = next((d for d in FREE_DICTS if key.startswith(d + ".")), None)
+        if head is not None:  # a mapping of any keys: a new one is added with Hydra's '+'
+            message += f"; {head} takes any key, added with '+': +{key}=..."
     return RecipeError(key or "<recipe>", message)
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.adapters import Adapter, adapter_for
-from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy
+from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, compute_dtype
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import Recipe
@@ -69,5 +69,5 @@ class Context:
         if self.recipe.model.dtype is not None:
             return getattr(torch, self.recipe.model.dtype)
         if self.model is not None and not self.owns_model:
-            return next((p.dtype for p in self.transformer.parameters() if p.is_floating_point()), torch.float32)
+            return compute_dtype(self.transformer, torch.float32)
         return torch.float32

@@ -13,6 +13,7 @@ What is real and what is substituted:
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -100,24 +101,79 @@ def decode(vae: torch.nn.Module, latent: torch.Tensor) -> torch.Tensor:
     return (image.float() / 2 + 0.5).clamp(0, 1).cpu()  # VaeImageProcessor.denormalize
 
 
-def save_grid(rows: list[tuple[torch.Tensor, torch.Tensor]], path: Path) -> None:
-    """One row per seed: float | quantized | |difference| x8 (clamped). Images (3, H, W) in [0, 1]."""
-    from PIL import Image
+LABEL_HEIGHT = 14  # pixels per line of text (Pillow's default bitmap font: 11 px high)
+CHAR_WIDTH = 6  # its glyphs' advance, for cutting a label to its panel's width
+COLUMNS = ("float", "quantized", "|difference| x8")
+BACKGROUND, INK = (24, 24, 24), (235, 235, 235)
 
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Where everything of images.png goes: tiles row by row (float, quantized, difference), texts (x, y, text)."""
+
+    size: tuple[int, int]  # (width, height)
+    tiles: list[tuple[int, int]]  # top-left corner of each tile
+    texts: list[tuple[int, int, str]]
+
+
+def grid_layout(tile: tuple[int, int], title: str, row_labels: Sequence[str],
+                columns: Sequence[str] = COLUMNS) -> GridLayout:
+    """A title line (recipe, formats, steps), a header line naming the three columns, then per row a label line
+    (seed, PSNR, SSIM) above its three tiles. `tile`: (width, height) of one upscaled image."""
+    w, h = tile
+    width = len(columns) * w
+
+    def fit(text: str, room: int) -> str:  # cut to its panel's width
+        return text if len(text) * CHAR_WIDTH <= room - 4 else text[: max(1, (room - 4) // CHAR_WIDTH - 3)] + "..."
+
+    texts = [(2, 1, fit(title, width))]
+    texts += [(c * w + 2, LABEL_HEIGHT + 1, fit(name, w)) for c, name in enumerate(columns)]
+    y, tiles = 2 * LABEL_HEIGHT, []
+    for label in row_labels:
+        texts.append((2, y + 1, fit(label, width)))
+        y += LABEL_HEIGHT
+        tiles += [(c * w, y) for c in range(len(columns))]
+        y += h
+    return GridLayout((width, y), tiles, texts)
+
+
+def save_grid(rows: list[tuple[torch.Tensor, torch.Tensor]], path: Path, title: str = "",
+              row_labels: Sequence[str] | None = None) -> GridLayout:
+    """One row per seed: float | quantized | |difference| x8 (clamped), each row under its label, the columns
+    under their names, the whole under `title`. Images (3, H, W) in [0, 1]. Returns the layout drawn."""
+    from PIL import Image, ImageDraw
+
+    scale = max(1, TILE // rows[0][0].shape[-1])
     tiles = []
     for ref, out in rows:
         diff = ((out - ref).abs() * 8).clamp(0, 1)
-        tiles.append(torch.cat([ref, out, diff], dim=2))
-    grid = torch.cat(tiles, dim=1)
-    scale = max(1, TILE // rows[0][0].shape[-1])
-    grid = grid.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
-    array = (grid.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()
+        for image in (ref, out, diff):
+            big = image.repeat_interleave(scale, 1).repeat_interleave(scale, 2)
+            tiles.append(Image.fromarray((big.permute(1, 2, 0) * 255).round().to(torch.uint8).numpy()))
+    labels = list(row_labels) if row_labels is not None else [f"row {i}" for i in range(len(rows))]
+    layout = grid_layout(tiles[0].size, title, labels)
+    canvas = Image.new("RGB", layout.size, BACKGROUND)
+    for tile, corner in zip(tiles, layout.tiles):
+        canvas.paste(tile, corner)
+    draw = ImageDraw.Draw(canvas)
+    for x, y, text in layout.texts:
+        draw.text((x, y), text, fill=INK)
     path.parent.mkdir(parents=True, exist_ok=True)
-    Image.fromarray(array).save(path)
+    canvas.save(path)
+    return layout
 
 
-def compare_images(ctx: Any, finals: list[tuple[Any, Any]], path: Path) -> dict[str, Any]:
-    """Decode each (float, quantized) final latent pair; mean / min PSNR (peak 1) and mean SSIM."""
+def _formats(model: torch.nn.Module) -> str:
+    from lowbit_pipe.nn import QuantLinear
+
+    names = sorted({getattr(m.format, "name", "?") for m in model.modules() if isinstance(m, QuantLinear)})
+    return " + ".join(names) or "no quantized layer"
+
+
+def compare_images(ctx: Any, finals: list[tuple[Any, Any]], path: Path, seeds: Sequence[int] = (),
+                   steps: int | None = None) -> dict[str, Any]:
+    """Decode each (float, quantized) final latent pair; mean / min PSNR (peak 1) and mean SSIM. The grid is
+    labelled: recipe, formats and steps above it, column names, each row's seed with its PSNR and SSIM."""
     vae, patch = _pipeline_vae(ctx.model)
     source = "pipeline" if vae is not None else "tiny AutoencoderKL (seeded stand-in)"
     psnrs, ssims, rows = [], [], []
@@ -130,9 +186,13 @@ def compare_images(ctx: Any, finals: list[tuple[Any, Any]], path: Path) -> dict[
             psnrs.append(metrics.psnr_db(ref, out, peak=1.0))
             ssims.append(metrics.ssim(ref, out))
             rows.append((ref[0], out[0]))
-    save_grid(rows, path)
+    title = f"{ctx.recipe.name}: {_formats(ctx.transformer)}" + (f", {steps} Euler steps" if steps else "")
+    title += "" if source == "pipeline" else ", stand-in VAE"
+    seeds = list(seeds) or list(range(len(rows)))
+    row_labels = [f"seed {seed}: PSNR {p:.1f} dB, SSIM {s:.4f}" for seed, p, s in zip(seeds, psnrs, ssims)]
+    layout = save_grid(rows, path, title, row_labels)
     return {"vae": source, "psnr_db": metrics.finite(sum(psnrs) / len(psnrs)) if psnrs else None,
             "min_psnr_db": metrics.finite(min(psnrs)) if psnrs else None,
             "ssim": sum(ssims) / len(ssims) if ssims else None,
             "per_seed": [{"psnr_db": metrics.finite(p), "ssim": s} for p, s in zip(psnrs, ssims)],
-            "path": path.name}
+            "path": path.name, "labels": {"title": layout.texts[0][2], "columns": list(COLUMNS), "rows": row_labels}}

@@ -8,6 +8,7 @@ key and the path. The CLI exits with code 2; `lowbit_pipe.run` raises before cre
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -56,16 +57,29 @@ def _check_device(device: str | None) -> None:
         raise RecipeError("model.device", f"'{device}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
 
 
-def _writable_dir(path: Path) -> Path | None:
-    """The nearest existing ancestor of `path` (the folder mkdir would start from), if it is not writable."""
+def _writable_dir(path: Path) -> tuple[Path, str] | None:
+    """(the folder, why) when `path` cannot be written to or created; None when it can.
+
+    Tried, not inferred from permission bits: as root `os.access` says yes to everything, and /proc, a
+    read-only mount or a full quota refuse what the bits allow. A temp file is created and removed in the
+    folder when it exists, else a temp folder in its nearest existing ancestor (where mkdir would start)."""
     p = path
     while not p.exists():
         if p.parent == p:
             break
         p = p.parent
     if not p.is_dir():
-        return p
-    return None if os.access(p, os.W_OK | os.X_OK) else p
+        return p, "not a directory"
+    try:
+        if p == path:
+            fd, name = tempfile.mkstemp(prefix=".lowbit_pipe-probe-", dir=p)
+            os.close(fd)
+            os.unlink(name)
+        else:
+            os.rmdir(tempfile.mkdtemp(prefix=".lowbit_pipe-probe-", dir=p))
+    except OSError as err:
+        return p, err.strerror or type(err).__name__
+    return None
 
 
 def _check_export(recipe: Recipe) -> None:
@@ -76,7 +90,8 @@ def _check_export(recipe: Recipe) -> None:
         raise RecipeError("export.path", f"{out} is a directory; name the .safetensors file to write")
     blocked = _writable_dir(out.parent)
     if blocked is not None:
-        raise RecipeError("export.path", f"{out}: cannot write there ({blocked} is not a writable directory)")
+        folder, why = blocked
+        raise RecipeError("export.path", f"{out}: cannot write there ({folder} is not a writable directory: {why})")
     if out.exists() and not os.access(out, os.W_OK):
         raise RecipeError("export.path", f"{out}: exists and is not writable")
     src = recipe.model.path
@@ -91,6 +106,43 @@ def _check_loras(recipe: Recipe) -> None:
         if spec.path.startswith("example:"):
             continue
         _check_safetensors(f"lora.files[{i}].path", spec.path)
+
+
+_OPTUNA = ("hydra_plugins.hydra_optuna_sweeper", "optuna", "Hydra's Optuna sweeper (hydra-optuna-sweeper)")
+_JOBLIB = ("hydra_plugins.hydra_joblib_launcher", "sweep", "Hydra's joblib launcher (hydra-joblib-launcher)")
+_SUBMITIT = ("hydra_plugins.hydra_submitit_launcher", "sweep", "Hydra's submitit launcher (hydra-submitit-launcher)")
+# Hydra config group options (ours in conf/hydra/, and Hydra's own names) -> (module they need, the pyproject extra
+# that installs it, what it is). Without it Hydra stops with a multi-line "Could not load 'hydra/sweeper/optuna'".
+EXTRAS: dict[tuple[str, str], tuple[str, str, str]] = {
+    ("hydra/sweeper", "optuna_budget"): _OPTUNA, ("hydra/sweeper", "optuna"): _OPTUNA,
+    ("hydra/launcher", "local"): _JOBLIB, ("hydra/launcher", "joblib"): _JOBLIB,
+    ("hydra/launcher", "slurm"): _SUBMITIT, ("hydra/launcher", "submitit_slurm"): _SUBMITIT,
+    ("hydra/launcher", "submitit_local"): _SUBMITIT,
+    ("hydra/launcher", "ray"): ("ray", "ray", "Ray"),
+    ("hydra/callbacks", "mlflow"): ("mlflow", "mlflow", "MLflow"),
+}
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
+
+
+def check_extras(overrides: list[str]) -> None:
+    """Refuse a Hydra plugin option (hydra/sweeper=optuna_budget, hydra/launcher=ray, ...) whose optional extra is
+    not installed, naming the pip command, before Hydra fails on it."""
+    for arg in overrides:
+        key, _, value = arg.lstrip("+~").partition("=")
+        need = EXTRAS.get((key.strip(), value.strip()))
+        if need is not None and not _importable(need[0]):
+            module, extra, what = need
+            raise RecipeError(key.strip(), f"'{value.strip()}' needs {what}, which is not installed: "
+                                           f"pip install \".[{extra}]\" (from the source tree; "
+                                           f"else pip install \"lowbit_pipe[{extra}]\")")
 
 
 def preflight(recipe: Recipe, *, model_given: bool = False) -> None:

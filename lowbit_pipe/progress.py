@@ -8,10 +8,11 @@ job number (`[job 3] `), so interleaved jobs stay readable.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, TextIO, TypeVar
+from typing import Callable, Iterable, Iterator, TextIO, TypeVar
 
 T = TypeVar("T")
 
@@ -41,24 +42,58 @@ class Console:
     def progress(self, items: Iterable[T], label: str, *, minimum: int = 2) -> Iterator[T]:
         """Iterate `items`, showing progress when there are at least `minimum` of them."""
         items = list(items)
-        stream = self.err or sys.stderr
         if len(items) < minimum:
             yield from items
             return
+        with self.task(label, len(items)) as task:
+            for item in items:
+                yield item
+                task.advance()
+
+    @contextlib.contextmanager
+    def task(self, label: str, total: int) -> Iterator[Task]:
+        """Progress of `total` units that the caller advances (`task.advance(n)`) from wherever the work is: a
+        model forward inside a sampler, a tensor inside a writer. A bar on a terminal, plain lines in a log."""
+        stream = self.err or sys.stderr
         if stream.isatty():
             from rich.console import Console as RichConsole
-            from rich.progress import track
+            from rich.progress import Progress
 
-            yield from track(items, description=f"{self.prefix}{label}", transient=True,
-                             console=RichConsole(file=stream))
+            with Progress(*Progress.get_default_columns(), transient=True, console=RichConsole(file=stream)) as bar:
+                job = bar.add_task(f"{self.prefix}{label}", total=total)
+                yield Task(label, total, lambda done: bar.update(job, completed=done))
             return
-        n, last, shown = len(items), time.monotonic(), False
-        for i, item in enumerate(items, 1):
-            yield item
-            now = time.monotonic()
-            if now - last >= self.interval or (shown and i == n):
-                print(f"{self.prefix}{label}: {i}/{n}", file=stream, flush=True)
-                last, shown = now, True
+        task = Task(label, total, None)
+        task.show = lambda done: self._line(task, done)
+        task._last = time.monotonic()
+        yield task
+        if task._shown and task.done != task._printed:
+            print(f"{self.prefix}{label}: {task.done}/{total}", file=stream, flush=True)
+
+    def _line(self, task: Task, done: int) -> None:
+        """A plain progress line every `interval` seconds (none for a task done in a blink)."""
+        now = time.monotonic()
+        if now - task._last >= self.interval or (task._shown and done == task.total):
+            print(f"{self.prefix}{task.label}: {done}/{task.total}", file=self.err or sys.stderr, flush=True)
+            task._last, task._shown, task._printed = now, True, done
+
+
+@dataclass
+class Task:
+    """A progress counter (Console.task): `advance(n)` after each unit of work."""
+
+    label: str
+    total: int
+    show: Callable[[int], None] | None
+    done: int = 0
+    _last: float = 0.0
+    _shown: bool = False
+    _printed: int = -1
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self.show is not None:
+            self.show(self.done)
 
 
 def progress(items: Iterable[T], label: str, *, enabled: bool = True, console: Console | None = None) -> Iterator[T]:

@@ -172,17 +172,32 @@ class Runner:
         start = time.perf_counter()
         with PeakHostMemory() as mem, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            # torch's own modules calling its deprecated APIs (the first inductor compile imports torch.utils.mkldnn:
+            # 14 `torch.jit.script_method is deprecated`): nothing a user can act on; Python's default filters hide
+            # them as well. Ours and the user's code are still shown (a warning names its caller's module).
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch(\.|$)")
             try:
                 figures = teardown(ctx) if name == "teardown" else stage.run(ctx)
             finally:  # warnings of a failing stage are shown too
                 for w in caught:
-                    ctx.console.warn(str(w.message))
-                    ctx.report.setdefault("warnings", []).append({"stage": name, "message": str(w.message)})
+                    record_warning(ctx, name, str(w.message))
         entry = {"seconds": round(time.perf_counter() - start, 4), "peak_host_bytes": mem.peak}
         if cuda:
             entry["peak_device_bytes"] = torch.cuda.max_memory_allocated()
         entry.update(figures or {})
         return entry
+
+
+def record_warning(ctx: Context, stage: str, message: str) -> None:
+    """Show a stage's warning (once per text: the console) and keep it in the report, once per stage and text with
+    its `count` when repeated (a warning per layer or per call would otherwise fill the summary)."""
+    ctx.console.warn(message)
+    entries = ctx.report.setdefault("warnings", [])
+    same = next((w for w in entries if w["stage"] == stage and w["message"] == message), None)
+    if same is None:
+        entries.append({"stage": stage, "message": message})
+    else:
+        same["count"] = same.get("count", 1) + 1
 
 
 def release_traceback(err: BaseException) -> str:

@@ -80,5 +80,5 @@ def format_summary(report: dict[str, Any]) -> str:
         for what in td.get("unfreed") or []:
             lines.append(f"  not freed: {what}")
     for w in report.get("warnings") or []:
-        lines.append(f"warning ({w['stage']}): {w['message']}")
+        lines.append(f"warning ({w['stage']}): {w['message']}" + (f" (x{w['count']})" if w.get("count") else ""))
     return "\n".join(lines)

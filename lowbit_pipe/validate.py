@@ -108,6 +108,14 @@ def _check_pipeline(recipe: Recipe) -> None:
         raise RecipeError("pipeline[0]", f"the first stage must be 'load', got '{recipe.pipeline[0]}'")
     if "teardown" in recipe.pipeline and recipe.pipeline[-1] != "teardown":
         raise RecipeError("pipeline", "'teardown' must be the last stage")
+    if recipe.lora.files and "lora" not in recipe.pipeline:
+        # Silently ignoring them would export a model without the LoRAs the user asked for.
+        n = len(recipe.lora.files)
+        raise RecipeError("lora.files", f"{n} LoRA file{'s' if n > 1 else ''} listed ({recipe.lora.files[0].path}"
+                                        f"{', ...' if n > 1 else ''}), but the pipeline {list(recipe.pipeline)} has "
+                                        "no 'lora' stage, so they would be ignored: add 'lora' after 'quantize' "
+                                        "(e.g. pipeline=[load,detect,quantize,lora,evaluate,export,teardown], as "
+                                        "recipe=krea2_nvfp4_lora has it), or leave lora.files empty")
     if "lora" in recipe.pipeline and "quantize" in recipe.pipeline and \
             recipe.pipeline.index("lora") < recipe.pipeline.index("quantize"):
         raise RecipeError("pipeline", "'lora' must come after 'quantize' (branches attach to quantized layers)")

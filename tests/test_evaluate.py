@@ -149,7 +149,10 @@ def test_images_on_a_tiny_offline_pipeline(tiny_model, tmp_path):
     from PIL import Image
 
     grid = Image.open(tmp_path / "p" / "images.png")
-    assert grid.size[0] == 3 * grid.size[1] // 2  # 2 seeds x (float | quantized | diff)
+    from lowbit_pipe.images import LABEL_HEIGHT
+
+    # 2 seeds x (float | quantized | diff) square tiles, under a title line, a column header and a label per seed
+    assert grid.size[0] == 3 * (grid.size[1] - 4 * LABEL_HEIGHT) // 2
 
 
 def test_images_substitute_vae_and_recipe_checks(tmp_path):

@@ -17,6 +17,42 @@ from lowbit_pipe.arch.keymap import KeyMap
 from lowbit_pipe.arch.lora import resolve_lora_name
 
 
+def keeps_fp32(model_class: type) -> Any:
+    """diffusers' rule for `<class>._keep_in_fp32_modules` (modules its from_pretrained keeps in float32 whatever
+    `torch_dtype` is: Krea 2's norms, Wan's time embedder and modulation table): a predicate on a parameter or
+    buffer name, true when one of the name's dotted parts is such a module (model_loading_utils.py)."""
+    names = getattr(model_class, "_keep_in_fp32_modules", None) or []
+    names = [names] if isinstance(names, str) else list(names)
+    return lambda key: bool(names) and any(m in key.split(".") for m in names)
+
+
+def cast_keeping_fp32(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """`model.to(dtype)` as diffusers' from_pretrained(torch_dtype=dtype) leaves a model: the tensors of the
+    class's fp32 modules stay float32, holding values rounded through `dtype` (as loaded from a file saved in
+    `dtype`, so an export in `dtype` reloads exactly). diffusers' own `to(dtype)` casts them too (and warns)."""
+    if dtype == torch.float32:
+        return model
+    kept = keeps_fp32(type(model))
+    with torch.no_grad():
+        for prefix, module in model.named_modules():
+            for table in (module._parameters, module._buffers):
+                for attr, t in table.items():
+                    if t is None or not t.is_floating_point():
+                        continue
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    t.data = t.data.to(dtype).to(torch.float32) if kept(name) and t.dtype != dtype else t.data.to(dtype)
+    return model
+
+
+def compute_dtype(module: nn.Module, default: torch.dtype | None = None) -> torch.dtype | None:
+    """The floating dtype a model computes in: its first floating parameter's, skipping the diffusers fp32
+    modules (as diffusers' `model.dtype` does; a bf16 Wan's first parameter is its fp32 modulation table)."""
+    kept = keeps_fp32(type(module))
+    named = list(module.named_parameters())
+    found = next((p.dtype for n, p in named if p.is_floating_point() and not kept(n)), None)
+    return found or next((p.dtype for _, p in named if p.is_floating_point()), default)
+
+
 @dataclass(frozen=True)
 class ArchConfig:
     """Structural facts about a detected transformer (logical shapes, never packed ones)."""

@@ -9,6 +9,7 @@ import torch
 from omegaconf import OmegaConf
 from torch import nn
 
+from lowbit_pipe.arch.base import cast_keeping_fp32
 from lowbit_pipe.arch.registry import get_arch
 from lowbit_pipe.paths import tiny_models
 
@@ -34,4 +35,5 @@ def build_tiny(arch_id: str, config: dict[str, Any], seed: int, dtype: torch.dty
             for param in model.parameters():
                 if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
                     param.add_(torch.randn_like(param) * 0.1)
-    return (model if dtype == torch.float32 else model.to(dtype)).eval()
+    # diffusers' fp32 modules (Krea 2's norms) stay float32, as from_pretrained(torch_dtype=dtype) leaves them.
+    return cast_keeping_fp32(model, dtype).eval()

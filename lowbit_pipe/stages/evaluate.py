@@ -26,11 +26,20 @@ TRAJECTORY_SEED_OFFSET = 10_000  # trajectory seeds differ from the output-sampl
 
 
 @contextlib.contextmanager
-def float_reference(ctx: Context) -> Iterator[None]:
-    """Temporarily put the float originals of every swapped layer back (exact reference, no copy)."""
+def float_reference(ctx: Context, eager: bool = True) -> Iterator[None]:
+    """Temporarily put the float originals of every swapped layer back (exact reference, no copy).
+
+    `eager`: the float model runs eagerly even where the compile stage compiled its blocks
+    (torch.compiler.set_stance("force_eager")). Compiled, every block would recompile for the float
+    layers, and dynamo would trace layer_probes' hooks (a graph break per hook at each `float()`, a warning
+    block on stderr, recompiles up to the cache limit): 87 s instead of 2 s on the tiny model. The float
+    reference is eager float, as the model the user started from; the quantized model runs as compiled."""
     root = ctx.transformer
     swapped = []
+    stack = contextlib.ExitStack()
     try:
+        if eager:
+            stack.enter_context(torch.compiler.set_stance("force_eager"))
         for name in ctx.ledger.swapped():
             original = ctx.ledger.original(name)
             if original is None:
@@ -46,6 +55,7 @@ def float_reference(ctx: Context) -> Iterator[None]:
         for parent, attr, quantized, original, original_device in reversed(swapped):
             original.to(original_device)
             setattr(parent, attr, quantized)
+        stack.close()
 
 
 @contextlib.contextmanager
@@ -123,13 +133,28 @@ class Evaluate(Stage):
 
     def _measure(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.evaluate
-        forward = self._forward(ctx)
+        with ctx.console.task("evaluate: forwards", 2 * (cfg.samples + cfg.trajectory_seeds * cfg.steps)) as task:
+            return self._measured(ctx, self._counted(self._forward(ctx), task))
+
+    @staticmethod
+    def _counted(forward: Callable[[dict[str, Any]], torch.Tensor], task: Any) -> Callable:
+        """`forward`, advancing the progress task once per model forward (quantized or float): a full-size
+        model's evaluate is minutes of forwards, each sample and trajectory step a few of them."""
+        def counted(kwargs: dict[str, Any]) -> torch.Tensor:
+            out = forward(kwargs)
+            task.advance()
+            return out
+        counted.uncounted = forward
+        return counted
+
+    def _measured(self, ctx: Context, forward: Callable) -> dict[str, Any]:
+        cfg = ctx.recipe.evaluate
         cuda = ctx.device.type == "cuda"
         result: dict[str, Any] = {}
         refs, outs = [], []
         sums: dict[str, list[float]] = {}
         with torch.inference_mode():
-            for i in ctx.console.progress(range(cfg.samples), "evaluate: output samples"):
+            for i in range(cfg.samples):
                 inputs = self._inputs(ctx, cfg.seed + i, cfg.batch)
                 if cuda and i == 0:  # peak of one quantized forward (the runner reset the stats at stage start)
                     torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -149,10 +174,11 @@ class Evaluate(Stage):
             if cfg.images:
                 from lowbit_pipe.images import compare_images
 
-                result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png")
+                result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png",
+                                                  seeds=result["trajectory"]["seeds"], steps=cfg.steps)
             result.update(self._bytes(ctx))
             result["peak_device_bytes"] = result.get("peak_device_bytes")
-            result["latency_ms"] = self._latency(ctx, forward) if cfg.latency and cuda else None
+            result["latency_ms"] = self._latency(ctx, forward.uncounted) if cfg.latency and cuda else None
         result["objective"] = objective(result, cfg.objective, cfg.budget_bytes)
         return result
 
@@ -174,7 +200,7 @@ class Evaluate(Stage):
         scale = sampler.TIME_SCALE.get(ctx.arch.id, 1.0)
         seeds = [cfg.seed + TRAJECTORY_SEED_OFFSET + k for k in range(cfg.trajectory_seeds)]
         cosines, finals = [], []
-        for seed in ctx.console.progress(seeds, "evaluate: trajectories"):
+        for seed in seeds:
             inputs = self._inputs(ctx, seed, 1)
             quant = sampler.euler_sample(forward, inputs, cfg.steps, scale)
             with float_reference(ctx):
@@ -203,7 +229,7 @@ class Evaluate(Stage):
         cfg = ctx.recipe.evaluate
         inputs = self._inputs(ctx, cfg.seed, cfg.batch)
         quant = cuda_latency_ms(lambda: forward(inputs), cfg.latency_iters)
-        with float_reference(ctx):
+        with float_reference(ctx, eager=False):  # compiled like the quantized model: a like-for-like speedup
             ref = cuda_latency_ms(lambda: forward(inputs), cfg.latency_iters)
         return {"quantized": quant, "float": ref, "speedup": ref / quant}
 

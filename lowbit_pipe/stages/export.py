@@ -19,6 +19,7 @@ from lowbit_pipe.context import Context
 from lowbit_pipe.formats import decode_record, is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, residual_metadata, residual_state_dict
 from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import ExportConfig
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
@@ -73,9 +74,9 @@ def warn_comfy_kinds(records: dict[str, dict[str, Any]]) -> None:
 def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float_dtype: torch.dtype,
                  arch: Arch | None, arch_config: ArchConfig | None, model_config: dict[str, Any],
                  recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = (),
-                 native: bool = False) -> dict[str, Any]:
+                 native: bool = False, console: Console | None = None) -> dict[str, Any]:
     """Write `model` (quantized layers as they are, float tensors in `float_dtype`) per `cfg`; returns figures.
-    `native`: the model's modules already carry native names (a ComfyUI model)."""
+    `native`: the model's modules already carry native names (a ComfyUI model); `console`: progress per tensor."""
     residual = has_residual_lora(model)
     if residual and cfg.residual_lora == "error":
         # Residual branches are runtime state the model file cannot hold: never drop them silently.
@@ -121,7 +122,7 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
                 QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
     total = sum(t.numel() * t.element_size() for t in state.values())
     if cfg.shard_bytes is None or total <= cfg.shard_bytes:
-        nbytes, files = atomic_save(state, path, metadata, inputs=inputs), [str(path)]
+        nbytes, files = atomic_save(state, path, metadata, inputs=inputs, console=console), [str(path)]
         written = str(path)
     else:
         parts = shard(state, cfg.shard_bytes)
@@ -129,7 +130,8 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
         files, weight_map, nbytes = [], {}, 0
         for i, part in enumerate(parts, 1):
             shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
-            nbytes += atomic_save(part, shard_path, metadata, inputs=inputs)
+            nbytes += atomic_save(part, shard_path, metadata, inputs=inputs, console=console,
+                                  label=f"export: write shard {i}/{len(parts)}")
             files.append(str(shard_path))
             weight_map.update({k: shard_path.name for k in part})
         index = path.with_name(f"{stem}.safetensors.index.json")
@@ -140,7 +142,7 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     if residual:
         lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
         result["lora_path"] = str(lora_path)
-        result["lora_bytes"] = atomic_save(lora_state, lora_path, lora_meta)
+        result["lora_bytes"] = atomic_save(lora_state, lora_path, lora_meta, console=console, label="export: write LoRA")
         result["files"] += 1
     return result
 
@@ -178,6 +180,6 @@ class Export(Stage):
             return {k: v for k, v in result.items() if k not in ("not_stock_comfy", "layers")}
         result = write_export(ctx.transformer, path, cfg, float_dtype=dtype, arch=ctx.arch, arch_config=ctx.arch_config,
                               model_config=ctx.model_config, recipe=recipe, inputs=(ctx.recipe.model.path,),
-                              native=ctx.native)
+                              native=ctx.native, console=ctx.console)
         ctx.report["export"] = result
         return {k: v for k, v in result.items() if k != "not_stock_comfy"}

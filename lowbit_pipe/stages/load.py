@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.arch import ARCHS, Arch, ArchConfig, get_arch
+from lowbit_pipe.arch.base import compute_dtype, keeps_fp32
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
@@ -19,6 +20,8 @@ from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import decode_record, encode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.progress import Console
+from lowbit_pipe.summary import fmt_bytes
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stream_choice import StreamChoice, decide_stream
@@ -33,12 +36,58 @@ def _build_empty(cls: type[nn.Module], config: dict[str, Any]) -> nn.Module:
         return cls(**config)
 
 
+def _list_entries(keys: Any) -> dict[str, set[int]]:
+    """Indices per module list a set of keys reaches: {"transformer_blocks": {0, 1}} (first numeric part)."""
+    out: dict[str, set[int]] = {}
+    for key in keys:
+        parts = key.split(".")
+        i = next((j for j, p in enumerate(parts) if p.isdigit()), None)
+        if i is not None:
+            out.setdefault(".".join(parts[:i]), set()).add(int(parts[i]))
+    return out
+
+
+def _ranges(indices: set[int]) -> str:
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    text = ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return text if len(runs) == 1 else "{" + text + "}"
+
+
+def brief_keys(keys: list[str], limit: int = 4) -> str:
+    """`keys` in a few words: a count, then module lists by index range (transformer_blocks.2-27.*) and other keys."""
+    if not keys:
+        return "none"
+    lists = _list_entries(keys)
+    items = [f"{path}.{_ranges(ix)}.*" for path, ix in lists.items()]
+    items += [k for k in keys if not any(p.isdigit() for p in k.split("."))]
+    more = f", ... {len(items) - limit} more" if len(items) > limit else ""
+    return f"{len(keys)} ({', '.join(items[:limit])}{more})"
+
+
+def key_mismatch(expected: Any, found: Any, missing: list[str], unexpected: list[str]) -> str:
+    """The key-mismatch message: what is missing and unexpected, briefly, and each module list whose length
+    differs between the model and the file (a file of another size than the config the model was built from)."""
+    have, want = _list_entries(found), _list_entries(expected)
+    lengths = [f"{path}: {len(have.get(path, ()))} in the file, {len(want.get(path, ()))} in the model"
+               for path in dict.fromkeys([*want, *have]) if len(have.get(path, ())) != len(want.get(path, ()))]
+    text = f"keys do not match the model: missing {brief_keys(missing)}, unexpected {brief_keys(unexpected)}"
+    return text + (f"; {'; '.join(lengths[:3])}" if lengths else "")
+
+
 def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: str, dtype: torch.dtype,
-                       file_key: Callable[[str], str] = lambda name: name) -> list[str]:
+                       file_key: Callable[[str], str] = lambda name: name, hint: str = "",
+                       console: Console | None = None) -> list[str]:
     """Load `state` into a (meta) model, rebuilding QuantLinear layers from `.comfy_quant` records.
 
-    Returns the names of the quantized layers. Raises CheckpointError naming the file and key.
+    Returns the names of the quantized layers. Raises CheckpointError naming the file and key; `hint` ends a
+    key or shape mismatch's message (what the model was built from, what to set).
     """
+    kept = keeps_fp32(type(model))  # diffusers' fp32 modules stay float32, as its from_pretrained keeps them
     quantized = sorted(k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant"))
     for name in quantized:
         try:
@@ -59,21 +108,22 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
                                          f"{type(target).__name__} {tuple(shape.shape) if shape is not None else ''}",
                                   file_key(name))
         parent, attr = parent_of(model, name)
-        setattr(parent, attr, QuantLinear(qweight, bias.to(dtype) if bias is not None else None))
+        bias_dtype = torch.float32 if kept(f"{name}.bias") else dtype
+        setattr(parent, attr, QuantLinear(qweight, bias.to(bias_dtype) if bias is not None else None))
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not _is_quant_key(model, k)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise CheckpointError(where, f"keys do not match the model: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-                                     f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
-    for key, tensor in state.items():
+        raise CheckpointError(where, key_mismatch(expected, state, missing, unexpected) + hint)
+    items = list(state.items())
+    for key, tensor in console.progress(items, "load: check and cast") if console is not None else items:
         if key in expected and expected[key].shape != tensor.shape:
             raise CheckpointError(where, f"shape {tuple(tensor.shape)} does not match the model's "
-                                         f"{tuple(expected[key].shape)} (wrong model.config?)", key)
+                                         f"{tuple(expected[key].shape)}{hint or ' (wrong model.config?)'}", key)
         if tensor.is_floating_point():
             if not torch.isfinite(tensor).all():
                 raise CheckpointError(where, "NaN or Inf in weights", key)
-            state[key] = _owned(tensor, dtype)
+            state[key] = _owned(tensor, torch.float32 if kept(key) else dtype)
         else:
             state[key] = _owned(tensor)
     model.load_state_dict(state, strict=False, assign=True)
@@ -124,7 +174,7 @@ def _read_records(path: str, keys: list[str]) -> dict[str, dict]:
     return {k[: -len(".comfy_quant")]: decode_record(t, f"{path} [{k}]") for k, t in tensors.items()}
 
 
-def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
+def check_file_tensors(state: dict[str, torch.Tensor], path: str, console: Console | None = None) -> None:
     """Validate every layer under the keys the FILE uses (before any renaming), so errors name them."""
     quantized = {k[: -len(".comfy_quant")] for k in state if k.endswith(".comfy_quant")}
     for name in sorted(quantized):
@@ -135,7 +185,8 @@ def check_file_tensors(state: dict[str, torch.Tensor], path: str) -> None:
             format_for_record(record, name).from_tensors(tensors, record, name)
         except FormatError as err:
             raise CheckpointError(path, str(err)) from err
-    for key, tensor in state.items():
+    items = list(state.items())
+    for key, tensor in console.progress(items, "load: check values") if console is not None else items:
         if key.rsplit(".", 1)[0] not in quantized and tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise CheckpointError(path, "NaN or Inf in weights", key)
 
@@ -192,18 +243,37 @@ def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]
     return SourceFile(path, files, meta, records, header_records, arch, arch_config, file_layout, kwargs)
 
 
-def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype) -> tuple[nn.Module, dict]:
-    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized."""
+def config_hint(src: SourceFile, config_override: dict[str, Any]) -> str:
+    """What the model was built from and what to set when the file does not fit it (a mismatch's last words)."""
+    if src.meta.get("transformer_config"):
+        built = "the constructor config in the file's own header"
+    else:
+        built = f"the {src.arch.model_class().__name__} class defaults (the released model's size)"
+    if config_override:
+        built += f" with model.config {dict(config_override)}"
+    return (f"; the model was built from {built}: for a file of another size set model.config to its constructor "
+            f"config, e.g. +model.config.num_layers=N (the diffusers config.json keys; docs/usage.md, 'model.config')")
+
+
+def load_single_file(path: str, arch_id: str | None, config_override: dict[str, Any], dtype: torch.dtype,
+                     console: Console | None = None) -> tuple[nn.Module, dict]:
+    """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized.
+    `console`: a line saying what is read, then progress per tensor (a 12B model's load is minutes)."""
     from lowbit_pipe import layout
     from lowbit_pipe.arch.detect import strip_prefix
 
     src = inspect_file(path, arch_id, config_override)
     arch, arch_config, records = src.arch, src.arch_config, src.records
+    if console is not None:
+        size = sum(Path(f).stat().st_size for f in src.files)
+        console.say(f"load: {path} ({src.arch.id}, {fmt_bytes(size)} in {len(src.files)} "
+                    f"file{'s' if len(src.files) > 1 else ''})")
     state: dict[str, torch.Tensor] = {}
-    for f in src.files:
-        state.update(load_tensors(f))
+    for i, f in enumerate(src.files, 1):
+        label = "load: read" + (f" shard {i}/{len(src.files)}" if len(src.files) > 1 else "")
+        state.update(load_tensors(f, console=console, label=label))
     state.update({f"{name}.comfy_quant": encode_record(record) for name, record in src.header_records.items()})
-    check_file_tensors(state, path)
+    check_file_tensors(state, path, console)
     state, prefix = strip_prefix(state)
     if src.layout == "native":
         rows = {}
@@ -219,7 +289,7 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
     def file_key(name: str) -> str:  # errors name the layer as the file spells it
         return prefix + (arch.to_native(name, arch_config)[0] if src.layout == "native" else name)
 
-    quantized = install_state_dict(model, state, path, dtype, file_key)
+    quantized = install_state_dict(model, state, path, dtype, file_key, config_hint(src, config_override), console)
     return model.eval(), {"path": path, "layout": src.layout, "prefix": prefix, "quantized_layers": len(quantized),
                           "arch": arch.id, "recipe": src.meta.get("recipe"), "files": len(src.files)}
 
@@ -284,10 +354,11 @@ class Load(Stage):
             ctx.set_model(build_tiny(arch_id, dict(cfg.tiny_config), cfg.seed, ctx.dtype), owned=True)
             ctx.source = {"path": None, "layout": "tiny", "arch": arch_id}
         elif Path(cfg.path).is_dir():
+            ctx.console.say(f"load: {cfg.path} (diffusers model folder, read by diffusers' from_pretrained)")
             model, ctx.source = load_diffusers_dir(cfg.path, ctx.dtype)
             ctx.set_model(model, owned=True)
         elif Path(cfg.path).is_file():
-            model, ctx.source = load_single_file(cfg.path, cfg.arch, dict(cfg.config), ctx.dtype)
+            model, ctx.source = load_single_file(cfg.path, cfg.arch, dict(cfg.config), ctx.dtype, ctx.console)
             ctx.set_model(model, owned=True)
         else:
             raise CheckpointError(cfg.path, "no such file or directory (model.path)")
@@ -338,7 +409,7 @@ def _check_given_dtype(ctx: Context) -> None:
     """A passed-in model is computed in its own dtype; casting the caller's weights is not undoable
     exactly (fp32 -> bf16 loses bits), so a different model.dtype is refused, not applied."""
     want = ctx.recipe.model.dtype
-    have = next((p.dtype for p in ctx.transformer.parameters() if p.is_floating_point()), None)
+    have = compute_dtype(ctx.transformer)
     if want is not None and have is not None and getattr(torch, want) != have:
         raise ValueError(f"model.dtype={want}, but the model passed in is {str(have).removeprefix('torch.')}; "
                          "cast it yourself or leave model.dtype unset")

@@ -92,6 +92,24 @@ def _warn_unfit(plans: list[LayerPlan]) -> dict[str, int]:
     return {kind: len(names) for kind, names in groups.items()}
 
 
+def warn_nothing_quantized(root: nn.Module, plans: list[LayerPlan], stacklevel: int = 3) -> None:
+    """Warn when a quantize call quantizes no layer at all (a silent no-op otherwise), naming why the Linears stay
+    float. Not for a model loaded quantized (its QuantLinears are not planned again: nothing to do is expected)."""
+    if any(p.spec is not None for p in plans) or any(isinstance(m, QuantLinear) for m in root.modules()):
+        return
+    if not plans:
+        warnings.warn(f"nothing was quantized: {type(root).__name__} has no nn.Linear layer", stacklevel=stacklevel)
+        return
+    reasons = Counter(p.reason.split(" (")[0] for p in plans)
+    why = ", ".join(f"{r}: {n}" for r, n in reasons.most_common())
+    hint = ""
+    if "arch keep-float" in reasons:
+        hint = ("; the architecture's keep-float list holds them (an unknown model's is its first and last Linear): "
+                "quantize.arch_keep_float=false, or a rule naming them, quantizes them")
+    warnings.warn(f"nothing was quantized: all {len(plans)} Linear layers stay float ({why}){hint}",
+                  stacklevel=stacklevel)
+
+
 def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,  # noqa: ANN001
           amax: dict[str, float], originals: str, counts: Counter, quantizer: Quantizer | None,
           bar: Callable[[list[LayerPlan]], Any], device: torch.device | None = None) -> tuple[int, int]:
@@ -126,6 +144,7 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
     GPTQ rounding against Hessians that `run_examples` (runs `root` on calibration inputs) measures, where the
     model is; `compute_device`: where round-to-nearest runs (each layer's result goes back to its weight's device)."""
     unfit_counts = _warn_unfit(plans)
+    warn_nothing_quantized(root, plans, stacklevel=4)
     todo = [p for p in plans if p.spec is not None]
     amax = input_amax or {}
     counts: Counter[str] = Counter()

@@ -1,0 +1,349 @@
+"""What a new user meets on a fresh clone with the README's commands (issue 29, item 6): no silent no-op,
+refusals before any work, errors that say what to set, progress while it works."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import lowbit_pipe
+from conftest import cli
+from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.errors import RecipeError
+
+
+def _one_line_refusal(proc, *needles: str) -> str:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+# ---- (a) lora.files without a lora stage -----------------------------------------------------------------------
+
+def test_lora_files_without_a_lora_stage_are_refused(tmp_path):
+    with pytest.raises(RecipeError) as err:
+        compose_recipe("krea2_nvfp4", ["lora.files=[{path: /nonexistent/style.safetensors}]"])
+    assert err.value.path == "lora.files"
+    assert "no 'lora' stage" in str(err.value) and "add 'lora' after 'quantize'" in str(err.value)
+    with pytest.raises(RecipeError, match="lora.files"):
+        lowbit_pipe.run("krea2_nvfp4", ["lora.files=[{path: 'example:kohya:seed=1'}]"], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    # the recipe that has the stage still runs its files; an empty list needs no stage
+    assert compose_recipe("krea2_nvfp4_lora").lora.files
+    assert compose_recipe("krea2_nvfp4_lora", ["pipeline=[load,detect,quantize]", "lora.files=[]"])
+
+
+def test_cli_refuses_lora_files_without_a_lora_stage(tmp_path):
+    proc = cli(["recipe=krea2_nvfp4", "lora.files=[{path: /nonexistent/style.safetensors}]"], tmp_path)
+    _one_line_refusal(proc, "lora.files", "/nonexistent/style.safetensors", "no 'lora' stage")
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- (b) lowbit_pipe.quantize on a module of no known architecture -----------------------------------------------
+
+def test_quantize_api_says_which_layers_stay_float_and_warns_when_none_is_quantized():
+    import torch
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 64))
+    with pytest.warns(UserWarning, match="nothing was quantized") as caught:
+        stats = lowbit_pipe.quantize(mlp, {"default": {"format": "fp8"}})
+    message = str(caught[0].message)
+    assert "all 2 Linear layers stay float" in message and "arch_keep_float=false" in message
+    assert caught[0].filename == __file__  # points at the caller's line
+    assert stats["layers"] == {} and stats["arch"] == "generic"
+    assert stats["kept_float"] == {"0": "arch keep-float", "2": "arch keep-float"}
+    stats = lowbit_pipe.quantize(mlp, {"default": {"format": "fp8"}, "arch_keep_float": False})
+    assert stats["layers"] == {"fp8": 2} and stats["kept_float"] == {}
+
+
+def test_quantize_api_on_a_deeper_module_warns_nothing():
+    import warnings
+
+    import torch
+
+    net = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        stats = lowbit_pipe.quantize(net, {"default": {"format": "int8"}})
+    assert stats["layers"] == {"int8": 2} and sorted(stats["kept_float"]) == ["0", "3"]
+
+
+# ---- (c) refusals before any work, errors that say what to set ---------------------------------------------------
+
+@pytest.mark.parametrize("target", ["/proc/model.safetensors", "/proc/lowbit_pipe/out/model.safetensors"])
+def test_an_export_path_that_cannot_be_written_is_refused_before_any_work(target, tmp_path):
+    """Root passes every permission check and /proc refuses what its bits allow: the folder is tried, not read."""
+    from lowbit_pipe.preflight import preflight
+
+    with pytest.raises(RecipeError) as err:
+        preflight(compose_recipe("default", [f"export.path={target}"]))
+    assert err.value.path == "export.path" and "/proc is not a writable directory" in str(err.value)
+    ok = tmp_path / "new" / "dir" / "model.safetensors"
+    preflight(compose_recipe("default", [f"export.path={ok}"]))  # a folder to create is fine, and is not created
+    assert not (tmp_path / "new").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_cli_refuses_an_export_path_under_proc_with_exit_2(tmp_path):
+    _one_line_refusal(cli(["export.path=/proc/lowbit_pipe/model.safetensors"], tmp_path), "export.path", "/proc")
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_checkpoint_of_another_size_names_the_keys_briefly_and_says_to_set_model_config(tiny_model, tmp_path):
+    """A plain state dict (no lowbit_pipe header) of the tiny Krea 2: the model is built from the class defaults
+    (28 blocks), so keys are missing; the message is short, counts the blocks and names model.config."""
+    from safetensors.torch import save_file
+
+    from lowbit_pipe.arch.tiny import tiny_model_config
+    from lowbit_pipe.errors import StageError
+
+    path = tmp_path / "plain.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny_model("krea2").state_dict().items()}, str(path))
+    with pytest.raises(StageError) as err:
+        lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]"], run_dir=tmp_path / "run")
+    message = str(err.value)
+    assert "missing 362 (" in message and "transformer_blocks.2-27.*" in message and "unexpected none" in message
+    assert "transformer_blocks: 2 in the file, 28 in the model" in message
+    assert "Krea2Transformer2DModel class defaults" in message and "+model.config.num_layers=N" in message
+    assert len(message) < 900 and "norm1.weight" not in message  # brief: no list of every key
+    config = tiny_model_config("krea2")
+    value = "{" + ", ".join(f"{k}: {list(v) if isinstance(v, (list, tuple)) else v}" for k, v in config.items()) + "}"
+    result = lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]", f"+model.config={value}"],
+                             run_dir=tmp_path / "ok")
+    assert result.report["stages"]["load"]["params"] == sum(p.numel() for p in tiny_model("krea2").parameters())
+
+
+def test_brief_keys_and_the_plus_hint_for_model_config():
+    from lowbit_pipe.stages.load import brief_keys
+
+    keys = [f"blocks.{i}.w" for i in (1, 2, 3, 7)] + ["norm.weight"]
+    assert brief_keys(keys) == "5 (blocks.{1-3,7}.*, norm.weight)"
+    assert brief_keys([]) == "none"
+    with pytest.raises(RecipeError, match=r"takes any key, added with '\+': \+model.config.num_layers"):
+        compose_recipe("default", ["model.config.num_layers=2"])
+    assert compose_recipe("default", ["+model.config.num_layers=2"]).model.config == {"num_layers": 2}
+
+
+def test_version_flag_prints_the_version_and_exits_0(tmp_path):
+    from lowbit_pipe.version import __version__
+
+    assert "--version prints lowbit_pipe's version" in cli(["--help"], tmp_path).stdout  # --help lists it
+    proc = cli(["--version"], tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(f"lowbit_pipe {__version__} (Hydra ") and proc.stderr == ""
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_hydra_plugin_option_without_its_extra_names_the_pip_command(monkeypatch):
+    from lowbit_pipe import preflight
+
+    monkeypatch.setattr(preflight, "_importable", lambda module: False)
+    for arg, extra in [("hydra/sweeper=optuna_budget", "optuna"), ("hydra/launcher=local", "sweep"),
+                       ("hydra/launcher=ray", "ray"), ("+hydra/callbacks=mlflow", "mlflow")]:
+        with pytest.raises(RecipeError) as err:
+            preflight.check_extras(["quantize.default.format=int8", arg])
+        assert f'pip install ".[{extra}]"' in str(err.value) and err.value.path == arg.lstrip("+").split("=")[0]
+    monkeypatch.setattr(preflight, "_importable", lambda module: True)
+    preflight.check_extras(["hydra/sweeper=optuna_budget", "hydra/launcher=ray"])
+    preflight.check_extras(["hydra/launcher=basic", "quantize.default.format=int8"])  # needs nothing
+
+
+@pytest.mark.skipif(__import__("conftest").has_module("hydra_plugins.hydra_optuna_sweeper"),
+                    reason="the Optuna sweeper is installed here")
+def test_cli_optuna_command_without_the_extra_is_one_line_exit_2(tmp_path):
+    proc = cli(["-m", "recipe=krea2_nvfp4", "hydra/sweeper=optuna_budget", "evaluate.budget_bytes=3000000"], tmp_path)
+    _one_line_refusal(proc, "hydra/sweeper", 'pip install ".[optuna]"')
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- (d) compile + evaluate -------------------------------------------------------------------------------------
+
+def test_compile_then_evaluate_is_fast_and_silent(tmp_path, capfd):
+    """The per-layer probes and the float reference run eagerly: no dynamo tracing of the hooks (a graph break
+    and a warning block per hook, recompiles for the float layers), so evaluate after compile costs about
+    what it costs without (the compile of the quantized blocks aside: aot_eager here, cheap)."""
+    fast = ["evaluate.samples=1", "evaluate.trajectory_seeds=1", "evaluate.steps=2"]
+    plain = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,evaluate]", *fast], run_dir=tmp_path / "a")
+    capfd.readouterr()
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # torch's log handlers hold the stderr of import time: listen to its loggers
+    loggers = [logging.getLogger(n) for n in ("torch", "torch._dynamo", "torch._inductor")]  # propagate=False
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        compiled = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,compile,evaluate]",
+                                               "compile.backend=aot_eager", *fast], run_dir=tmp_path / "b")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    err = capfd.readouterr().err
+    assert not records, records[0].getMessage()[:2000]
+    assert "torch/_dynamo" not in err and "Graph break" not in err and "recompil" not in err.lower(), err[-3000:]
+    assert compiled.report["dynamo"]["graph_breaks"] == 0
+    assert compiled.report["dynamo"]["graphs"] <= 2  # the quantized blocks only: no float variant, no hook graph
+    seconds = compiled.report["stages"]["evaluate"]["seconds"], plain.report["stages"]["evaluate"]["seconds"]
+    assert seconds[0] < 6 * seconds[1] + 10, seconds
+    # the figures are the eager run's (the reference is the eager float model either way)
+    a, b = plain.report["evaluate"], compiled.report["evaluate"]
+    assert b["rel_error"] == pytest.approx(a["rel_error"], rel=1e-3)
+    assert b["layers"].keys() == a["layers"].keys()
+    assert not [w for w in compiled.report["warnings"] if w["stage"] == "evaluate"]
+
+
+def test_a_repeated_warning_is_one_report_entry_with_its_count_and_torch_internal_deprecations_are_hidden(
+        tmp_path, monkeypatch):
+    import warnings
+
+    from lowbit_pipe.stages import STAGES
+    from lowbit_pipe.stages.base import Stage
+
+    class Noisy(Stage):
+        name = "detect"
+
+        def run(self, ctx):
+            for _ in range(3):
+                warnings.warn("the same thing again")
+            warnings.warn_explicit("deprecated inside torch", DeprecationWarning, "torch/utils/mkldnn.py", 19,
+                                   module="torch.utils.mkldnn")
+            return {}
+
+    monkeypatch.setitem(STAGES, "detect", Noisy)
+    result = lowbit_pipe.run("default", ["pipeline=[load,detect]"], run_dir=tmp_path / "run")
+    assert result.report["warnings"] == [{"stage": "detect", "message": "the same thing again", "count": 3}]
+    summary = (tmp_path / "run" / "summary.txt").read_text()
+    assert summary.count("the same thing again") == 1 and "(x3)" in summary
+
+
+# ---- (e) model.dtype=bfloat16 keeps diffusers' fp32 modules -------------------------------------------------------
+
+def _fp32_split(model):
+    from lowbit_pipe.arch.base import keeps_fp32
+
+    from lowbit_pipe.nn import QuantLinear
+
+    kept = keeps_fp32(type(model))
+    quant = [n + "." for n, m in model.named_modules() if isinstance(m, QuantLinear)]  # fp32 scales by design
+    named = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers())
+             if t.is_floating_point() and not any(n.startswith(q) for q in quant)]
+    return {t.dtype for n, t in named if kept(n)}, {t.dtype for n, t in named if not kept(n)}
+
+
+def test_bfloat16_keeps_the_fp32_modules_and_a_forward_warns_nothing(tmp_path):
+    import warnings
+
+    import torch
+
+    from lowbit_pipe.arch import get_arch
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logging.getLogger("diffusers").addHandler(handler)
+    try:
+        result = lowbit_pipe.run("default", ["model.dtype=bfloat16", "pipeline=[load,detect,quantize,export]",
+                                             "evaluate.samples=1"], run_dir=tmp_path / "run")
+    finally:
+        logging.getLogger("diffusers").removeHandler(handler)
+    assert not records, records[0].getMessage()  # diffusers' "should be kept in float32" (a cast with to())
+    model, arch, ctx = result.model, get_arch("krea2"), result.context
+    assert type(model)._keep_in_fp32_modules  # Krea 2's norms
+    assert _fp32_split(model) == ({torch.float32}, {torch.bfloat16})
+    assert ctx.dtype == torch.bfloat16 and not result.report["warnings"]
+    inputs = arch.example_inputs(ctx.model_config, batch=1, image_tokens=16, text_tokens=4,
+                                 generator=torch.Generator().manual_seed(0), dtype=torch.bfloat16,
+                                 device=torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught, torch.inference_mode():
+        warnings.simplefilter("always")
+        out = arch.output_tensor(model(**inputs))
+    assert not [w for w in caught if "dtype" in str(w.message).lower()], [str(w.message) for w in caught]
+    # the file (bf16, as ComfyUI files are) loads back with the same split, and computes the very same output
+    back = lowbit_pipe.run("default", [f"model.path={result.export_path}", "model.dtype=bfloat16", "pipeline=[load]"],
+                           run_dir=tmp_path / "back")
+    assert _fp32_split(back.model) == ({torch.float32}, {torch.bfloat16})
+    with torch.inference_mode():
+        assert torch.equal(arch.output_tensor(back.model(**inputs)), out)
+
+
+def test_compute_dtype_skips_the_fp32_modules(tiny_model):
+    import torch
+
+    from lowbit_pipe.arch.base import cast_keeping_fp32, compute_dtype
+
+    wan = cast_keeping_fp32(tiny_model("wan"), torch.bfloat16)  # its first parameter is the fp32 modulation table
+    assert next(wan.parameters()).dtype == torch.float32 and compute_dtype(wan) == torch.bfloat16
+    result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan)
+    assert result.context.dtype == torch.bfloat16  # a passed-in model computes in its own dtype
+
+
+# ---- (f) progress for load, export and evaluate; labelled images.png -----------------------------------------------
+
+def test_console_task_lines_in_a_log():
+    import io
+
+    from lowbit_pipe.progress import Console
+
+    log = io.StringIO()
+    with Console(prefix="[job 1] ", err=log, interval=0.0).task("evaluate: forwards", 3) as task:
+        for _ in range(3):
+            task.advance()
+    assert log.getvalue().splitlines() == [f"[job 1] evaluate: forwards: {i}/3" for i in (1, 2, 3)]
+    quiet = io.StringIO()
+    with Console(err=quiet).task("fast", 3) as task:
+        task.advance(3)
+    assert quiet.getvalue() == ""  # done in a blink: no line
+
+
+def test_load_export_and_evaluate_report_progress(tmp_path):
+    import io
+
+    from lowbit_pipe.progress import Console
+    from lowbit_pipe.runner import Runner
+
+    source = lowbit_pipe.run("default", ["pipeline=[load,detect,export]"], run_dir=tmp_path / "float").export_path
+    recipe = compose_recipe("default", [f"model.path={source}", "pipeline=[load,detect,quantize,evaluate,export]",
+                                        "evaluate.samples=2", "evaluate.trajectory_seeds=1", "evaluate.steps=3",
+                                        f"export.path={tmp_path / 'out.safetensors'}"])
+    out, err = io.StringIO(), io.StringIO()
+    Runner(recipe, tmp_path / "run", console=Console(out=out, err=err, interval=0.0)).run()
+    lines = err.getvalue().splitlines()
+    assert f"load: {source} (krea2, " in out.getvalue()  # what is read, how big
+    tensors = len(__import__("safetensors").safe_open(source, "pt").keys())
+    for label, total in [("load: read", tensors), ("load: check values", tensors), ("load: check and cast", tensors),
+                         ("evaluate: forwards", 2 * (2 + 1 * 3))]:
+        assert f"{label}: 1/{total}" in lines and f"{label}: {total}/{total}" in lines, (label, lines[:5])
+    writes = [line for line in lines if line.startswith("export: write: ")]
+    done, total = writes[-1].removeprefix("export: write: ").split("/")
+    assert writes[0] == f"export: write: 1/{total}" and done == total
+
+
+def test_images_png_panels_are_labelled(tmp_path):
+    from PIL import Image
+
+    from lowbit_pipe.images import COLUMNS, LABEL_HEIGHT, grid_layout
+
+    layout = grid_layout((128, 128), "krea2_nvfp4: int8 + nvfp4, 4 Euler steps", ["seed 1: PSNR 40.0 dB", "seed 2"])
+    texts = [t for _, _, t in layout.texts]
+    assert texts == ["krea2_nvfp4: int8 + nvfp4, 4 Euler steps", *COLUMNS, "seed 1: PSNR 40.0 dB", "seed 2"]
+    assert layout.size == (3 * 128, 4 * LABEL_HEIGHT + 2 * 128) and len(layout.tiles) == 6
+    bands = {y - 1 for _, y, _ in layout.texts}  # each text line's top (texts sit 1 px below it)
+    for x, y in layout.tiles:  # no tile covers a label line
+        assert all(top + LABEL_HEIGHT <= y or y + 128 <= top for top in bands), (x, y, bands)
+    long = grid_layout((16, 16), "x" * 200, ["r"])  # cut to the image's width
+    assert long.texts[0][2].endswith("...") and len(long.texts[0][2]) * 6 <= 48
+
+    result = lowbit_pipe.run("krea2_nvfp4", ["pipeline=[load,detect,quantize,evaluate]", "evaluate.images=true",
+                                             "evaluate.samples=1", "evaluate.steps=2", "evaluate.trajectory_seeds=2"],
+                             run_dir=tmp_path / "run")
+    labels = result.report["evaluate"]["images"]["labels"]
+    seeds = result.report["evaluate"]["trajectory"]["seeds"]
+    assert labels["title"] == "krea2_nvfp4: int8 + nvfp4, 2 Euler steps, stand-in VAE"
+    assert labels["columns"] == list(COLUMNS)
+    assert [r.split(":")[0] for r in labels["rows"]] == [f"seed {s}" for s in seeds] and "PSNR" in labels["rows"][0]
+    grid = Image.open(tmp_path / "run" / "images.png").convert("RGB")
+    title_band = grid.crop((0, 0, grid.size[0], LABEL_HEIGHT))
+    assert len(set(title_band.getdata())) > 1  # text drawn on the band
