@@ -80,6 +80,15 @@ class GPTQConfig:
     act_order: bool = False  # round columns in order of decreasing input energy
     # fp32 Hessians (4 * in_features^2 bytes per layer) held at once: bounds a pass's layers.
     hessian_bytes: int = 4 << 30
+    # CPU threads for GPTQ's matrix work; null: torch's count capped by the cores not busy with other processes
+    # (the column loop always runs on one). Torch's count is restored after each layer.
+    threads: Optional[int] = None
+    # Layers up to this many inputs get their Hessian's eigenvalues for the report (rank, damping share): an extra
+    # eigvalsh per layer; wider ones a free estimate from the Cholesky pivots.
+    spectrum_max_width: int = 4096
+    # The report warns when the damping outweighs the calibration data in at least this share of a layer's
+    # Hessian directions (GPTQ's fit there is the damping's, not the data's).
+    warn_damp_share: float = 0.5
 
 
 @dataclass

@@ -223,6 +223,12 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("quantize.gptq.damp", f"must be in (0, 1), got {q.gptq.damp}")
     if q.gptq.hessian_bytes < 1:
         raise RecipeError("quantize.gptq.hessian_bytes", "must be > 0")
+    if q.gptq.threads is not None and q.gptq.threads < 1:
+        raise RecipeError("quantize.gptq.threads", f"must be >= 1 or null (automatic), got {q.gptq.threads}")
+    if q.gptq.spectrum_max_width < 0:
+        raise RecipeError("quantize.gptq.spectrum_max_width", f"must be >= 0, got {q.gptq.spectrum_max_width}")
+    if not 0 < q.gptq.warn_damp_share <= 1:
+        raise RecipeError("quantize.gptq.warn_damp_share", f"must be in (0, 1], got {q.gptq.warn_damp_share}")
     for i, choice in enumerate(q.budget_candidates):
         check_choice(f"quantize.budget_candidates[{i}]", choice)
     for i, pattern in enumerate(q.keep):

@@ -164,3 +164,103 @@ def test_packaged_gptq_recipe_beats_its_rtn_twin_on_held_out_seeds(tmp_path):
     assert gptq["evaluate"]["trajectory"]["min_cosine"] > rtn["evaluate"]["trajectory"]["min_cosine"]
     # The same kinds of layer in the file: what stock ComfyUI loads of one it loads of the other.
     assert gptq["export"]["not_stock_comfy"] == rtn["export"]["not_stock_comfy"]
+
+
+def _one_layer_gptq(x: torch.Tensor, width: int = 64, **cfg):
+    """GPTQ (int8) of one Linear(width, 32) calibrated on `x`: (quantize result, warnings' messages)."""
+    import warnings
+
+    from lowbit_pipe.policy import LayerPlan
+    from lowbit_pipe.recipe import GPTQConfig
+    from lowbit_pipe.stages.quantize import quantize_module
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, 32))
+    plans = [LayerPlan("0", (32, width), FormatSpec("int8"), "test")]
+    ledger = Ledger()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = quantize_module(model, plans, ledger, gptq=GPTQConfig(enabled=True, **cfg), run_examples=lambda: model(x))
+    ledger.unwind()
+    return result, [str(w.message) for w in caught if "GPTQ" in str(w.message)]
+
+
+def test_report_gives_tokens_width_rank_and_damping_share_per_layer():
+    x = torch.randn(3, 200, 64)  # 600 tokens of full-rank inputs
+    result, messages = _one_layer_gptq(x)
+    layer = result["gptq"]["layers"]["0"]
+    assert layer["tokens"] == 600 and layer["width"] == 64 and layer["rank"] == 64
+    assert layer["damp_measure"] == "eigenvalues" and layer["damp_share"] == 0.0
+    assert messages == []
+    # Wider than spectrum_max_width: no eigenvalues, the Cholesky pivots' estimate instead.
+    layer = _one_layer_gptq(x, spectrum_max_width=32)[0]["gptq"]["layers"]["0"]
+    assert layer["rank"] is None and layer["damp_measure"] == "cholesky pivots" and layer["damp_share"] == 0.0
+
+
+def test_warns_naming_the_layer_when_it_saw_fewer_tokens_than_inputs():
+    result, messages = _one_layer_gptq(torch.randn(24, 64))
+    layer = result["gptq"]["layers"]["0"]
+    assert layer["tokens"] == 24 and layer["rank"] == 24
+    assert any(m.startswith("GPTQ: 1 of 1 layers saw fewer calibration tokens than they have inputs")
+               and "e.g. 0: 24 tokens for 64 inputs" in m and "calibration_samples" in m for m in messages), messages
+    # 40 of 64 directions hold no data at all: the damping is all there is in them.
+    assert layer["damp_share"] == pytest.approx(40 / 64)
+    assert any(m.startswith("GPTQ: the damping outweighs the calibration data in 1 of 1 layers' Hessians")
+               and "e.g. 0: 62% of its 64 eigenvalues below the damping 0.01 x mean diagonal" in m for m in messages), \
+        messages
+
+
+def test_warns_when_enough_tokens_span_only_part_of_the_inputs():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(512, 8, generator=g) @ torch.randn(8, 64, generator=g)  # 512 tokens in an 8-dim subspace
+    result, messages = _one_layer_gptq(x)
+    layer = result["gptq"]["layers"]["0"]
+    assert layer["tokens"] == 512 and layer["rank"] == 8
+    assert any(m.startswith("GPTQ: 1 of 1 layers have a numerically rank-deficient input Hessian although they saw "
+                            "enough tokens (e.g. 0: rank 8 of 64 from 512 tokens)") for m in messages), messages
+    assert not any("fewer calibration tokens" in m for m in messages)
+    # The share threshold is the recipe's: at 0.9 the 56 of 64 empty directions (88%) are not warned about.
+    _, quiet = _one_layer_gptq(x, warn_damp_share=0.9)
+    assert not any("damping outweighs" in m for m in quiet) and any("rank-deficient" in m for m in quiet)
+
+
+def test_gptq_threads_follow_the_free_cores_and_torch_is_restored(monkeypatch):
+    from lowbit_pipe import gptq as gptq_mod
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(gptq_mod.os, "getloadavg", lambda: (50.0, 50.0, 50.0))  # every core busy elsewhere
+    assert gptq_mod.gptq_threads() == 1
+    monkeypatch.setattr(gptq_mod.os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # idle: torch's own count, capped
+    assert gptq_mod.gptq_threads() == min(before, len(gptq_mod.os.sched_getaffinity(0)))
+    assert gptq_mod.gptq_threads(3) == 3  # quantize.gptq.threads wins
+    w, x_cal, _ = outlier_layer()
+    acc = HessianAccumulator(w.shape[1], "none", None, "cpu")
+    acc.add(x_cal)
+    seen = []
+    real_round_block = gptq_mod._round_block
+
+    def spy(*args):  # noqa: ANN002
+        seen.append(torch.get_num_threads())
+        return real_round_block(*args)
+    monkeypatch.setattr(gptq_mod, "_round_block", spy)
+    out = gptq_quantize(w, FormatSpec("int8"), acc.hessian, GPTQSettings(threads=2))
+    assert out.threads == 2 and set(seen) == {1}  # the column loop on one thread
+    assert torch.get_num_threads() == before
+
+
+def test_gptq_thread_and_report_settings_are_validated():
+    model = nn.Sequential(nn.Linear(64, 64))
+    for key, value in (("threads", 0), ("spectrum_max_width", -1), ("warn_damp_share", 0.0)):
+        with pytest.raises(RecipeError, match=f"quantize.gptq.{key}"):
+            lowbit_pipe.quantize(model, {"gptq": {key: value}})
+
+
+def test_gptq_codes_do_not_depend_on_the_thread_count():
+    """The policy's count follows the machine's load: the codes it gives must not (a rerun is the same file)."""
+    w, x_cal, _ = outlier_layer(n=96, k=320)
+    acc = HessianAccumulator(w.shape[1], "none", None, "cpu")
+    acc.add(x_cal)
+    one, two = (gptq_quantize(w, FormatSpec("nvfp4"), acc.hessian, GPTQSettings(threads=t, act_order=True))
+                for t in (1, 2))
+    assert torch.equal(one.qweight.tensors["weight"], two.qweight.tensors["weight"])
+    assert one.gptq_loss == two.gptq_loss

@@ -194,7 +194,9 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     """GPTQ in sequential passes: each pass calibrates its layers' Hessians on the model as it stands (earlier
     passes' layers already quantized, so later layers correct for their error), rounds them, swaps them in.
     A format (or layer) without fixed-grid rounding is rounded to nearest, named in the report."""
-    settings = GPTQSettings(block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order)
+    settings = GPTQSettings(block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, threads=cfg.threads,
+                            spectrum_max_width=cfg.spectrum_max_width)
+    threads: set[int] = set()
     by_name = {p.name: p for p in todo}
     passes = gptq_passes(todo, fused, cfg.hessian_bytes)
     layers: dict[str, dict[str, float]] = {}
@@ -215,7 +217,13 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
             except (NotImplementedError, FormatError) as err:
                 rtn[name] = str(err)
                 return get_format(spec.format).quantize(weight, spec)
-            layers[name] = {"rtn_loss": out.rtn_loss, "gptq_loss": out.gptq_loss, "damp": out.damp}
+            # tokens: the calibration rows the Hessian averages (every position of every forward), against the
+            # layer's inputs: fewer leave it rank-deficient.
+            layers[name] = {"rtn_loss": out.rtn_loss, "gptq_loss": out.gptq_loss, "damp": out.damp,
+                            "tokens": hessians[name].rows, "width": int(weight.shape[1]), "rank": out.rank,
+                            "damp_share": round(out.damp_share, 4), "damp_measure": out.damp_measure}
+            if out.threads is not None:
+                threads.add(out.threads)
             return out.qweight
 
         def bar(items: list[LayerPlan], label: str = f"quantize: gptq pass {i + 1}/{len(passes)}") -> Any:
@@ -227,10 +235,59 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     if rtn:
         first = next(iter(rtn))
         warnings.warn(f"GPTQ: {len(rtn)} layers rounded to nearest instead (e.g. {first}: {rtn[first]})", stacklevel=3)
-    # No timing here: the stage's seconds hold it, and report["quantize"] stays reproducible.
+    warn_hessians(layers, cfg)
+    # No timing here: the stage's seconds hold it, and report["quantize"] stays reproducible (the thread count, which
+    # follows the machine's load, goes to the stage's figures: quantize_module's caller pops "threads").
     report = {"passes": len(passes), "layers": layers,
-              "rtn_fallback": rtn, "block_size": cfg.block_size, "damp": cfg.damp, "act_order": cfg.act_order}
+              "rtn_fallback": rtn, "block_size": cfg.block_size, "damp": cfg.damp, "act_order": cfg.act_order,
+              "threads": sorted(threads)}
     return report, (before, after)
+
+
+def _examples(items: list[tuple[str, dict[str, Any]]], what) -> str:  # noqa: ANN001 - (layer figures) -> str
+    """'e.g. NAME: WHAT' for the first (worst) of `items`, with up to two more names."""
+    name, v = items[0]
+    more = [n for n, _ in items[1:3]]
+    rest = len(items) - 1 - len(more)
+    tail = f"; also {', '.join(more)}" + (f" and {rest} more" if rest else "") if more else ""
+    return f"e.g. {name}: {what(v)}{tail}"
+
+
+def warn_hessians(layers: dict[str, dict[str, Any]], cfg: GPTQConfig) -> dict[str, list[str]]:
+    """One warning per way the calibration under-determined the layers' Hessians, naming the worst layers:
+    fewer tokens than inputs (rank-deficient for certain), a numerical rank below the width, the damping
+    outweighing the data in at least `cfg.warn_damp_share` of the directions (or raised to make H invertible).
+    Returns the layers of each kind."""
+    n = len(layers)
+    few = sorted(((k, v) for k, v in layers.items() if v["tokens"] < v["width"]),
+                 key=lambda kv: kv[1]["tokens"] / kv[1]["width"])
+    low_rank = sorted(((k, v) for k, v in layers.items() if v["tokens"] >= v["width"] and v["rank"] is not None
+                       and v["rank"] < v["width"]), key=lambda kv: kv[1]["rank"] / kv[1]["width"])
+    damped = sorted(((k, v) for k, v in layers.items() if v["damp_share"] >= cfg.warn_damp_share or
+                     v["damp"] > cfg.damp), key=lambda kv: (-(kv[1]["damp"] > cfg.damp), -kv[1]["damp_share"]))
+    if few:
+        warnings.warn(f"GPTQ: {len(few)} of {n} layers saw fewer calibration tokens than they have inputs, so their "
+                      f"Hessians are rank-deficient and GPTQ fits the calibration inputs rather than inputs in general ("
+                      + _examples(few, lambda v: f"{v['tokens']} tokens for {v['width']} inputs") +
+                      "); calibrate on more tokens: more quantize.calibration_samples or calibration_steps, more or "
+                      "longer prompts", stacklevel=4)
+    if low_rank:
+        warnings.warn(f"GPTQ: {len(low_rank)} of {n} layers have a numerically rank-deficient input Hessian although "
+                      "they saw enough tokens (" + _examples(low_rank, lambda v: f"rank {v['rank']} of {v['width']} "
+                                                             f"from {v['tokens']} tokens") +
+                      "): the calibration inputs span only part of their input space (or a few outlier channels "
+                      "drown the rest in fp32); GPTQ's gain there may not carry to other inputs, and more diverse "
+                      "calibration inputs (other prompts, sizes, timesteps) cover more of it", stacklevel=4)
+    if damped:
+        def what(v: dict[str, Any]) -> str:
+            basis = "eigenvalues" if v["damp_measure"] == "eigenvalues" else "Cholesky pivots"
+            raised = f", raised from {cfg.damp:g} to make it invertible" if v["damp"] > cfg.damp else ""
+            return f"{v['damp_share']:.0%} of its {v['width']} {basis} below the damping {v['damp']:g} x mean diagonal{raised}"
+        warnings.warn(f"GPTQ: the damping outweighs the calibration data in {len(damped)} of {n} layers' Hessians ("
+                      + _examples(damped, what) + "): in those directions GPTQ's error feedback follows the damping, "
+                      "not the data; calibrate on more and more diverse inputs (quantize.gptq.warn_damp_share sets "
+                      "this warning's threshold)", stacklevel=4)
+    return {"few_tokens": [k for k, _ in few], "low_rank": [k for k, _ in low_rank], "damp": [k for k, _ in damped]}
 
 
 def prepack_layers(root: nn.Module, ledger) -> int:  # noqa: ANN001 - Ledger
@@ -402,6 +459,7 @@ class Quantize(Stage):
                                  fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples,
                                  compute_device=compute_device(cfg.compute_device))
         result.update(runtime_settings(ctx.transformer, cfg, ctx.ledger))
+        gptq_threads = result["gptq"].pop("threads", None) if "gptq" in result else None
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
@@ -410,5 +468,8 @@ class Quantize(Stage):
                 "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
-        return {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
-                "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
+        figures = {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
+                   "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
+        if gptq_threads:  # the CPU threads GPTQ's matrix work ran on (gptq_threads: they follow the machine's load)
+            figures["gptq_threads"] = gptq_threads
+        return figures
