@@ -189,6 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows, columns))
     write_csv(rows, ["run"] + columns, out / "report.csv")
     (out / "report.md").write_text(markdown(rows, columns))
+    try:
+        import matplotlib  # noqa: F401 - the `report` extra; the lean install has the table, CSV and Markdown
+    except ImportError:
+        print(f"wrote {out / 'report.csv'}, {out / 'report.md'} ({len(rows)} runs); report.png and the Pareto fronts "
+              "need matplotlib: pip install \"lowbit_pipe[report]\"")
+        return 0
     fronts = plot(rows, args.metric, out / "report.png")
     on_front = sorted({i for f in fronts.values() for i in f})
     print(f"\nPareto ({args.metric} vs bytes): " + ", ".join(rows[i]["overrides"] for i in fronts.get("weight_bytes", [])))

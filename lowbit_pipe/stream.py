@@ -1,12 +1,13 @@
 """File to file in bounded memory: a float checkpoint streamed through quantization into the export.
 
-`model.stream=true` (with `pipeline: [load, detect, quantize, export]`): load builds the model on the
-meta device (structure only, no weights) and opens the checkpoint lazily; detect and quantize plan the
-layers on that structure; export reads one tensor at a time (lowbit_pipe.lazy), quantizes it on
+`model.stream` (auto by default: whenever the run allows it, lowbit_pipe.stream_choice; true forces it),
+with `pipeline: [load, detect, quantize, export]`: load builds the model on the meta device (structure
+only, no weights) and opens the checkpoint lazily; detect and quantize plan the layers on that structure;
+export reads one tensor at a time (lowbit_pipe.lazy), quantizes it on `quantize.compute_device` or else
 `model.device` as it arrives, and appends it to the output (checkpoint.StreamingWriter). Peak host
 memory is about one tensor (a fused native layer: its parts together) plus its quantized form, not the
-model. The result is the very file the loading path writes (the same tensors, names and header), which
-tests/test_stream.py checks byte for byte.
+model. The result holds the very tensors, names and records the loading path writes, which
+tests/test_stream.py checks bit for bit (the header's recipe says which model.stream ran).
 
 Inputs: a single-file checkpoint or a shard index (diffusers or native names, any prefix), or a
 diffusers model folder (config.json + safetensors shards). Float weights only; what needs a forward

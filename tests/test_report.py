@@ -78,6 +78,18 @@ def test_report_without_hydra_dirs_uses_differing_recipe_keys(tmp_path):
     assert report.main([str(tmp_path / "none")]) == 2
 
 
+def test_report_without_matplotlib_writes_the_table(tmp_path, monkeypatch, capsys):
+    """The lean install (no `report` extra): table, CSV and Markdown, and one line saying what the plot needs."""
+    import lowbit_pipe
+
+    lowbit_pipe.run("default", ["pipeline=[load,detect,quantize]"], run_dir=tmp_path / "run")
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert report.main([str(tmp_path), "--out", str(tmp_path / "out")]) == 0
+    assert (tmp_path / "out" / "report.csv").is_file() and (tmp_path / "out" / "report.md").is_file()
+    assert not (tmp_path / "out" / "report.png").exists()
+    assert 'need matplotlib: pip install "lowbit_pipe[report]"' in capsys.readouterr().out
+
+
 OPTUNA = has_module("hydra_plugins.hydra_optuna_sweeper")
 
 

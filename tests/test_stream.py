@@ -262,9 +262,10 @@ def test_the_cli_streams_without_the_flag(tmp_path):
 @pytest.mark.slow
 def test_the_cli_streams_a_file_larger_than_its_peak_memory_without_the_flag(tmp_path):
     """`python -m lowbit_pipe model.path=F 'pipeline=[load,detect,quantize,export]'`, no model.stream: a 1.4 GB fp32
-    checkpoint goes to int8 in well under its own size (measured: 0.68 GB peak, about the process's 0.52 GB
-    baseline plus one layer; 3.9 GB with model.stream=false, which holds every weight), says so on its plan
-    line and records it in report.json. 40 s on the shared 2-core machine: slow."""
+    checkpoint (1.31 GiB) goes to int8 in well under its own size (measured: 0.61-0.66 GiB peak, the process's
+    0.51 GiB after its imports plus about one layer; 3.49-3.85 GiB with model.stream=false, which holds every
+    weight; docs/streaming.md), says so on its plan line and records it in report.json. 40 s on the shared
+    2-core machine: slow."""
     import os
 
     sys.path.insert(0, str(ROOT / "bench"))
