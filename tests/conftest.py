@@ -83,3 +83,13 @@ def native_module(state: dict) -> torch.nn.Module:
         parent, _, attr = key.rpartition(".")
         owner(parent).register_parameter(attr, torch.nn.Parameter(value.clone(), requires_grad=False))
     return root.eval()
+
+
+def one_line_refusal(proc, *needles: str) -> str:
+    """Assert a CLI run was refused before any work: exit 2, one stderr line holding every needle; returns it."""
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli
+from conftest import cli, one_line_refusal
 
 
 def test_hydra_flags_with_a_value_are_not_overrides(tmp_path):
@@ -37,33 +37,24 @@ def test_help_says_what_and_lists_what_a_recipe_can_name(tmp_path):
     assert "$CONFIG" not in out and "model:\n  arch" not in out  # not a config dump
 
 
-def _one_line_refusal(proc, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
 def test_refusals_before_any_work(tmp_path):
     not_st = tmp_path / "weights.safetensors"
     not_st.write_bytes(b"\x00" * 4096)  # a zeroed file: a length of 0, then no JSON header
-    _one_line_refusal(cli([f"model.path={not_st}"], tmp_path), "model.path", "not a safetensors file", str(not_st))
-    _one_line_refusal(cli(["recipe=no_such_recipe"], tmp_path), "unknown recipe 'no_such_recipe'", "krea2_nvfp4")
+    one_line_refusal(cli([f"model.path={not_st}"], tmp_path), "model.path", "not a safetensors file", str(not_st))
+    one_line_refusal(cli(["recipe=no_such_recipe"], tmp_path), "unknown recipe 'no_such_recipe'", "krea2_nvfp4")
     assert not (tmp_path / "runs").exists()  # nothing ran, no run dir
 
 
 @pytest.mark.slow
 def test_more_refusals_before_any_work(tmp_path):
-    _one_line_refusal(cli(["model.path=missing.safetensors"], tmp_path), "model.path", "missing.safetensors")
-    _one_line_refusal(cli(["recipe=krea2_nvfp4_lora", "lora.files=[{path: gone.safetensors}]"], tmp_path),
+    one_line_refusal(cli(["model.path=missing.safetensors"], tmp_path), "model.path", "missing.safetensors")
+    one_line_refusal(cli(["recipe=krea2_nvfp4_lora", "lora.files=[{path: gone.safetensors}]"], tmp_path),
                       "lora.files[0].path", "gone.safetensors")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    _one_line_refusal(cli([f"export.path={blocker}/out.safetensors"], tmp_path), "export.path", "not a writable")
+    one_line_refusal(cli([f"export.path={blocker}/out.safetensors"], tmp_path), "export.path", "not a writable")
     if not torch.cuda.is_available():
-        _one_line_refusal(cli(["model.device=cuda"], tmp_path), "model.device", "no CUDA device")
+        one_line_refusal(cli(["model.device=cuda"], tmp_path), "model.device", "no CUDA device")
     assert not (tmp_path / "runs").exists()
 
 

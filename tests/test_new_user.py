@@ -8,18 +8,9 @@ import logging
 import pytest
 
 import lowbit_pipe
-from conftest import cli
+from conftest import cli, one_line_refusal
 from lowbit_pipe.compose import compose_recipe
 from lowbit_pipe.errors import RecipeError
-
-
-def _one_line_refusal(proc, *needles: str) -> str:
-    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
-    lines = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
 
 
 # ---- (a) lora.files without a lora stage -----------------------------------------------------------------------
@@ -39,7 +30,7 @@ def test_lora_files_without_a_lora_stage_are_refused(tmp_path):
 
 def test_cli_refuses_lora_files_without_a_lora_stage(tmp_path):
     proc = cli(["recipe=krea2_nvfp4", "lora.files=[{path: /nonexistent/style.safetensors}]"], tmp_path)
-    _one_line_refusal(proc, "lora.files", "/nonexistent/style.safetensors", "no 'lora' stage")
+    one_line_refusal(proc, "lora.files", "/nonexistent/style.safetensors", "no 'lora' stage")
     assert not (tmp_path / "runs").exists()
 
 
@@ -89,7 +80,7 @@ def test_an_export_path_that_cannot_be_written_is_refused_before_any_work(target
 
 
 def test_cli_refuses_an_export_path_under_proc_with_exit_2(tmp_path):
-    _one_line_refusal(cli(["export.path=/proc/lowbit_pipe/model.safetensors"], tmp_path), "export.path", "/proc")
+    one_line_refusal(cli(["export.path=/proc/lowbit_pipe/model.safetensors"], tmp_path), "export.path", "/proc")
     assert not (tmp_path / "runs").exists()
 
 
@@ -156,7 +147,7 @@ def test_a_hydra_plugin_option_without_its_extra_names_the_pip_command(monkeypat
                     reason="the Optuna sweeper is installed here")
 def test_cli_optuna_command_without_the_extra_is_one_line_exit_2(tmp_path):
     proc = cli(["-m", "recipe=krea2_nvfp4", "hydra/sweeper=optuna_budget", "evaluate.budget_bytes=3000000"], tmp_path)
-    _one_line_refusal(proc, "hydra/sweeper", 'pip install ".[optuna]"')
+    one_line_refusal(proc, "hydra/sweeper", 'pip install ".[optuna]"')
     assert not (tmp_path / "runs").exists()
 
 
