@@ -328,9 +328,13 @@ def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stoc
             # while the node quantizes activations too (up to 2.5e-3 seen); stock int8 / convrot_w4a4 run
             # comfy-kitchen's kernels.
             # svdquant_w4a4: its branch is an SVD, whose last bits differ between two processes' LAPACK runs
-            # (1.7e-4 seen on FLUX.1's fused layers, 4e-6 on Krea 2).
+            # (1.7e-4 seen on FLUX.1's fused layers, 4e-6 on Krea 2). nvfp4 with activations through the pack: the
+            # fp32 difference can move one activation across an FP4 rounding boundary, a step of up to 1/6 of its
+            # block's amax (3.5e-4 seen on Krea 2's nvfp4+convrot with per-token scales, 0 on FLUX.1); still 10x
+            # under the distance to the float result.
             weight_only_here = not lowbit_kinds and spec["format"] in ("fp8", "nvfp4", "mxfp8")
-            bound = 5e-3 if weight_only_here else 1e-3 if spec["format"] == "svdquant_w4a4" else 1e-4
+            fp4_activations = lowbit_kinds and spec["format"] in ("svdquant_w4a4", "nvfp4")
+            bound = 5e-3 if weight_only_here else 1e-3 if fp4_activations else 1e-4
             if rel(pack, node) > bound:
                 problems.append(f"{name}: file vs Quantize node {rel(pack, node):.2e} > {bound}")
     print("\n".join(f"{r[0]:6s} {r[1]:14s} lowbit={r[2]!s:5s} stock={'refused' if r[3] else 'ok':8s} "
