@@ -22,12 +22,11 @@ ComfyUI is imported from the given folder (GPL-3; nothing of it is copied). Resu
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
-import traceback
-from pathlib import Path
 from typing import Any
+
+from comfyui_child import run_child
 
 SEED = 7
 TOKENS = 6
@@ -149,19 +148,11 @@ def _forward(dm, cfg: dict, torch) -> Any:  # noqa: ANN001
 
 
 def main(argv: list[str]) -> int:
-    job = json.loads(Path(argv[0]).read_text())
-    result: dict[str, Any] = {"weights": [], "attach": []}
     catcher = LogCatcher()
     logging.getLogger().addHandler(catcher)
     logging.getLogger().setLevel(logging.INFO)
-    try:
-        from comfy_check import _comfy_cpu_setup
 
-        from lowbit_pipe.arch import get_arch
-
-        for arch_id in ("krea2", "flux1"):  # diffusers' classes before ComfyUI's torchvision stub (diffusers
-            get_arch(arch_id).linear_names_set  # noqa: B018 - reads torchvision's version on import)
-        _comfy_cpu_setup(Path(job["comfyui"]))
+    def body(job: dict[str, Any], result: dict[str, Any]) -> None:
         if job.get("install_pack"):
             from lowbit_pipe.comfy import install_into_comfyui
 
@@ -170,11 +161,7 @@ def main(argv: list[str]) -> int:
             result["weights"].append(check_weights(case, catcher))
         for case in job.get("attach", []):
             result["attach"].append(check_attach(case))
-    except BaseException as err:  # noqa: BLE001 - everything goes to the JSON, the parent asserts on it
-        result["error"] = f"{type(err).__name__}: {err}"
-        result["traceback"] = traceback.format_exc()[-8000:]
-    Path(argv[1]).write_text(json.dumps(result, indent=1, default=str))
-    return 0
+    return run_child(argv, body, archs=("krea2", "flux1"), result={"weights": [], "attach": []})
 
 
 if __name__ == "__main__":

@@ -19,11 +19,10 @@ Outputs are the diffusion model's on the architecture's seeded example inputs. R
 
 from __future__ import annotations
 
-import json
 import sys
-import traceback
-from pathlib import Path
 from typing import Any
+
+from comfyui_child import run_child
 
 
 def _forward(tree: Any) -> Any:
@@ -109,21 +108,7 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: list[str]) -> int:
-    job = json.loads(Path(argv[0]).read_text())
-    result: dict[str, Any] = {}
-    try:
-        from comfy_check import _comfy_cpu_setup
-
-        from lowbit_pipe.arch import get_arch
-
-        get_arch("krea2").linear_names_set  # noqa: B018 - diffusers' classes before ComfyUI's torchvision stub
-        _comfy_cpu_setup(Path(job["comfyui"]))
-        result = check(job)
-    except BaseException as err:  # noqa: BLE001 - everything goes to the JSON, the parent asserts on it
-        result["error"] = f"{type(err).__name__}: {err}"
-        result["traceback"] = traceback.format_exc()[-8000:]
-    Path(argv[1]).write_text(json.dumps(result, indent=1, default=str))
-    return 0
+    return run_child(argv, lambda job, result: result.update(check(job)))
 
 
 if __name__ == "__main__":

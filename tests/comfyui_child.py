@@ -1,0 +1,32 @@
+"""What every child process of the ComfyUI tests does around its own checks: read the job JSON, import diffusers'
+classes before ComfyUI's CPU set-up stubs torchvision (diffusers reads torchvision's version on import), set
+ComfyUI up from the job's folder, and write everything, an error and its traceback included, to the result JSON:
+the parent asserts on that file."""
+
+from __future__ import annotations
+
+import json
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+def run_child(argv: list[str], body: Callable[[dict[str, Any], dict[str, Any]], None],
+              archs: tuple[str, ...] = ("krea2",), result: dict[str, Any] | None = None) -> int:
+    """`python child.py job.json result.json`: body(job, result) fills `result`."""
+    job = json.loads(Path(argv[0]).read_text())
+    result = {} if result is None else result
+    try:
+        from comfy_check import _comfy_cpu_setup
+
+        from lowbit_pipe.arch import get_arch
+
+        for arch_id in archs:
+            get_arch(arch_id).linear_names_set  # noqa: B018 - imports the arch's diffusers classes
+        _comfy_cpu_setup(Path(job["comfyui"]))
+        body(job, result)
+    except BaseException as err:  # noqa: BLE001 - everything goes to the JSON, the parent asserts on it
+        result["error"] = f"{type(err).__name__}: {err}"
+        result["traceback"] = traceback.format_exc()[-8000:]
+    Path(argv[1]).write_text(json.dumps(result, indent=1, default=str))
+    return 0
