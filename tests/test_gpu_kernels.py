@@ -148,7 +148,7 @@ FORMAT_CASES = [
     ("fp8", {"rotation": "hadanorm"}, False),
     ("nvfp4", {}, False), ("nvfp4", {"rotation": "convrot"}, False), ("nvfp4", {"activations": "none"}, False),
     ("nvfp4", {"rotation": "convrot", "activations": "none"}, False), ("nvfp4", {"compute": "fp8"}, False),
-    ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False),
+    ("nvfp4", {"rotation": "convrot", "compute": "fp8"}, False), ("nvfp4", {"act_granularity": "tensor"}, False),
     ("convrot_w4a4", {"rotation": "convrot"}, False), ("convrot_w4a4", {"rotation": "convrot"}, True),
     ("w4a8", {}, False), ("w4a8", {}, True), ("w6a8", {}, False), ("w6a8", {}, True),
     ("svdquant_w4a4", {}, False), ("mxfp8", {}, False), ("mxfp8", {"rotation": "convrot"}, False),
@@ -238,6 +238,34 @@ def test_nvfp4_auto_computes_weight_only_on_a_gpu_without_fp4():
     with torch.inference_mode():
         y = copy.deepcopy(q).to("cuda", torch.bfloat16)(x.cuda())
     assert _rel(y.cpu(), ref) < 1e-2
+
+
+@pytest.mark.parametrize("fmt,opts", [("nvfp4", {}), ("nvfp4", {"rotation": "convrot"}), ("int8", {}), ("fp8", {}),
+                                      ("mxfp8", {}), ("svdquant_w4a4", {}), ("convrot_w4a4", {"rotation": "convrot"}),
+                                      ("w4a8", {})])
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_a_sample_on_the_gpu_does_not_depend_on_its_batch_mates(fmt, opts, tokens):
+    """tests/test_batch_invariance.py on the GPU paths (nvfp4 with NVFP4 activations; 40 tokens: its register-decode
+    GEMM, 300: decode + cuBLAS): a sample beside zero vs 100x louder batch-mates is bit-exact (same shapes, same
+    kernels and configs); alone vs in the batch within one bf16 ulp (another row count may take
+    another tile config or path: the sums' order changes, never a statistic)."""
+    from lowbit_pipe.formats import FormatSpec
+    from lowbit_pipe.nn import QuantLinear
+
+    gen = torch.Generator().manual_seed(26)
+    k, n = 512, 256
+    q = QuantLinear.from_linear(nn.Linear(k, n), FormatSpec(fmt, **opts))
+    if fmt == "nvfp4":
+        q.compute = "nvfp4"
+    g = q.to("cuda", torch.bfloat16)
+    x = torch.randn(1, tokens, k, generator=gen).to("cuda", torch.bfloat16)
+    loud = (torch.randn(3, tokens, k, generator=gen) * 100).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        quiet_mates = g(torch.cat([x, torch.zeros_like(loud)]))[:1]
+        loud_mates = g(torch.cat([x, loud]))[:1]
+        alone = g(x)
+    assert torch.equal(quiet_mates, loud_mates), f"{fmt} {opts}: {_rel(loud_mates, quiet_mates):.3g}"
+    assert _rel(alone, loud_mates) < 2 ** -8, f"{fmt} {opts}: alone vs batched {_rel(alone, loud_mates):.3g}"
 
 
 @pytest.mark.parametrize("w_mode", [0, 1])
