@@ -24,8 +24,8 @@ from lowbit_pipe.kernels import rotation
 @dataclass(frozen=True)
 class GPTQSettings:
     block_size: int = 128  # columns per lazy batch update
-    damp: float = 0.01  # added to H's diagonal, as a fraction of its mean
-    act_order: bool = False  # round columns in order of decreasing H diagonal (largest input energy first)
+    damp: float = 0.1  # added to H's diagonal, as a fraction of its mean
+    act_order: bool = True  # round columns in order of decreasing H diagonal (largest input energy first)
     cuda_graph: bool = True  # on a GPU, replay each block's column loop as one captured CUDA graph (_GraphedBlock)
     # On the CPU: torch's threads for the Cholesky and the block updates (None: gptq_threads(), the cores not busy);
     # the column loop, tiny ops, always runs on one (see gptq_threads).
