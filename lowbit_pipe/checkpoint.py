@@ -15,8 +15,12 @@ from safetensors import safe_open
 from lowbit_pipe.errors import CheckpointError
 from lowbit_pipe.progress import Console
 
-_DTYPES = {"F64", "F32", "F16", "BF16", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64",
-           "F8_E8M0", "F4", "F6_E2M3", "F6_E3M2", "C64"}
+# safetensors' dtypes and their bits per element (a tensor's bytes are numel x bits / 8, a whole number).
+_DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
+               "F8_E4M3": 8, "F8_E5M2": 8, "U16": 16, "U32": 32, "U64": 64, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+               "F6_E3M2": 6, "C64": 64}
+_DTYPES = set(_DTYPE_BITS)
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header is refused before it is read
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,10 @@ class Header:
 
 
 def read_header(path: str | Path) -> Header:
-    """Parse and check a safetensors header; errors name the file (and key)."""
+    """Parse and check a safetensors header by safetensors' own rules (a JSON object of unique keys under 100 MB;
+    each entry a known dtype, a shape of non-negative integers and [start, end) offsets whose length is the
+    shape's bytes; the entries' data contiguous from 0 to the end of the file; `__metadata__` strings to strings).
+    Errors name the file (and key); nothing is allocated by the size a header claims."""
     path = str(path)
     try:
         size = os.path.getsize(path)
@@ -47,31 +54,89 @@ def read_header(path: str | Path) -> Header:
             first = f.read(1)
             if first != b"{":  # a safetensors header is a JSON object right after its 8-byte length
                 raise CheckpointError(path, "not a safetensors file (no JSON header after the 8-byte length)")
+            if n > MAX_HEADER_BYTES:
+                raise CheckpointError(path, f"corrupt header: claims {n} bytes, over safetensors' limit of "
+                                            f"{MAX_HEADER_BYTES}")
             if n > size - 8:
                 raise CheckpointError(path, f"truncated or corrupt: header claims {n} bytes, file has {size - 8} after the length")
             raw = first + f.read(n - 1)
     except OSError as err:
         raise CheckpointError(path, f"cannot read: {err.strerror}") from err
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CheckpointError(path, f"corrupt header, not valid JSON ({err})") from err
+    except _DuplicateKey as err:
+        raise CheckpointError(path, "corrupt header: the key appears twice", err.key) from None
     if not isinstance(header, dict):
         raise CheckpointError(path, "corrupt header: not a JSON object")
     metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(path, "corrupt header: __metadata__ must map strings to strings", "__metadata__")
     data_len = size - 8 - n
-    tensors = {}
-    for key, info in header.items():
-        try:
-            dtype, shape, (start, end) = info["dtype"], tuple(int(s) for s in info["shape"]), info["data_offsets"]
-        except (KeyError, TypeError, ValueError) as err:
-            raise CheckpointError(path, f"corrupt header entry ({err})", key) from err
-        if dtype not in _DTYPES:
-            raise CheckpointError(path, f"unknown dtype '{dtype}'", key)
-        if not (0 <= start <= end <= data_len):
-            raise CheckpointError(path, f"data offsets {start}..{end} run past the file's {data_len} data bytes (truncated?)", key)
-        tensors[key] = TensorInfo(dtype, shape, (int(start), int(end)))
+    tensors = {key: _tensor_info(path, key, info) for key, info in header.items()}
+    _check_layout(path, tensors, data_len)
     return Header(path, dict(metadata), tensors, 8 + n)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json.loads keeps the last of two equal keys; safetensors refuses them, and so do we."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _is_count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _tensor_info(path: str, key: str, info: Any) -> TensorInfo:
+    """One header entry, checked: dtype, shape and offsets, and offsets' length == the shape's bytes."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(path, "corrupt header entry: needs dtype, shape and data_offsets", key)
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise CheckpointError(path, f"unknown dtype {dtype!r}", key)
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(path, f"corrupt shape {shape!r}: must be a list of non-negative integers", key)
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise CheckpointError(path, f"corrupt data_offsets {offsets!r}: must be [start, end], 0 <= start <= end", key)
+    numel = 1
+    for d in shape:
+        numel *= d
+    bits = numel * _DTYPE_BITS[dtype]
+    if bits % 8 or offsets[1] - offsets[0] != bits // 8:
+        raise CheckpointError(path, f"data_offsets {offsets[0]}..{offsets[1]} hold {offsets[1] - offsets[0]} bytes, "
+                                    f"but shape {shape} of {dtype} needs {bits / 8:g}", key)
+    return TensorInfo(dtype, tuple(shape), (offsets[0], offsets[1]))
+
+
+def _check_layout(path: str, tensors: dict[str, TensorInfo], data_len: int) -> None:
+    """The entries' bytes tile the data section: in offset order each starts where the previous ended, from 0 to
+    the end of the file (safetensors refuses gaps, overlaps and trailing bytes alike)."""
+    at, previous = 0, None
+    for key, t in sorted(tensors.items(), key=lambda kv: kv[1].offsets):
+        start, end = t.offsets
+        if end > data_len:
+            raise CheckpointError(path, f"data offsets {start}..{end} run past the file's {data_len} data bytes "
+                                        "(truncated?)", key)
+        if start != at:
+            what = f"overlaps {previous}" if start < at else f"leaves a gap of {start - at} bytes after " + \
+                (previous or "the header")
+            raise CheckpointError(path, f"data offsets {start}..{end} are not contiguous: {what}", key)
+        at, previous = end, key
+    if at != data_len:
+        raise CheckpointError(path, f"the tensors' data ends at byte {at} but the file has {data_len} data bytes "
+                                    f"({'trailing bytes' if at < data_len else 'truncated?'})")
 
 
 def load_tensors(path: str | Path, keys: list[str] | None = None, *, console: Console | None = None,
