@@ -1,0 +1,324 @@
+"""8-bit attention (Triton, Hopper): Q·Kᵀ in FP8 or INT8 with per-block scales, P·V in FP8, fp32 online softmax.
+
+    out = softmax(q kᵀ / sqrt(d)) v          q, k, v: [B, H, N, D], D in (64, 128), no mask (a DiT's joint attention)
+
+Quantization, before the attention kernel (`quantize_qkv`, two small kernels plus two torch reductions):
+- K smoothing: k - mean over tokens (per batch, head, channel). q·(k - m) = q·k - q·m, a constant per query row,
+  which the softmax cancels exactly; what is left for the 8-bit grid is k's spread without its channel offset
+  (DiT keys carry large per-channel means after RoPE and norms).
+- q and the smoothed k: one scale per block of BLOCK_M query rows / BLOCK_N key rows (amax / 448 for e4m3,
+  amax / 127 for int8). q's scale also carries the softmax scale and log2(e), so the kernel uses exp2.
+- v: one e4m3 scale per (batch, head, channel), over all tokens; it factors out of the sum over keys, so the
+  kernel applies it once at the end. v is stored transposed ([D, tokens]): the fp8 wgmma takes its second
+  operand K-major only.
+- P (in [0, 1] after the running max is subtracted) is rounded to e4m3 as p * 448 (the whole grid, subnormals
+  down to 448 p = 2^-9), its 1/448 folded into the final normalization with v's scale; the row sums l use the
+  unrounded p. Each key block's P·V is its own fp8 dot, added to the fp32 accumulator.
+
+All token counts work: the quantized tensors are padded to whole blocks with zeros, and keys past N are masked
+to -inf. The torch reference (`reference_attention8`) runs the same arithmetic block by block (the kernel's
+oracle, and the path on the CPU); `exact_attention` is the float64 oracle of what 8-bit attention approximates.
+
+Layout: quantize kernels -> attention kernel -> launcher `attention8` (checks, padding, config) -> custom op
+`lowbit_pipe::attention8` (fake impl: shapes only, so torch.compile keeps it one node).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+QK_FORMATS = ("fp8", "int8")
+FP8_MAX = 448.0
+INT8_MAX = 127.0
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class Attention8Config:
+    """Tiles of the attention kernel (and the quantization blocks, which must match them)."""
+    block_m: int = 128
+    block_n: int = 128
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+# Fixed configs, no autotuner in the call path: chosen by bench/attention8_bench.py --sweep on the H200 (the
+# table in bench/results/attention8_h200.md). The interpreter (CPU tests) takes small tiles.
+GPU_CONFIGS = {64: Attention8Config(128, 128, 8, 3), 128: Attention8Config(128, 128, 8, 3)}
+INTERPRETER_CONFIG = Attention8Config(32, 32, 4, 1)
+
+
+@dataclass(frozen=True)
+class QuantizedQKV:
+    """q, k (smoothed), v quantized for the attention kernel, padded to `n_pad` tokens (whole blocks).
+
+    q8 / k8: [B*H, n_pad, D] e4m3 or int8; q_scale [B*H, n_pad / block_m] (softmax scale and log2 e included),
+    k_scale [B*H, n_pad / block_n]; v8_t: [B*H, D, n_pad] e4m3; v_scale [B*H, D] (fp32)."""
+    q8: torch.Tensor
+    q_scale: torch.Tensor
+    k8: torch.Tensor
+    k_scale: torch.Tensor
+    v8_t: torch.Tensor
+    v_scale: torch.Tensor
+    n: int
+    n_pad: int
+    qk_format: str
+    config: Attention8Config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# quantization kernels
+
+
+@triton.jit
+def _round_codes(y, INT8: tl.constexpr):
+    """Codes of y (already scaled into the grid): int8 round-half-even (the 1.5 * 2^23 trick, torch.round's
+    rule) or e4m3 (the cast rounds to nearest even)."""
+    if INT8:
+        r = (tl.minimum(tl.maximum(y, -127.0), 127.0) + 12582912.0) - 12582912.0
+        return r.to(tl.int8)
+    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+
+
+@triton.jit
+def _quant_blocks_kernel(
+    x_ptr, mean_ptr, y_ptr, s_ptr,
+    H, N, N_PAD, stride_b, stride_h, stride_n, stride_d, scale_mul,
+    D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, INT8: tl.constexpr,
+):
+    # Program (token block, batch*head): the block's amax -> one scale -> codes, written to the padded
+    # [B*H, N_PAD, D] buffer (rows past N are zeros).
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    ok = rows < N
+    x = tl.load(x_ptr + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :] * stride_d,
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    if HAS_MEAN:
+        x = tl.where(ok[:, None], x - tl.load(mean_ptr + bh * D + cols)[None, :], 0.0)
+    amax = tl.max(tl.max(tl.abs(x), axis=1), axis=0)
+    if INT8:
+        scale = tl.maximum(amax, 1e-12) / 127.0
+    else:
+        scale = tl.where(amax > 0, amax / 448.0, 1.0)
+    y = _round_codes(tl.div_rn(x, tl.zeros_like(x) + scale), INT8)
+    tl.store(y_ptr + (bh * N_PAD + rows)[:, None] * D + cols[None, :], y)
+    tl.store(s_ptr + bh * tl.cdiv(N_PAD, BLOCK) + blk, scale * scale_mul)
+
+
+@triton.jit
+def _quant_v_kernel(
+    x_ptr, vs_ptr, y_ptr,
+    H, N, N_PAD, stride_b, stride_h, stride_n, stride_d,
+    D: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # Program (token block, batch*head): e4m3 codes of v / v_scale[channel], written transposed [D, N_PAD].
+    blk = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    rows = blk * BLOCK + tl.arange(0, BLOCK)
+    cols = tl.arange(0, D)
+    ok = rows < N
+    x = tl.load(x_ptr + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :] * stride_d,
+                mask=ok[:, None], other=0.0).to(tl.float32)
+    scale = tl.load(vs_ptr + bh * D + cols)
+    y = _round_codes(tl.div_rn(x, tl.zeros_like(x) + scale[None, :]), False)
+    tl.store(y_ptr + (bh * D + cols)[None, :] * N_PAD + rows[:, None], y)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# attention kernel
+
+
+@triton.jit
+def _attention8_kernel(
+    q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, o_ptr,
+    H, N, N_PAD, stride_ob, stride_oh, stride_on, stride_od,
+    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, MASK_TAIL: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    row0 = bh * N_PAD
+    q = q_desc.load([row0 + pid_m * BLOCK_M, 0])
+    q_scale = tl.load(qs_ptr + bh * tl.cdiv(N_PAD, BLOCK_M) + pid_m)
+    ks_row = ks_ptr + bh * tl.cdiv(N_PAD, BLOCK_N)
+    offs_n = tl.arange(0, BLOCK_N)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    for start_n in range(0, N_PAD, BLOCK_N):
+        k = k_desc.load([row0 + start_n, 0])
+        if INT8:
+            s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * (q_scale * tl.load(ks_row + start_n // BLOCK_N))
+        if MASK_TAIL:
+            s = tl.where((start_n + offs_n)[None, :] < N, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = v_desc.load([bh * D, start_n])
+        pv = tl.dot((p * 448.0).to(tl.float8e4nv), tl.trans(v))
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    cols = tl.arange(0, D)
+    v_scale = tl.load(vs_ptr + bh * D + cols)
+    out = acc * (v_scale[None, :] / 448.0) / l_i[:, None]
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    b = bh // H
+    h = bh % H
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_on + cols[None, :] * stride_od,
+             out.to(o_ptr.dtype.element_ty), mask=(rows < N)[:, None])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launchers
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str) -> None:
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"attention8: q, k, v must be [B, H, N, D] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if q.shape[-1] not in (64, 128):
+        raise ValueError(f"attention8: head_dim must be 64 or 128, got {q.shape[-1]}")
+
+
+def config_for(d: int, on_cuda: bool) -> Attention8Config:
+    return GPU_CONFIGS[d] if on_cuda else INTERPRETER_CONFIG
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
+                 sm_scale: float | None = None, config: Attention8Config | None = None) -> QuantizedQKV:
+    """The attention kernel's operands (Triton; CPU tensors only under TRITON_INTERPRET)."""
+    _check(q, k, v, qk_format)
+    b, h, n, d = q.shape
+    cfg = config or config_for(d, q.is_cuda)
+    if cfg.block_m % cfg.block_n and cfg.block_n % cfg.block_m:
+        raise ValueError(f"attention8: block_m {cfg.block_m} and block_n {cfg.block_n} must divide one another")
+    step = max(cfg.block_m, cfg.block_n)
+    n_pad = triton.cdiv(n, step) * step
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    int8 = qk_format == "int8"
+    code = torch.int8 if int8 else torch.float8_e4m3fn
+    dev = q.device
+    mean = k.mean(dim=2, dtype=torch.float32).reshape(b * h, d).contiguous()
+    v_amax = v.abs().amax(dim=2).float().reshape(b * h, d)
+    v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax)).contiguous()
+    q8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
+    k8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
+    v8_t = torch.empty(b * h, d, n_pad, dtype=torch.float8_e4m3fn, device=dev)
+    q_scale = torch.empty(b * h, n_pad // cfg.block_m, dtype=torch.float32, device=dev)
+    k_scale = torch.empty(b * h, n_pad // cfg.block_n, dtype=torch.float32, device=dev)
+    for x, y, s, block, mean_arg, mul in ((q, q8, q_scale, cfg.block_m, None, sm * LOG2E),
+                                          (k, k8, k_scale, cfg.block_n, mean, 1.0)):
+        _quant_blocks_kernel[(n_pad // block, b * h)](
+            x, mean_arg if mean_arg is not None else v_scale, y, s, h, n, n_pad, *x.stride(), mul,
+            D=d, BLOCK=block, HAS_MEAN=mean_arg is not None, INT8=int8, num_warps=4)
+    _quant_v_kernel[(n_pad // cfg.block_n, b * h)](v, v_scale, v8_t, h, n, n_pad, *v.stride(), D=d,
+                                                   BLOCK=cfg.block_n, num_warps=4)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, v8_t, v_scale, n, n_pad, qk_format, cfg)
+
+
+def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
+    """The attention kernel over already quantized operands, into `out` [B, H, N, D]."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    cfg = qkv.config
+    bh, n_pad, d = qkv.q8.shape
+    q2, k2, v2 = qkv.q8.view(bh * n_pad, d), qkv.k8.view(bh * n_pad, d), qkv.v8_t.view(bh * d, n_pad)
+    q_desc = TensorDescriptor(q2, list(q2.shape), [d, 1], [cfg.block_m, d])
+    k_desc = TensorDescriptor(k2, list(k2.shape), [d, 1], [cfg.block_n, d])
+    v_desc = TensorDescriptor(v2, list(v2.shape), [n_pad, 1], [d, cfg.block_n])
+    _attention8_kernel[(n_pad // cfg.block_m, bh)](
+        q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, out, out.shape[1], qkv.n, n_pad,
+        *out.stride(), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT8=qkv.qk_format == "int8",
+        MASK_TAIL=qkv.n % cfg.block_n != 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return out
+
+
+def attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
+               sm_scale: float | None = None, config: Attention8Config | None = None) -> torch.Tensor:
+    """softmax(q kᵀ * sm_scale) v with 8-bit operands (Triton): [B, H, N, D] in q's dtype."""
+    qkv = quantize_qkv(q, k, v, qk_format, sm_scale, config)
+    return attention8_quantized(qkv, torch.empty_like(q, memory_format=torch.contiguous_format))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# torch reference and oracle
+
+
+def _codes(x: torch.Tensor, scale: torch.Tensor, int8: bool) -> torch.Tensor:
+    """Dequantized codes of x / scale (the kernels' rounding rules), as fp32."""
+    y = x / scale
+    if int8:
+        return torch.round(y.clamp(-INT8_MAX, INT8_MAX))
+    return y.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
+
+
+def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
+                         sm_scale: float | None = None, config: Attention8Config | None = None) -> torch.Tensor:
+    """The Triton path's arithmetic in torch, block by block (same scales, codes, online softmax and P
+    rounding): its oracle, and 8-bit attention where the kernel cannot run (CPU, other head dims)."""
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    b, h, n, d = q.shape
+    cfg = config or INTERPRETER_CONFIG
+    bm, bn = cfg.block_m, cfg.block_n
+    int8 = qk_format == "int8"
+    grid = INT8_MAX if int8 else FP8_MAX
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    kf = kf - kf.mean(dim=2, keepdim=True)
+    v_amax = vf.abs().amax(dim=2, keepdim=True)
+    v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
+    v8 = _codes(vf, v_scale, False)
+
+    def block_scale(x: torch.Tensor) -> torch.Tensor:
+        amax = x.abs().amax(dim=(-2, -1), keepdim=True)
+        return torch.clamp(amax, min=1e-12) / grid if int8 else torch.where(amax > 0, amax / grid, torch.ones_like(amax))
+
+    out = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
+    k_blocks = []
+    for s0 in range(0, n, bn):
+        kb = kf[:, :, s0:s0 + bn]
+        ks = block_scale(kb)
+        k_blocks.append((_codes(kb, ks, int8), ks, v8[:, :, s0:s0 + bn]))
+    for r0 in range(0, n, bm):
+        qb = qf[:, :, r0:r0 + bm]
+        qs = block_scale(qb)
+        q8 = _codes(qb, qs, int8)
+        qmul = qs * (sm * LOG2E)
+        m_i = torch.full(qb.shape[:-1], float("-inf"), device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros_like(qb)
+        for k8, ks, vb in k_blocks:
+            s = (q8 @ k8.transpose(-1, -2)) * (qmul * ks)
+            m_new = torch.maximum(m_i, s.amax(dim=-1))
+            p = torch.exp2(s - m_new[..., None])
+            alpha = torch.exp2(m_i - m_new)
+            l_i = l_i * alpha + p.sum(dim=-1)
+            p8 = (p * FP8_MAX).to(torch.float8_e4m3fn).float()
+            acc = acc * alpha[..., None] + p8 @ vb
+            m_i = m_new
+        out[:, :, r0:r0 + bm] = acc * (v_scale / FP8_MAX) / l_i[..., None]
+    return out.to(q.dtype)
+
+
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
+    """softmax(q kᵀ * sm_scale) v in float64: what the 8-bit attention approximates."""
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    s = (q.double() @ k.double().transpose(-1, -2)) * sm
+    return torch.softmax(s, dim=-1) @ v.double()
