@@ -322,3 +322,38 @@ def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     s = (q.double() @ k.double().transpose(-1, -2)) * sm
     return torch.softmax(s, dim=-1) @ v.double()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# entry point: the kernel where it runs, the reference elsewhere; one custom op so torch.compile keeps it one node
+
+
+def kernel_runs(q: torch.Tensor) -> bool:
+    """Whether the Triton kernel serves q's device and shape (Hopper or newer, head_dim 64 or 128)."""
+    return (q.is_cuda and q.dim() == 4 and q.shape[-1] in GPU_CONFIGS
+            and torch.cuda.get_device_capability(q.device) >= (9, 0))
+
+
+@torch.library.custom_op("lowbit_pipe::attention8", mutates_args=())
+def _attention8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, sm_scale: float) -> torch.Tensor:
+    if kernel_runs(q):
+        return attention8(q, k, v, qk_format, sm_scale)
+    return reference_attention8(q, k, v, qk_format, sm_scale)
+
+
+@_attention8_op.register_fake
+def _(q, k, v, qk_format, sm_scale):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def sdpa8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "int8",
+          sm_scale: float | None = None) -> torch.Tensor:
+    """8-bit softmax(q kᵀ * sm_scale) v for [B, H, N, D] q, k, v (no mask): the Triton kernel on Hopper for head
+    dims 64 / 128, the torch reference (same arithmetic) elsewhere. Output in q's dtype, contiguous."""
+    if qk_format not in QK_FORMATS:
+        raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        raise ValueError(f"attention8: q, k, v must be [B, H, N, D] of one shape, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _attention8_op(q, k, v, qk_format, float(sm))
