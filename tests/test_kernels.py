@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "nvfp4_rows", "decode", "svdquant",
-         "mxfp8", "formats", "compile")
+         "mxfp8", "formats", "compile", "attention8")
 CHILD_TIMEOUT_S = 600
 
 
@@ -723,6 +723,52 @@ def case_compile() -> None:
     targets = " ".join(graphs[0])
     assert "rotate_groups" in targets and "int8_gemm" in targets and "quantize_act" not in targets, targets
     assert "amax" in targets and "round" in targets, targets
+
+
+def case_attention8() -> None:
+    """8-bit attention: the quantization kernels' codes and scales against the torch rules (int8 bit-exact, e4m3
+    within the interpreter's cast budget), the attention kernel against reference_attention8 and exact_attention
+    (head dims 64 and 128, a ragged token count that masks the last key block, both QK formats). The interpreter
+    mis-rounds the P -> e4m3 cast, so the kernel-vs-reference bound here is loose; tests/test_gpu_kernels.py
+    holds the real kernel to the reference tightly."""
+    from lowbit_pipe.kernels.attention8 import (FP8_MAX, INT8_MAX, LOG2E, INTERPRETER_CONFIG, exact_attention,
+                                                quantize_qkv, attention8, reference_attention8)
+
+    gen = torch.Generator().manual_seed(8)
+    cfg = INTERPRETER_CONFIG
+    for d, n in ((64, 70), (128, 40)):
+        q, k, v = (torch.randn(1, 2, n, d, generator=gen) for _ in range(3))
+        # per-channel offsets of k and v (as DiT activations have), for the two smoothings to remove
+        k = k + torch.randn(1, 2, 1, d, generator=gen) * 4
+        v = v + torch.randn(1, 2, 1, d, generator=gen) * 2
+        for fmt in ("int8", "fp8"):
+            qkv = quantize_qkv(q, k, v, fmt)
+            grid, code = (INT8_MAX, torch.int8) if fmt == "int8" else (FP8_MAX, torch.float8_e4m3fn)
+            assert qkv.q8.dtype == code and qkv.n_pad % cfg.block_m == 0 and qkv.n == n
+            ks = k - k.mean(dim=2, keepdim=True)
+            for x, codes, scales, mul, what in ((q, qkv.q8, qkv.q_scale, d ** -0.5 * LOG2E, "q"),
+                                                (ks, qkv.k8, qkv.k_scale, 1.0, "k")):
+                xp = torch.zeros(2, qkv.n_pad, d)
+                xp[:, :n] = x[0]
+                blocks = xp.view(2, -1, cfg.block_m, d)
+                amax = blocks.abs().amax(dim=(-2, -1))
+                scale = amax.clamp_min(1e-12) / grid
+                torch.testing.assert_close(scales, scale * mul, rtol=1e-6, atol=0, msg=f"{what} scales, {fmt}")
+                y = (blocks / scale[..., None, None]).view(2, qkv.n_pad, d)
+                if fmt == "int8":
+                    assert torch.equal(codes, torch.round(y.clamp(-127, 127)).to(torch.int8)), f"{what} int8 codes"
+                else:
+                    off = (_fp8_steps(codes, y.clamp(-448, 448).to(torch.float8_e4m3fn)) > 0).float().mean()
+                    assert off <= 0.05, f"{what} e4m3 codes: {off:.1%} differ"
+            assert not qkv.q8[:, n:].float().any(), "padding rows must be zero codes"
+            out = attention8(q, k, v, fmt)
+            ref = reference_attention8(q, k, v, fmt, config=cfg)
+            exact = exact_attention(q, k, v).float()
+            # measured here: kernel vs reference 0.006-0.012 (the interpreter's e4m3 cast), reference vs float64
+            # 0.003-0.006 (without the v smoothing, 1.5-8x more at these offsets)
+            _close(out, ref, 0.025, f"attention8 {fmt} d={d} vs its reference")
+            _close(ref, exact, 0.01, f"reference_attention8 {fmt} d={d} vs float64")
+            _close(out, exact, 0.025, f"attention8 {fmt} d={d} vs float64")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,11 @@ Quantization, before the attention kernel (`quantize_qkv`, two small kernels plu
   (DiT keys carry large per-channel means after RoPE and norms).
 - q and the smoothed k: one scale per block of BLOCK_M query rows / BLOCK_N key rows (amax / 448 for e4m3,
   amax / 127 for int8). q's scale also carries the softmax scale and log2(e), so the kernel uses exp2.
-- v: one e4m3 scale per (batch, head, channel), over all tokens; it factors out of the sum over keys, so the
-  kernel applies it once at the end. v is stored transposed ([D, tokens]): the fp8 wgmma takes its second
+- V smoothing: v - mean over tokens (per batch, head, channel) is what gets quantized; the mean comes back
+  exactly as `+ mean` after the normalization (each row of softmax weights sums to one). Its e4m3 grid then
+  spans v's spread, not its offset.
+- v (smoothed): one e4m3 scale per (batch, head, channel), over all tokens; it factors out of the sum over
+  keys, so the kernel applies it once at the end. v is stored transposed ([D, tokens]): the fp8 wgmma takes its second
   operand K-major only.
 - P (in [0, 1] after the running max is subtracted) is rounded to e4m3 as p * 448 (the whole grid, subnormals
   down to 448 p = 2^-9), its 1/448 folded into the final normalization with v's scale; the row sums l use the
@@ -58,13 +61,14 @@ class QuantizedQKV:
     """q, k (smoothed), v quantized for the attention kernel, padded to `n_pad` tokens (whole blocks).
 
     q8 / k8: [B*H, n_pad, D] e4m3 or int8; q_scale [B*H, n_pad / block_m] (softmax scale and log2 e included),
-    k_scale [B*H, n_pad / block_n]; v8_t: [B*H, D, n_pad] e4m3; v_scale [B*H, D] (fp32)."""
+    k_scale [B*H, n_pad / block_n]; v8_t: [B*H, D, n_pad] e4m3 of v - v_mean; v_scale, v_mean [B*H, D] (fp32)."""
     q8: torch.Tensor
     q_scale: torch.Tensor
     k8: torch.Tensor
     k_scale: torch.Tensor
     v8_t: torch.Tensor
     v_scale: torch.Tensor
+    v_mean: torch.Tensor
     n: int
     n_pad: int
     qk_format: str
@@ -116,11 +120,12 @@ def _quant_blocks_kernel(
 
 @triton.jit
 def _quant_v_kernel(
-    x_ptr, vs_ptr, y_ptr,
+    x_ptr, vs_ptr, vm_ptr, y_ptr,
     H, N, N_PAD, stride_b, stride_h, stride_n, stride_d,
     D: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # Program (token block, batch*head): e4m3 codes of v / v_scale[channel], written transposed [D, N_PAD].
+    # Program (token block, batch*head): e4m3 codes of (v - v_mean) / v_scale per channel, written transposed
+    # [D, N_PAD] (rows past N are zeros).
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -130,6 +135,7 @@ def _quant_v_kernel(
     ok = rows < N
     x = tl.load(x_ptr + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :] * stride_d,
                 mask=ok[:, None], other=0.0).to(tl.float32)
+    x = tl.where(ok[:, None], x - tl.load(vm_ptr + bh * D + cols)[None, :], 0.0)
     scale = tl.load(vs_ptr + bh * D + cols)
     y = _round_codes(tl.div_rn(x, tl.zeros_like(x) + scale[None, :]), False)
     tl.store(y_ptr + (bh * D + cols)[None, :] * N_PAD + rows[:, None], y)
@@ -141,7 +147,7 @@ def _quant_v_kernel(
 
 @triton.jit
 def _attention8_kernel(
-    q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, o_ptr,
+    q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, vm_ptr, o_ptr,
     H, N, N_PAD, stride_ob, stride_oh, stride_on, stride_od,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, MASK_TAIL: tl.constexpr,
 ):
@@ -174,7 +180,7 @@ def _attention8_kernel(
         m_i = m_new
     cols = tl.arange(0, D)
     v_scale = tl.load(vs_ptr + bh * D + cols)
-    out = acc * (v_scale[None, :] / 448.0) / l_i[:, None]
+    out = acc * (v_scale[None, :] / 448.0) / l_i[:, None] + tl.load(vm_ptr + bh * D + cols)[None, :]
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     b = bh // H
     h = bh % H
@@ -215,7 +221,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: s
     code = torch.int8 if int8 else torch.float8_e4m3fn
     dev = q.device
     mean = k.mean(dim=2, dtype=torch.float32).reshape(b * h, d).contiguous()
-    v_amax = v.abs().amax(dim=2).float().reshape(b * h, d)
+    v_mean = v.mean(dim=2, dtype=torch.float32).reshape(b * h, d).contiguous()
+    # amax |v - mean| = max(max v - mean, mean - min v): two reductions over v, no smoothed copy of it
+    v_amax = torch.maximum(v.amax(dim=2).float().reshape(b * h, d) - v_mean, v_mean - v.amin(dim=2).float().reshape(b * h, d))
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax)).contiguous()
     q8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
     k8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
@@ -227,9 +235,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: s
         _quant_blocks_kernel[(n_pad // block, b * h)](
             x, mean_arg if mean_arg is not None else v_scale, y, s, h, n, n_pad, *x.stride(), mul,
             D=d, BLOCK=block, HAS_MEAN=mean_arg is not None, INT8=int8, num_warps=4)
-    _quant_v_kernel[(n_pad // cfg.block_n, b * h)](v, v_scale, v8_t, h, n, n_pad, *v.stride(), D=d,
+    _quant_v_kernel[(n_pad // cfg.block_n, b * h)](v, v_scale, v_mean, v8_t, h, n, n_pad, *v.stride(), D=d,
                                                    BLOCK=cfg.block_n, num_warps=4)
-    return QuantizedQKV(q8, q_scale, k8, k_scale, v8_t, v_scale, n, n_pad, qk_format, cfg)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, v8_t, v_scale, v_mean, n, n_pad, qk_format, cfg)
 
 
 def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
@@ -243,7 +251,7 @@ def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
     k_desc = TensorDescriptor(k2, list(k2.shape), [d, 1], [cfg.block_n, d])
     v_desc = TensorDescriptor(v2, list(v2.shape), [n_pad, 1], [d, cfg.block_n])
     _attention8_kernel[(n_pad // cfg.block_m, bh)](
-        q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, out, out.shape[1], qkv.n, n_pad,
+        q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_mean, out, out.shape[1], qkv.n, n_pad,
         *out.stride(), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT8=qkv.qk_format == "int8",
         MASK_TAIL=qkv.n % cfg.block_n != 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out
@@ -282,6 +290,8 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qf, kf, vf = q.float(), k.float(), v.float()
     kf = kf - kf.mean(dim=2, keepdim=True)
+    v_mean = vf.mean(dim=2, keepdim=True)
+    vf = vf - v_mean
     v_amax = vf.abs().amax(dim=2, keepdim=True)
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
     v8 = _codes(vf, v_scale, False)
@@ -313,7 +323,7 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
             p8 = (p * FP8_MAX).to(torch.float8_e4m3fn).float()
             acc = acc * alpha[..., None] + p8 @ vb
             m_i = m_new
-        out[:, :, r0:r0 + bm] = acc * (v_scale / FP8_MAX) / l_i[..., None]
+        out[:, :, r0:r0 + bm] = acc * (v_scale / FP8_MAX) / l_i[..., None] + v_mean
     return out.to(q.dtype)
 
 
