@@ -525,3 +525,30 @@ def test_quantize_on_the_gpu_a_model_that_stays_on_the_cpu(fmt, tiny_model):
         ref = floats[name](x)
         err_cpu, err_gpu = float((a(x) - ref).norm()), float((b(x) - ref).norm())
         assert err_gpu <= 1.05 * err_cpu + 1e-6, (name, err_gpu, err_cpu)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="the 8-bit attention kernel needs Hopper (fp8 wgmma, TMA)")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("n", [77, 1024, 4608 + 37])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_attention8_matches_its_reference_and_the_oracle(fmt, n, d):
+    """The kernel against reference_attention8 (same scales, codes and P rounding: only fp32 summation order and
+    exp2's last bit differ, which can move a P code by one step) and against float64; a [B, N, H, D] input seen
+    as [B, H, N, D] (what diffusers' processors pass) gives its output in that layout; padding rows untouched."""
+    from lowbit_pipe.kernels.attention8 import exact_attention, reference_attention8, sdpa8, GPU_CONFIGS
+
+    gen = torch.Generator(device="cuda").manual_seed(n + d)
+    shape = (2, n, 3, d)
+    q, k, v = (torch.randn(shape, device="cuda", generator=gen, dtype=torch.bfloat16).transpose(1, 2) for _ in range(3))
+    k = k + torch.randn(1, 3, 1, d, device="cuda", generator=gen, dtype=torch.bfloat16) * 3
+    v = v + torch.randn(1, 3, 1, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+    out = sdpa8(q, k, v, fmt)
+    assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()
+    ref = reference_attention8(q, k, v, fmt, config=GPU_CONFIGS[d])
+    exact = exact_attention(q, k, v)
+    assert _rel(out, ref) < 2e-3, f"{fmt} n={n} d={d}: kernel vs reference {_rel(out, ref):.2e}"
+    cos = torch.nn.functional.cosine_similarity(out.double().flatten(), exact.flatten(), dim=0)
+    assert cos > 0.9995, f"{fmt} n={n} d={d}: cosine vs float64 {cos:.6f}"
+    compiled = torch.compile(lambda a, b, c: sdpa8(a, b, c, fmt) * 2, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, out * 2)

@@ -259,9 +259,10 @@ def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
 
 def attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
                sm_scale: float | None = None, config: Attention8Config | None = None) -> torch.Tensor:
-    """softmax(q kᵀ * sm_scale) v with 8-bit operands (Triton): [B, H, N, D] in q's dtype."""
+    """softmax(q kᵀ * sm_scale) v with 8-bit operands (Triton): [B, H, N, D] in q's dtype and memory layout (a
+    [B, N, H, D] tensor seen as [B, H, N, D] gives its output in that layout, so transposing back is free)."""
     qkv = quantize_qkv(q, k, v, qk_format, sm_scale, config)
-    return attention8_quantized(qkv, torch.empty_like(q, memory_format=torch.contiguous_format))
+    return attention8_quantized(qkv, torch.empty_like(q))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -348,18 +349,18 @@ def kernel_runs(q: torch.Tensor) -> bool:
 def _attention8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, sm_scale: float) -> torch.Tensor:
     if kernel_runs(q):
         return attention8(q, k, v, qk_format, sm_scale)
-    return reference_attention8(q, k, v, qk_format, sm_scale)
+    return torch.empty_like(q).copy_(reference_attention8(q, k, v, qk_format, sm_scale))
 
 
 @_attention8_op.register_fake
 def _(q, k, v, qk_format, sm_scale):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return torch.empty_like(q)  # q's layout, as both paths return
 
 
 def sdpa8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "int8",
           sm_scale: float | None = None) -> torch.Tensor:
     """8-bit softmax(q kᵀ * sm_scale) v for [B, H, N, D] q, k, v (no mask): the Triton kernel on Hopper for head
-    dims 64 / 128, the torch reference (same arithmetic) elsewhere. Output in q's dtype, contiguous."""
+    dims 64 / 128, the torch reference (same arithmetic) elsewhere. Output in q's dtype and memory layout."""
     if qk_format not in QK_FORMATS:
         raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
