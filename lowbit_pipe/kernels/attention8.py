@@ -83,10 +83,12 @@ class QuantizedQKV:
 def _round_codes(y, INT8: tl.constexpr):
     """Codes of y (already scaled into the grid): int8 round-half-even (the 1.5 * 2^23 trick, torch.round's
     rule) or e4m3 (the cast rounds to nearest even)."""
+    # one return statement: the compiler refuses returns of different types even under a constexpr branch
     if INT8:
-        r = (tl.minimum(tl.maximum(y, -127.0), 127.0) + 12582912.0) - 12582912.0
-        return r.to(tl.int8)
-    return tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+        codes = ((tl.minimum(tl.maximum(y, -127.0), 127.0) + 12582912.0) - 12582912.0).to(tl.int8)
+    else:
+        codes = tl.minimum(tl.maximum(y, -448.0), 448.0).to(tl.float8e4nv)
+    return codes
 
 
 @triton.jit
