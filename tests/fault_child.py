@@ -60,7 +60,20 @@ def send_signal(sig: str, stage: str, args: list[str]) -> None:
     from lowbit_pipe.__main__ import main
     from lowbit_pipe.stages import STAGES
 
+    import lowbit_pipe.__main__ as cli
+
     signum = {"INT": signal.SIGINT, "TERM": signal.SIGTERM}[sig]
+    sys.argv = ["lowbit_pipe", *args]
+    if stage == "startup":  # inside Hydra's task, before any Runner
+        to_recipe = cli.to_recipe
+
+        def signalled_to_recipe(cfg):  # noqa: ANN001
+            os.kill(os.getpid(), signum)
+            return to_recipe(cfg)
+
+        cli.to_recipe = signalled_to_recipe
+        main()
+        return
     cls = STAGES[stage]
     run = cls.run
 
@@ -79,7 +92,6 @@ def send_signal(sig: str, stage: str, args: list[str]) -> None:
             return teardown(ctx)
 
         runner.teardown = signalled_teardown
-    sys.argv = ["lowbit_pipe", *args]
     main()
 
 
