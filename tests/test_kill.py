@@ -69,7 +69,6 @@ def _killed_run(tmp_path: Path, point: str, extra: list[str], previous: bool) ->
     # a streamed file-to-file run, complete and synced, killed just before its rename; and mid-write
     pytest.param("publish", True, False, marks=pytest.mark.slow),
     pytest.param("bytes:200000", True, True, marks=pytest.mark.slow),
-    pytest.param("publish", False, True, marks=pytest.mark.slow),
     pytest.param("published", False, True, marks=pytest.mark.slow),  # just after: the new file, whole
 ])
 def test_sigkill_leaves_the_previous_file_or_nothing_and_the_next_run_cleans(tmp_path, request, point, streamed,
