@@ -167,13 +167,16 @@ class Runner:
             stop.raise_pending()  # a signal during the teardown stage: the run is stopped there, torn down
         except KeyboardInterrupt as err:  # SIGINT / SIGTERM (Ctrl-C, Slurm, timeout): tear down, then stop
             failure = as_interrupted(err, name)
+            if failure is not err:  # Python's own SIGINT handler: its frames are the ones to release
+                report["traceback"] = release_traceback(err)
             entry = report["stages"].setdefault(name, {})
             if "seconds" not in entry:  # cut mid-stage (a stage that had finished keeps its figures)
                 entry["error"] = f"interrupted by {failure.signal_name}"
             report["interrupted"] = {"stage": name, "signal": failure.signal_name}
         with stop.deferred():
             if failure is not None and "teardown" not in report["stages"]:
-                report["traceback"] = release_traceback(failure)  # its frames would keep the stage's tensors alive
+                # its frames would keep the stage's tensors alive
+                report["traceback"] = report.get("traceback") or release_traceback(failure)
                 try:
                     report["stages"]["teardown"] = self._run_stage("teardown", ctx)
                 except Exception as err:  # teardown's own failure is reported beside the stage's
