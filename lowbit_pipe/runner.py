@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lowbit_pipe.context import Context
-from lowbit_pipe.errors import StageError
+from lowbit_pipe.errors import StageError, WriteError
 from lowbit_pipe.interrupts import OrderlyStop, as_interrupted
 from lowbit_pipe.progress import Console
 from lowbit_pipe.summary import format_summary
@@ -150,7 +150,7 @@ class Runner:
                 # report.json names the stage under way before it starts: a run killed outright (SIGKILL, OOM)
                 # leaves `status: running` and where it was.
                 stop.stage = report["stage"] = name
-                _write_json(self.run_dir / "report.json", report)
+                self._trace(ctx, report)
                 stop.raise_pending()
                 try:
                     if name == "teardown":
@@ -203,6 +203,14 @@ class Runner:
                 failure.run_report = report  # what the command line's one line says (teardown, export)
             raise failure
         return result
+
+    def _trace(self, ctx: Context, report: dict[str, Any]) -> None:
+        """report.json as a stage starts. A trace, not the result: when the run dir's disk is full the run goes on
+        (and is torn down) with a warning; the final report.json write then says what failed."""
+        try:
+            _write_json(self.run_dir / "report.json", report)
+        except WriteError as err:
+            record_warning(ctx, report["stage"] or "startup", f"report.json not updated: {err}")
 
     def _run_stage(self, name: str, ctx: Context) -> dict[str, Any]:
         stage = STAGES[name]()

@@ -213,3 +213,27 @@ def test_two_sharded_exports_to_one_path_at_once_publish_whole(tmp_path):
             formats.add(json.loads(f.metadata()["lowbit_pipe"])["recipe"]["quantize"]["default"]["format"])
             assert set(f.keys()) == {k for k, v in index["weight_map"].items() if v == name}
     assert len(formats) == 1 and formats <= {"int8", "fp8"} and _temps(out.parent) == []
+
+
+def test_a_full_run_dir_still_tears_the_run_down(tmp_path, monkeypatch, tiny_model):
+    """report.json cannot be updated as stages start: the run goes on with a warning and a passed-in model is
+    still given back float; the last write names the disk."""
+    model = tiny_model("krea2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    writes = {"n": 0}
+    real = tempfiles.atomic_write_text
+
+    def full_after_start(path, text):  # noqa: ANN001
+        writes["n"] += Path(path).name == "report.json"
+        if writes["n"] >= 4:  # from the evaluate stage's start on: the model is quantized by then
+            raise WriteError(str(path), "disk full: test")
+        return real(path, text)
+
+    from lowbit_pipe import runner
+
+    monkeypatch.setattr(runner, "atomic_write_text", full_after_start)
+    with pytest.raises(WriteError, match="disk full"):
+        lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,evaluate,teardown]"], model=model,
+                        run_dir=tmp_path / "run")
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
