@@ -159,3 +159,29 @@ def test_a_signal_in_a_sweep_job_stops_the_sweep(tmp_path, stage):
     report = json.loads((sweep / "0" / "report.json").read_text())
     assert report["status"] == "interrupted" and report["stages"]["teardown"]["proven"]
     assert not (sweep / "0" / "model.safetensors").exists() and not (sweep / "1").exists()
+
+
+@pytest.mark.slow
+def test_a_sigterm_from_outside_mid_evaluate(tmp_path):
+    """What `timeout`, Slurm and `docker stop` do: the signal comes from another process, whenever it comes."""
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "lowbit_pipe", "evaluate.samples=400", f"hydra.run.dir={run_dir}",
+                             f"export.path={tmp_path / 'out' / 'model.safetensors'}"], cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # report.json names the stage under way as it starts
+        try:
+            stage = json.loads((run_dir / "report.json").read_text()).get("stage")
+        except (OSError, ValueError):  # not written yet
+            stage = None
+        if stage == "evaluate":
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err[-3000:]
+    assert "stopped by SIGTERM during stage 'evaluate'; torn down (proven); no export written" in _one_line(err)
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["interrupted"] == {"stage": "evaluate", "signal": "SIGTERM"} and _temps(tmp_path) == []
