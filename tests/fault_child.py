@@ -1,6 +1,7 @@
 """A child process for the fault tests: a run of lowbit_pipe stopped at a chosen point.
 
     python tests/fault_child.py kill POINT RUN_DIR OVERRIDE...      SIGKILL itself at POINT of the run's writes
+                                                                     (`recipe=NAME` among them: that recipe)
     python tests/fault_child.py signal SIG STAGE ARG...              send itself SIG (INT/TERM) as STAGE starts,
                                                                      then run the command line with ARG...
     python tests/fault_child.py diskfull TARGET                      write onto a (small, full) filesystem
@@ -51,7 +52,8 @@ def kill(point: str, run_dir: str, overrides: list[str]) -> None:
     import lowbit_pipe
 
     _kill_at(point)
-    lowbit_pipe.run("default", overrides, run_dir=run_dir)
+    recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "default")
+    lowbit_pipe.run(recipe, [o for o in overrides if not o.startswith("recipe=")], run_dir=run_dir)
     print("not killed", file=sys.stderr)
     sys.exit(3)
 

@@ -237,3 +237,18 @@ def test_a_full_run_dir_still_tears_the_run_down(tmp_path, monkeypatch, tiny_mod
                         run_dir=tmp_path / "run")
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.slow
+def test_a_kill_between_the_lora_file_and_the_model_file_leaves_no_mismatched_pair(tmp_path):
+    """The residual LoRA file is published first and the model file last, the old model removed before: killed
+    between the two, the folder holds the new LoRA file and no model file, never the old model with the new LoRA."""
+    out = tmp_path / "out" / "model.safetensors"
+    out.parent.mkdir()
+    atomic_save({"previous": torch.ones(2)}, out)
+    atomic_save({"previous": torch.ones(2)}, out.with_name("model.lora.safetensors"))
+    proc = _child("kill", "published", str(tmp_path / "run"), "recipe=krea2_nvfp4_lora",
+                  "pipeline=[load,detect,quantize,lora,export]", f"export.path={out}")
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert not out.exists() and "previous" not in _reloads(out.with_name("model.lora.safetensors"))
+    assert _temps(out.parent) == [path for path in _temps(out.parent) if "model.safetensors" in path.name]
