@@ -16,6 +16,7 @@ import pytest
 
 import lowbit_pipe
 from lowbit_pipe import checkpoint
+from lowbit_pipe.__main__ import stopped_line
 from lowbit_pipe.interrupts import Interrupted, OrderlyStop
 from lowbit_pipe.stages import STAGES
 
@@ -61,6 +62,9 @@ def test_a_signal_at_any_stage_stops_the_run_in_order(tmp_path, monkeypatch, sig
     assert report["signals"]["restored"] and {s: signal.getsignal(s) for s in handlers} == handlers
     # the export is whole (the signal came after it) or absent; never a temporary file
     assert out.exists() == (stage == "teardown") and _temps(tmp_path) == []
+    # the command line's one line (its exit code and stderr: test_the_command_line_exits_..., slow)
+    written = f"export complete: {out}" if stage == "teardown" else "no export written"
+    assert stopped_line(info.value) == f"stopped by SIG{sig} during stage '{stage}'; torn down (proven); {written}"
 
 
 def test_a_signal_mid_write_leaves_no_partial_export(tmp_path, monkeypatch):
@@ -131,7 +135,7 @@ def _one_line(stderr: str) -> str:
 
 
 @pytest.mark.parametrize("sig, stage, code", [
-    ("TERM", "export", 143),
+    pytest.param("TERM", "export", 143, marks=pytest.mark.slow),
     pytest.param("INT", "load", 130, marks=pytest.mark.slow),
     pytest.param("TERM", "startup", 143, marks=pytest.mark.slow),  # before the run: in Hydra's task, no Runner yet
 ])
