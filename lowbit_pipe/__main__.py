@@ -2,8 +2,9 @@
 
 `recipe=<run dir>/recipe.yaml` reruns a finished run: same recipe, same seeds, same figures and export bytes.
 Exit codes: 0 done; 1 a stage failed (the run dir holds report.json; in a sweep, once every job has run);
-2 refused before any work (bad recipe, missing file, no such device: no run dir is created); 130 interrupted
-(Ctrl-C, after teardown).
+2 refused before any work (bad recipe, missing file, no such device: no run dir is created); 130 stopped by
+SIGINT (Ctrl-C), 143 by SIGTERM (Slurm, `timeout`, `docker stop`): after teardown, with one line on stderr saying
+where it stopped (lowbit_pipe.interrupts).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from omegaconf import DictConfig
 
 from lowbit_pipe.compose import cli_recipes, recipe_file_args, register_schema, split_cli, to_recipe
 from lowbit_pipe.errors import LowbitError
+from lowbit_pipe.interrupts import Interrupted, OrderlyStop, as_interrupted
 from lowbit_pipe.paths import config_dir
 from lowbit_pipe.preflight import check_extras, preflight
 from lowbit_pipe.progress import Console
@@ -34,17 +36,35 @@ def _main(cfg: DictConfig) -> float | None:
     try:
         recipe = to_recipe(cfg)
         result = Runner(recipe, run_dir, console=console, hands_back=False).run()  # nothing is kept: auto streams
+        console.say((result.run_dir / "summary.txt").read_text().rstrip("\n"))
     except LowbitError as err:
         print(f"{console.prefix}lowbit_pipe: {err}  (run dir: {run_dir})", file=sys.stderr)
         if sweep:  # the other jobs still run; lowbit_pipe.sweep_outcome exits 1 at the sweep's end
             return float("nan")
         sys.exit(1)
-    except KeyboardInterrupt:
-        print(f"{console.prefix}lowbit_pipe: interrupted; torn down (run dir: {run_dir})", file=sys.stderr)
-        sys.exit(130)
-    console.say((result.run_dir / "summary.txt").read_text().rstrip("\n"))
+    except KeyboardInterrupt as err:  # SIGINT / SIGTERM: the run is torn down; a stop ends a sweep too
+        stopped = as_interrupted(err, None)
+        print(f"{console.prefix}lowbit_pipe: {stopped_line(stopped)} (run dir: {run_dir})", file=sys.stderr)
+        sys.exit(stopped.exit_code)
     # The value a sweeper (Optuna) optimises; the basic and joblib launchers ignore it.
     return (result.report.get("evaluate") or {}).get("objective")
+
+
+def stopped_line(stopped: Interrupted) -> str:
+    """One line: which signal stopped the run, in which stage, whether teardown is proven, what the export is."""
+    report = getattr(stopped, "run_report", None)
+    if report is None:
+        return f"stopped by {stopped.signal_name} before the run started; nothing was written"
+    teardown = report["stages"].get("teardown") or {}
+    if "error" in teardown:
+        torn = "teardown FAILED (see report.json)"
+    elif teardown.get("proven") and not teardown.get("unfreed") and not teardown.get("retained_bytes"):
+        torn = "torn down (proven)"
+    else:
+        torn = "torn down, NOT proven clean (see report.json)"
+    export = report.get("export") or {}
+    written = f"export complete: {export['path']}" if export.get("path") else "no export written"
+    return f"stopped by {stopped.signal_name} during stage '{report['interrupted']['stage']}'; {torn}; {written}"
 
 
 def version() -> str:
@@ -62,18 +82,29 @@ def main() -> None:
     if "--version" in sys.argv[1:]:
         print(version())
         sys.exit(0)
-    # Refuse a bad recipe, or inputs that cannot work, in one line before Hydra creates any run dir.
+    # SIGINT / SIGTERM before a run starts (imports, Hydra's start): the same exit codes and one line. Each run
+    # installs its own handlers over these (the stage it is in), and puts these back when it ends.
+    stop = OrderlyStop("startup")
+    stop.install()
     try:
-        flags, overrides = split_cli(sys.argv[1:])
-        if not (flags.help or flags.hydra_help or flags.shell_completion):
-            check_extras(overrides)
-            sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:])
-            for recipe in cli_recipes(recipe_file_args(overrides)):
-                preflight(recipe)
-    except LowbitError as err:
-        print(f"lowbit_pipe: {err}", file=sys.stderr)
-        sys.exit(2)
-    _main()
+        # Refuse a bad recipe, or inputs that cannot work, in one line before Hydra creates any run dir.
+        try:
+            flags, overrides = split_cli(sys.argv[1:])
+            if not (flags.help or flags.hydra_help or flags.shell_completion):
+                check_extras(overrides)
+                sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:])
+                for recipe in cli_recipes(recipe_file_args(overrides)):
+                    preflight(recipe)
+        except LowbitError as err:
+            print(f"lowbit_pipe: {err}", file=sys.stderr)
+            sys.exit(2)
+        _main()
+    except KeyboardInterrupt as err:  # not inside a run (those are answered by _main, with their run dir)
+        stopped = as_interrupted(err, None)
+        print(f"lowbit_pipe: {stopped_line(stopped)}", file=sys.stderr)
+        sys.exit(stopped.exit_code)
+    finally:
+        stop.restore()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from lowbit_pipe.errors import CheckpointError
 from lowbit_pipe.progress import Console
+from lowbit_pipe.tempfiles import atomic_write_text, publish as publish_file, remove_stale, temp_path, write_error  # noqa: F401 (atomic_write_text: its callers import it from here)
 
 # safetensors' dtypes and their bits per element (a tensor's bytes are numel x bits / 8, a whole number).
 _DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
@@ -156,35 +157,28 @@ def load_tensors(path: str | Path, keys: list[str] | None = None, *, console: Co
     return out
 
 
-def _umask() -> int:
-    """The process umask, read without changing it where Linux shows it (else set and restored at once)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def _publish(tmp: Path, path: Path) -> None:
-    """Give a finished temp file the permissions a new file gets (whatever created it), fsync it,
-    rename it into place."""
-    os.chmod(tmp, 0o666 & ~_umask())
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
                 *, inputs: tuple[str | Path, ...] = (), console: Console | None = None,
                 label: str = "export: write") -> int:
     """Write `path` via a temp file + rename (StreamingWriter, so the bytes depend only on the tensors and
     the metadata, in the order given: safetensors' own writer orders metadata keys randomly); never
     overwrites one of `inputs`. Returns bytes written. `console`: progress per tensor."""
+    tmp, nbytes = save_unpublished(tensors, path, metadata, inputs=inputs, console=console, label=label)
+    try:
+        publish_file(tmp, Path(path))
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise write_error(err, path, needed=nbytes) from err
+    finally:
+        tmp.unlink(missing_ok=True)  # an interrupt before the rename: no temp file stays
+    return nbytes
+
+
+def save_unpublished(tensors: dict[str, torch.Tensor], path: str | Path, metadata: dict[str, str] | None = None,
+                     *, inputs: tuple[str | Path, ...] = (), console: Console | None = None,
+                     label: str = "export: write") -> tuple[Path, int]:
+    """`atomic_save` up to the rename: (the complete, synced temp file beside `path`, its size). The caller
+    publishes it (tempfiles.publish / publish_together, for files that must appear together) or removes it."""
     entries, offset = {}, 0
     for key, t in tensors.items():
         nbytes = t.numel() * t.element_size()
@@ -193,12 +187,12 @@ def atomic_save(tensors: dict[str, torch.Tensor], path: str | Path, metadata: di
         offset += nbytes
     if metadata:
         entries["__metadata__"] = metadata
-    with StreamingWriter(path, len(json.dumps(entries, separators=(",", ":")).encode("utf-8")),
-                         inputs=inputs) as writer:
+    header_bytes = len(json.dumps(entries, separators=(",", ":")).encode("utf-8"))
+    with StreamingWriter(path, header_bytes, inputs=inputs, expected_bytes=8 + header_bytes + 7 + offset) as writer:
         items = list(tensors.items())
         for key, t in console.progress(items, label) if console is not None else items:
             writer.write(key, t)
-        return writer.close(metadata)
+        return writer.tmp, writer.close(metadata, publish=False)
 
 
 def metadata_json(metadata: dict[str, str], key: str, path: str) -> Any:
@@ -209,17 +203,6 @@ def metadata_json(metadata: dict[str, str], key: str, path: str) -> Any:
         return json.loads(metadata[key])
     except json.JSONDecodeError as err:
         raise CheckpointError(path, f"metadata '{key}' is not valid JSON ({err})") from err
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        _publish(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def shard_files(path: str) -> list[str]:
@@ -248,23 +231,33 @@ class StreamingWriter:
 
     The data section is written first, after a header region reserved by the caller's bound
     (`header_bytes`); the header (its JSON padded with spaces, which JSON readers skip) goes in last.
-    Same atomicity as `atomic_save`: a temp file renamed into place by `close()`; `abort()` (or an
-    exception inside the `with`) removes it, never leaving a half-written file.
+    Same atomicity as `atomic_save`: a temp file (lowbit_pipe.tempfiles: named so that a later write finds it
+    stale once this process is gone, and removes it) renamed into place by `close()`; `abort()` (or an exception
+    inside the `with`, an interrupt included) removes it, never leaving a half-written file. A write the disk
+    cannot take (ENOSPC) removes the temp file and raises WriteError ("disk full", the path, bytes needed and
+    free); `expected_bytes`, when the caller knows the file's size, goes into that message.
     """
 
-    def __init__(self, path: str | Path, header_bytes: int, *, inputs: tuple[str | Path | None, ...] = ()):
+    def __init__(self, path: str | Path, header_bytes: int, *, inputs: tuple[str | Path | None, ...] = (),
+                 expected_bytes: int | None = None):
         self.path = Path(path)
         for source in inputs:
             if source is not None and Path(source).exists() and self.path.exists() and \
                     Path(source).resolve() == self.path.resolve():
                 raise CheckpointError(str(self.path), "refusing to overwrite the input file; choose another export.path")
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.removed_stale = remove_stale(self.path)  # what killed writers of this path left
+        self.tmp = temp_path(self.path)
         self.reserved = int(header_bytes) + (-int(header_bytes)) % 8  # data starts 8-aligned
+        self.expected_bytes = expected_bytes
         self.entries: dict[str, dict[str, Any]] = {}
         self.offset = 0
-        self._file = open(self.tmp, "wb")
-        self._file.seek(8 + self.reserved)
+        try:
+            self._file = open(self.tmp, "wb")
+            self._file.seek(8 + self.reserved)
+        except OSError as err:
+            self._discard()
+            raise write_error(err, self.path, needed=expected_bytes) from err
 
     def __enter__(self) -> StreamingWriter:
         return self
@@ -282,13 +275,17 @@ class StreamingWriter:
         t = tensor.detach().contiguous().cpu()
         nbytes = t.numel() * t.element_size()
         if nbytes:
-            self._file.write(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+            try:
+                self._file.write(t.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
+            except OSError as err:
+                self._fail(err)
         self.entries[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape),
                              "data_offsets": [self.offset, self.offset + nbytes]}
         self.offset += nbytes
 
-    def close(self, metadata: dict[str, str] | None = None) -> int:
-        """Write the header, publish the file; returns its size in bytes."""
+    def close(self, metadata: dict[str, str] | None = None, *, publish: bool = True) -> int:
+        """Write the header, publish the file (publish=False: leave the complete, synced file at `self.tmp` for
+        the caller to publish); returns its size in bytes."""
         header = dict(self.entries)
         if metadata:
             header["__metadata__"] = metadata
@@ -297,15 +294,38 @@ class StreamingWriter:
             self.abort()
             raise CheckpointError(str(self.path), f"header of {len(raw)} bytes exceeds the {self.reserved} reserved "
                                                   "for it (a bug: the bound is computed before writing)")
-        self._file.seek(0)
-        self._file.write(struct.pack("<Q", self.reserved))
-        self._file.write(raw + b" " * (self.reserved - len(raw)))
-        self._file.close()
-        _publish(self.tmp, self.path)
+        try:
+            self._file.seek(0)
+            self._file.write(struct.pack("<Q", self.reserved))
+            self._file.write(raw + b" " * (self.reserved - len(raw)))
+            self._file.flush()  # a full disk may only show here
+            os.fsync(self._file.fileno())
+            self._file.close()
+            if not publish:
+                return self.tmp.stat().st_size
+            publish_file(self.tmp, self.path)
+        except OSError as err:
+            self._fail(err)
+        except BaseException:  # an interrupt between the last write and the rename: no temp file stays
+            self.abort()
+            raise
         return self.path.stat().st_size
+
+    def _fail(self, err: OSError) -> None:
+        """Remove the temp file, then raise the WriteError (free space measured without it)."""
+        self.abort()
+        raise write_error(err, self.path, needed=self.expected_bytes, written=8 + self.reserved + self.offset) from err
 
     def abort(self) -> None:
         if not self._file.closed:
-            self._file.close()
-        if self.tmp.exists():
+            try:
+                self._file.close()
+            except OSError as err:  # the flush of a full disk fails again: the file goes all the same
+                del err
+        self._discard()
+
+    def _discard(self) -> None:
+        try:
             self.tmp.unlink()
+        except FileNotFoundError:
+            return

@@ -42,3 +42,13 @@ class StageError(LowbitError):
 class LoraError(LowbitError):
     """A LoRA file does not fit the model, or its adapter config cannot be read or applied: names the file, the
     key or config field, and the layer."""
+
+
+class WriteError(LowbitError):
+    """An output could not be written (disk full, no permission); names the path. The target is untouched and the
+    temporary file removed."""
+
+    def __init__(self, path: str, problem: str):
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")

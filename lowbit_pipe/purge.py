@@ -7,9 +7,10 @@ clear the caches it filled -- and returns the proof (same as
 
 CLI: `python -m lowbit_pipe.purge RUN_DIR [RUN_DIR ...] [--dry-run] [--json] [--min-age S]`
 cleans what a crashed or killed run left on disk: the temporary files of
-atomic writes (`.<name>.tmp-<pid>` from a checkpoint write whose process is
-gone; `.<name>.tmp` from a report write older than --min-age seconds),
-searched under each run dir (sweep dirs included). It then reports, per run,
+atomic writes (`.<name>.tmp-<pid>-<host>-<random>`, lowbit_pipe.tempfiles, whose
+writer is gone; `.<name>.tmp` from an earlier version's report write older than
+--min-age seconds), searched under each run dir (sweep dirs included) and beside
+the export target each run's recipe.yaml names. It then reports, per run,
 the teardown that run recorded in its report.json (proven or not, what it
 could not free), or that it recorded none.
 
@@ -25,15 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-_PID_TMP = re.compile(r"^\..+\.tmp-(\d+)$")  # checkpoint.atomic_save
-_PLAIN_TMP = re.compile(r"^\..+\.tmp$")  # runner._write_json
+from lowbit_pipe import tempfiles
+
+_PLAIN_TMP = re.compile(r"^\..+\.tmp$")  # report writes of earlier versions (no pid in the name)
 
 
 def purge(target: Any) -> dict[str, Any]:
@@ -43,34 +44,48 @@ def purge(target: Any) -> dict[str, Any]:
     return teardown(target)
 
 
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # exists, owned by another user
-        return True
-    return True
+def export_folders(run_dir: Path) -> list[Path]:
+    """Folders outside `run_dir` that its runs exported to (`export.path` of each recipe.yaml under it): a killed
+    export leaves its temporary file beside the export target, wherever that is."""
+    import yaml
+
+    folders = []
+    for recipe_path in sorted(run_dir.rglob("recipe.yaml")):
+        try:
+            recipe = yaml.safe_load(recipe_path.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue  # not a recipe this package wrote; the run dir itself is searched all the same
+        target = ((recipe.get("export") or {}) if isinstance(recipe, dict) else {}).get("path")
+        if not target:
+            continue
+        folder = Path(target).expanduser().parent
+        if not folder.is_absolute():
+            folder = Path.cwd() / folder
+        if folder.is_dir() and run_dir.resolve() not in (folder.resolve(), *folder.resolve().parents) \
+                and folder not in folders:
+            folders.append(folder)
+    return folders
 
 
 def leftover_files(run_dir: Path, min_age: float = 60.0) -> list[tuple[Path, str]]:
-    """Temporary files of interrupted atomic writes under `run_dir`, with why each one is stale."""
+    """Temporary files of interrupted atomic writes under `run_dir`, and beside the export targets its recipes
+    name, with why each one is stale."""
     found = []
     now = time.time()
     for path in sorted(run_dir.rglob(".*.tmp*")):
         if not path.is_file():
             continue
-        m = _PID_TMP.match(path.name)
-        if m:
-            pid = int(m.group(1))
-            if not _pid_alive(pid):
-                found.append((path, f"writer pid {pid} is gone"))
+        temp = tempfiles.parse(path)
+        if temp is not None:
+            why = tempfiles.why_stale(temp, now=now)
+            if why is not None:
+                found.append((path, why))
         elif _PLAIN_TMP.match(path.name):
             age = now - path.stat().st_mtime
             if age >= min_age:
                 found.append((path, f"{age:.0f} s old"))
+    for folder in export_folders(run_dir):
+        found.extend(tempfiles.stale_temps(folder))
     return found
 
 

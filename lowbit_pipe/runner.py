@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import sys
 import threading
@@ -18,7 +19,8 @@ import torch
 from omegaconf import OmegaConf
 
 from lowbit_pipe.context import Context
-from lowbit_pipe.errors import StageError
+from lowbit_pipe.errors import StageError, WriteError
+from lowbit_pipe.interrupts import OrderlyStop, as_interrupted
 from lowbit_pipe.progress import Console
 from lowbit_pipe.summary import format_summary
 from lowbit_pipe.recipe import Recipe
@@ -26,6 +28,7 @@ from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import dynamo_counters
 from lowbit_pipe.stages.teardown import teardown
 from lowbit_pipe.stream_choice import decide_stream
+from lowbit_pipe.tempfiles import atomic_write_text
 
 
 @dataclass
@@ -98,9 +101,7 @@ def environment(seed: int) -> dict[str, Any]:
 
 
 def _write_json(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(data, indent=2, default=str))
 
 
 class Runner:
@@ -116,15 +117,26 @@ class Runner:
         self.hands_back = hands_back
 
     def run(self) -> RunResult:
+        """Run the pipeline. SIGINT / SIGTERM (main thread) stop it in order: the stage is cut, the run torn down,
+        report.json says `interrupted: {stage, signal}`, and `Interrupted` is raised (lowbit_pipe.interrupts)."""
+        stop = OrderlyStop()
+        stop.install()
+        try:
+            return self._run(stop)
+        finally:
+            stop.restore()  # also when something escaped before the report was written
+
+    def _run(self, stop: OrderlyStop) -> RunResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ctx = Context(recipe=self.recipe, run_dir=self.run_dir, console=self.console, calibrate=self.calibrate)
         if self.model is not None:
             ctx.set_model(self.model, owned=False)
         ctx.ledger.capture_baseline()  # device memory before load: teardown proves it returns here
         recipe_dict = OmegaConf.to_container(OmegaConf.structured(self.recipe), resolve=True)
-        (self.run_dir / "recipe.yaml").write_text(OmegaConf.to_yaml(recipe_dict))
+        atomic_write_text(self.run_dir / "recipe.yaml", OmegaConf.to_yaml(recipe_dict))
         _write_json(self.run_dir / "environment.json", environment(self.recipe.seed))
-        report: dict[str, Any] = {"status": "running", "recipe": recipe_dict, "stages": {}, "warnings": []}
+        report: dict[str, Any] = {"status": "running", "stage": None, "recipe": recipe_dict, "stages": {},
+                                  "warnings": []}
         ctx.report = report
         ctx.stream_choice = decide_stream(self.recipe, model_given=self.model is not None, hands_back=self.hands_back)
         report["stream"] = ctx.stream_choice.as_dict()  # the load stage may still load a file streaming cannot read
@@ -132,37 +144,73 @@ class Runner:
         compiles = "compile" in self.recipe.pipeline
         dynamo_start = dynamo_counters() if compiles else None
         torch.manual_seed(self.recipe.seed)
-        for name in self.recipe.pipeline:
-            try:
-                report["stages"][name] = self._run_stage(name, ctx)
-            except KeyboardInterrupt as err:  # Ctrl-C: tear down like any failure, then let it stop the program
-                failure = err
-                report["stages"].setdefault(name, {})["error"] = "interrupted (KeyboardInterrupt)"
-                break
-            except Exception as err:  # any failure: name the stage, tear down, record, re-raise as StageError
-                failure = err if isinstance(err, StageError) else StageError(name, err)
-                report["stages"].setdefault(name, {})["error"] = str(failure)
-                break
-        if failure is not None and "teardown" not in report["stages"]:
-            report["traceback"] = release_traceback(failure)  # its frames would keep the stage's tensors alive
-            try:
-                report["stages"]["teardown"] = self._run_stage("teardown", ctx)
-            except Exception as err:  # teardown's own failure is reported beside the stage's
-                report["stages"]["teardown"] = {"error": f"{type(err).__name__}: {err}"}
-        if dynamo_start is not None:  # graphs compiled and graph breaks during this run (lazy: at first calls)
-            report["dynamo"] = {k: v - dynamo_start[k] for k, v in dynamo_counters().items()}
-        interrupted = isinstance(failure, KeyboardInterrupt)
-        report["status"] = "interrupted" if interrupted else "failed" if failure else "ok"
-        if failure:
-            report["error"] = report["stages"][name]["error"]
+        name = "startup"
+        try:
+            for name in self.recipe.pipeline:
+                # report.json names the stage under way before it starts: a run killed outright (SIGKILL, OOM)
+                # leaves `status: running` and where it was.
+                stop.stage = report["stage"] = name
+                self._trace(ctx, report)
+                stop.raise_pending()
+                try:
+                    if name == "teardown":
+                        with stop.deferred():
+                            report["stages"][name] = self._run_stage(name, ctx)
+                    else:
+                        report["stages"][name] = self._run_stage(name, ctx)
+                except KeyboardInterrupt:
+                    raise
+                except Exception as err:  # any failure: name the stage, tear down, record, re-raise as StageError
+                    failure = err if isinstance(err, StageError) else StageError(name, err)
+                    report["stages"].setdefault(name, {})["error"] = str(failure)
+                    break
+            stop.raise_pending()  # a signal during the teardown stage: the run is stopped there, torn down
+        except KeyboardInterrupt as err:  # SIGINT / SIGTERM (Ctrl-C, Slurm, timeout): tear down, then stop
+            failure = as_interrupted(err, name)
+            if failure is not err:  # Python's own SIGINT handler: its frames are the ones to release
+                report["traceback"] = release_traceback(err)
+            entry = report["stages"].setdefault(name, {})
+            if "seconds" not in entry:  # cut mid-stage (a stage that had finished keeps its figures)
+                entry["error"] = f"interrupted by {failure.signal_name}"
+            report["interrupted"] = {"stage": name, "signal": failure.signal_name}
+        with stop.deferred():
+            if failure is not None and "teardown" not in report["stages"]:
+                # its frames would keep the stage's tensors alive
+                report["traceback"] = report.get("traceback") or release_traceback(failure)
+                try:
+                    report["stages"]["teardown"] = self._run_stage("teardown", ctx)
+                except Exception as err:  # teardown's own failure is reported beside the stage's
+                    report["stages"]["teardown"] = {"error": f"{type(err).__name__}: {err}"}
+            if dynamo_start is not None:  # graphs compiled and graph breaks during this run (lazy: at first calls)
+                report["dynamo"] = {k: v - dynamo_start[k] for k, v in dynamo_counters().items()}
+            interrupted = isinstance(failure, KeyboardInterrupt)
+            report["status"] = "interrupted" if interrupted else "failed" if failure else "ok"
+            report["stage"] = name if failure else None
+            if interrupted:
+                report["error"] = f"interrupted by {failure.signal_name} during stage '{name}'"
+            elif failure:
+                report["error"] = report["stages"][name]["error"]
+            handled = stop.handled
+        report["signals"] = {"handled": handled, "restored": stop.restore(),
+                             "received": [signal.Signals(s).name for s in stop.received]}
         _write_json(self.run_dir / "report.json", report)
         summary = format_summary(report)
-        (self.run_dir / "summary.txt").write_text(summary + "\n")
+        atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
         result = RunResult(report["status"], report, self.run_dir,
                            model=ctx.model, context=ctx)
         if failure:
+            if interrupted:
+                failure.run_report = report  # what the command line's one line says (teardown, export)
             raise failure
         return result
+
+    def _trace(self, ctx: Context, report: dict[str, Any]) -> None:
+        """report.json as a stage starts. A trace, not the result: when the run dir's disk is full the run goes on
+        (and is torn down) with a warning; the final report.json write then says what failed."""
+        try:
+            _write_json(self.run_dir / "report.json", report)
+        except WriteError as err:
+            record_warning(ctx, report["stage"] or "startup", f"report.json not updated: {err}")
 
     def _run_stage(self, name: str, ctx: Context) -> dict[str, Any]:
         stage = STAGES[name]()

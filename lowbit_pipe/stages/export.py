@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from lowbit_pipe import layout
 from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
-from lowbit_pipe.checkpoint import atomic_save, atomic_write_text, metadata_json
+from lowbit_pipe.checkpoint import metadata_json, save_unpublished
 from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import decode_record, is_stock_loadable
@@ -21,6 +21,7 @@ from lowbit_pipe.lora import has_residual_lora, residual_metadata, residual_stat
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import ExportConfig
+from lowbit_pipe.tempfiles import discard, publish, publish_together, write_error, write_temp_text
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.load import METADATA_KEY, QUANT_METADATA_KEY
@@ -121,30 +122,56 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     metadata = {METADATA_KEY: json.dumps(header, default=str),
                 QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
     total = sum(t.numel() * t.element_size() for t in state.values())
-    if cfg.shard_bytes is None or total <= cfg.shard_bytes:
-        nbytes, files = atomic_save(state, path, metadata, inputs=inputs, console=console), [str(path)]
-        written = str(path)
-    else:
-        parts = shard(state, cfg.shard_bytes)
-        stem = path.name.removesuffix(".safetensors")
-        files, weight_map, nbytes = [], {}, 0
-        for i, part in enumerate(parts, 1):
-            shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
-            nbytes += atomic_save(part, shard_path, metadata, inputs=inputs, console=console,
-                                  label=f"export: write shard {i}/{len(parts)}")
-            files.append(str(shard_path))
-            weight_map.update({k: shard_path.name for k in part})
-        index = path.with_name(f"{stem}.safetensors.index.json")
-        atomic_write_text(index, json.dumps({"metadata": {"total_size": total, **metadata}, "weight_map": weight_map}))
-        written = str(index)
-    result = {"path": written, "bytes": nbytes, "files": len(files), "tensors": len(state), "layout": key_layout,
-              "quantized_layers": len(layers), "not_stock_comfy": foreign}
-    if residual:
-        lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
-        result["lora_path"] = str(lora_path)
-        result["lora_bytes"] = atomic_save(lora_state, lora_path, lora_meta, console=console, label="export: write LoRA")
-        result["files"] += 1
+    result: dict[str, Any] = {}
+    pending: list[Path] = []  # complete temp files not yet published: removed if anything stops the export
+    try:
+        if cfg.shard_bytes is None or total <= cfg.shard_bytes:
+            tmp, nbytes = save_unpublished(state, path, metadata, inputs=inputs, console=console)
+            pending.append(tmp)
+            together, commit, files, written = [], (tmp, path), [str(path)], str(path)
+        else:
+            parts = shard(state, cfg.shard_bytes)
+            stem = path.name.removesuffix(".safetensors")
+            together, files, weight_map, nbytes = [], [], {}, 0
+            for i, part in enumerate(parts, 1):
+                shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
+                tmp, size = save_unpublished(part, shard_path, metadata, inputs=inputs, console=console,
+                                             label=f"export: write shard {i}/{len(parts)}")
+                pending.append(tmp)
+                together.append((tmp, shard_path))
+                nbytes += size
+                files.append(str(shard_path))
+                weight_map.update({k: shard_path.name for k in part})
+            index = path.with_name(f"{stem}.safetensors.index.json")
+            index_tmp = write_temp_text(index, json.dumps({"metadata": {"total_size": total, **metadata},
+                                                           "weight_map": weight_map}))
+            pending.append(index_tmp)
+            commit, written = (index_tmp, index), str(index)
+        if residual:
+            lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
+            lora_tmp, result["lora_bytes"] = save_unpublished(lora_state, lora_path, lora_meta, console=console,
+                                                              label="export: write LoRA")
+            pending.append(lora_tmp)
+            together.insert(0, (lora_tmp, lora_path))
+            result["lora_path"] = str(lora_path)
+        _publish_export(together, commit)
+    finally:
+        discard(pending)  # nothing left once published; a stopped export (error, interrupt) leaves no temp file
+    result = {"path": written, "bytes": nbytes, "files": len(files) + bool(residual), "tensors": len(state),
+              "layout": key_layout, "quantized_layers": len(layers), "not_stock_comfy": foreign, **result}
     return result
+
+
+def _publish_export(together: list[tuple[Path, Path]], commit: tuple[Path, Path]) -> None:
+    """One file: a rename. Files that belong together (shards and their index; a model and its LoRA file):
+    published as a set, the index (or model) last, so a reader never meets a mix of two exports."""
+    try:
+        if together:
+            publish_together(together, commit)
+        else:
+            publish(*commit)
+    except OSError as err:
+        raise write_error(err, commit[1]) from err
 
 
 def _written_records(path: Path) -> dict[str, dict[str, Any]]:
