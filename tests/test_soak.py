@@ -100,7 +100,7 @@ def test_a_handle_kept_past_a_ledger_teardown_keeps_nothing_alive(tiny_model):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "baked into the weight": expected for a dense delta
         baked = lora.attach(model, dense, name="d", ledger=ledger)
-    assert residual.live_stacks() and baked.bakes
+    assert residual.stacks and baked.bakes
     del up
     report = ledger.unwind()
     assert report.proven and not report.errors and report.unfreed == [] and report.retained_bytes == 0, report.as_dict()
