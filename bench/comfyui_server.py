@@ -311,8 +311,9 @@ class ComfyUIServer:
         self.queued.append(prompt_id)
         return prompt_id
 
-    def wait(self, prompt_id: str, timeout: float = 600.0) -> dict[str, Any]:
-        """The /history entry of a finished prompt; PromptError when its execution failed."""
+    def wait(self, prompt_id: str, timeout: float = 600.0, poll: float = 0.02) -> dict[str, Any]:
+        """The /history entry of a finished prompt; PromptError when its execution failed. `poll`: seconds between
+        two asks (a tiny model's prompt takes ~0.1 s: a coarse poll was most of a soak cycle's time)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             entry = self.get(f"/history/{prompt_id}").get(prompt_id)
@@ -322,7 +323,7 @@ class ComfyUIServer:
                 return entry
             if self.process.poll() is not None:
                 raise RuntimeError(f"ComfyUI exited ({self.process.returncode}); log tail:\n{self.log(60)}")
-            time.sleep(0.2)
+            time.sleep(poll)
         raise TimeoutError(f"prompt {prompt_id} did not finish within {timeout:.0f} s; log tail:\n{self.log(40)}")
 
     def run(self, graph: dict[str, Any], timeout: float = 600.0) -> dict[str, Any]:

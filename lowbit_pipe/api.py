@@ -56,13 +56,11 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     (`gptq: {enabled: true}`; it is called once per pass, on the module as quantized so far).
     """
     from lowbit_pipe.calibration import static_input_amax
-    from lowbit_pipe.compose import register_schema
     from lowbit_pipe.policy import plan_layers
     from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.stages.detect import linear_shapes
     from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
 
-    register_schema()
     if isinstance(config, dict):
         unknown = set(config) - {f.name for f in fields(QuantizeConfig)}
         if unknown:

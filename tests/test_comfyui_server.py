@@ -465,3 +465,76 @@ def test_gptq_and_svdquant_recipes_run_in_the_quantize_node(comfy, recipe):
     assert torch.isfinite(got).all() and 1e-5 < rel(got, floating) < 0.05, rel(got, floating)
     report = _report_json(comfy, {}, "q")
     assert '"gptq"' in report and "in ComfyUI's layout" in report
+
+
+# ---------------------------------------------------------------------------------------------- soak
+COMFY_SOAK_CYCLES = 40  # ~0.5-1 s a cycle on a busy 2-core machine: 200 (the issue's figure) is bench/soak.py's
+
+
+def _server_memory(server: cs.ComfyUIServer) -> tuple[int, int]:
+    """(VmRSS bytes, open fds) of the server process, from /proc."""
+    pid = server.process.pid
+    rss = next(int(line.split()[1]) * 1024 for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+               if line.startswith("VmRSS:"))
+    return rss, len(list(Path(f"/proc/{pid}/fd").iterdir()))
+
+
+def test_soak_quantize_lora_swap_sample_purge_free_in_one_server(comfy):
+    """COMFY_SOAK_CYCLES cycles in the one server: Load -> Quantize -> LoRA a (its strength changing every cycle)
+    and LoRA b (the swap) -> a 1-step sample of each -> Purge (proven) -> /free with unload. The server's RSS and
+    open fds stay flat after a warm-up, each cycle samples what the same strength sampled before, and the float
+    model samples bit-equal to its first result after the purges."""
+    import time
+
+    server = comfy.server
+    server.free()
+    latent = {"class_type": "EmptySD3LatentImage", "inputs": {"width": 32, "height": 32, "batch_size": 1}}
+
+    def sampler(model: list, tag: str, start: list | None = None) -> dict[str, Any]:
+        return {f"k{tag}": {"class_type": "KSampler", "inputs": {
+                    "model": model, "seed": 1, "steps": 1, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
+                    "positive": ["c", 0], "negative": ["c", 0], "latent_image": start or ["l", 0], "denoise": 1.0}},
+                f"s{tag}": {"class_type": "SaveLatent", "inputs": {"samples": [f"k{tag}", 0],
+                                                                   "filename_prefix": f"soak/{tag}"}}}
+
+    base = {"m": loader("flux1"), "c": {"class_type": "LotusConditioning", "inputs": {}}, "l": latent}
+
+    def run(graph: dict[str, Any], *nodes: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        prompt_id = server.submit(graph)
+        entry = server.wait(prompt_id)
+        out = [server.latent(entry, n) for n in nodes]
+        server.post("/history", {"delete": [prompt_id]})  # ComfyUI keeps every prompt's history otherwise
+        return entry, out
+
+    def cycle(i: int) -> list[torch.Tensor]:
+        strength = (1.0, 0.5)[i % 2]
+        g = {**base, "q": quantize(["m", 0]), "a": lowbit_lora(["q", 0], "flux1_peft.safetensors", strength),
+             "b": lowbit_lora(["q", 0], "flux1_kohya.safetensors", 0.8), **sampler(["a", 0], "a"),
+             **sampler(["b", 0], "b", start=["ka", 0])}
+        # One run behind both LoRA MODELs: one Purge, after both samplers (b starts from a's latent: it waits).
+        g["p"] = {"class_type": "LowbitPurge", "inputs": {"model": ["a", 0], "after": ["kb", 0]}}
+        entry, out = run(g, "sa", "sb")
+        text = server.texts(entry, "p")[0]
+        assert '"unfreed": []' in text and '"proven": true' in text and '"retained_bytes": 0' in text, text
+        server.free()
+        return out
+
+    _, (floating,) = run({**base, **sampler(["m", 0], "f")}, "sf")
+    warm = [cycle(i) for i in range(4)]
+    rss0, fds0 = _server_memory(server)
+    start, samples, peak = time.monotonic(), {}, (0, 0)
+    for i in range(COMFY_SOAK_CYCLES):
+        got = cycle(i)
+        want = warm[i % 2]
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), f"cycle {i} sampled something else"
+        rss, fds = _server_memory(server)
+        peak = (max(peak[0], rss - rss0), max(peak[1], fds - fds0))
+        samples[i] = (rss - rss0, fds - fds0)
+    seconds = time.monotonic() - start
+    _, (again,) = run({**base, **sampler(["m", 0], "f")}, "sf")
+    print(f"{COMFY_SOAK_CYCLES} ComfyUI cycles in {seconds:.1f} s; server RSS growth {peak[0] / 2**20:+.1f} MiB, "
+          f"fds {peak[1]:+d}; per cycle {samples}")
+    assert torch.equal(again, floating), "the float model samples differently after the purges"
+    assert rel(warm[0][0], floating) > 1e-4  # quantized with a LoRA: not the float result
+    assert samples[COMFY_SOAK_CYCLES - 1][1] <= 0, f"the server holds {samples[COMFY_SOAK_CYCLES - 1][1]} more fds"
+    assert samples[COMFY_SOAK_CYCLES - 1][0] < 32 * 2**20, f"server RSS grew {peak[0] / 2**20:.1f} MiB"

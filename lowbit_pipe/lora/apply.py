@@ -72,12 +72,17 @@ class LoraHandle:
     ranks: list[int] = field(default_factory=list)
     alphas: list[float] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # warnings (unmatched keys with strict=False)
-    stacks: list[tuple[str, br.LoraStack]] = field(default_factory=list)  # incl. float-original mirrors
+    # (where, weakref to its LoraStack), incl. float-original mirrors: weak, so a handle kept past a teardown or
+    # a layer swap never keeps a stack (and its factors) alive; `live_stacks()` gives the ones still there
+    stacks: list[tuple[str, weakref.ref]] = field(default_factory=list)
     bakes: dict[str, LayerBakes] = field(default_factory=dict, repr=False)  # per baked layer (shared with others)
     ledger: Any = None
     rslora: bool = False
     removed: bool = False
     model_ref: Any = field(default=None, repr=False)  # weakref to the model it is attached to
+
+    def live_stacks(self) -> list[tuple[str, br.LoraStack]]:
+        return [(where, stack) for where, stack in ((w, ref()) for w, ref in self.stacks) if stack is not None]
 
     def figures(self) -> dict[str, Any]:
         return {"name": self.name, "source": self.source, "strength": self.strength, "layers": len(self.layers),
@@ -213,7 +218,7 @@ def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tens
             device = _device(layer)
             stack = br.ensure_stack(layer, module, ledger)
             br.add_branch(stack, _branch(name, low, float(strength), data.where, dtype, device), module, ledger)
-            handle.stacks.append((module, stack))
+            handle.stacks.append((module, weakref.ref(stack)))
             handle.layers.append(module)
             _mirror(handle, module, layer, ledger)
         parts = [f for f in factors if f.kind != "lora"]
@@ -229,7 +234,17 @@ def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tens
             handle.bakes[module] = record
             handle.baked.append(module)
     registry(model, ledger, create=True)[name] = handle
+    if ledger is not None:  # undone first: a handle kept past the teardown lets go of the layers' tensors
+        handle_ref = weakref.ref(handle)
+        ledger.record("lora_handle", f"LoRA '{name}' (handle)", lambda: _forget(handle_ref()))
     return handle
+
+
+def _forget(handle: LoraHandle | None) -> None:
+    """What a ledger teardown does to a handle: it drops its bake records (which hold the layers' pre-LoRA
+    tensors) and stacks; its methods then raise LoraRemovedError (its model's registry is gone)."""
+    if handle is not None:
+        handle.bakes, handle.stacks = {}, []
 
 
 def _device(layer: nn.Module) -> torch.device:
@@ -250,9 +265,9 @@ def _mirror(handle: LoraHandle, module: str, layer: nn.Module, ledger) -> None: 
     where = f"{module} (float original)"
     stack = br.ensure_stack(original, where, ledger)
     w = original.weight
-    branch = handle.stacks[-1][1].branches[-1].map(lambda t: t.to(w.device))
+    branch = handle.live_stacks()[-1][1].branches[-1].map(lambda t: t.to(w.device))
     br.add_branch(stack, branch, where, ledger)
-    handle.stacks.append((where, stack))
+    handle.stacks.append((where, weakref.ref(stack)))
 
 
 def _record_of(model: nn.Module, module: str) -> LayerBakes | None:
@@ -311,7 +326,7 @@ def _detach(model: nn.Module, handle: LoraHandle) -> None:
         _check_unchanged(model.get_submodule(module), record, f"remove LoRA '{handle.name}'")
     registry(model).pop(handle.name)
     handle.removed = True
-    for where, stack in handle.stacks:
+    for where, stack in handle.live_stacks():
         if handle.name in stack.names():
             br.remove_branch(stack, handle.name, where, handle.ledger)
     for module, record in handle.bakes.items():
@@ -323,7 +338,7 @@ def _detach(model: nn.Module, handle: LoraHandle) -> None:
 def _reweight(model: nn.Module, handle: LoraHandle, strength: float) -> None:
     for module, record in handle.bakes.items():
         _check_unchanged(model.get_submodule(module), record, f"re-weight LoRA '{handle.name}'")
-    for where, stack in handle.stacks:
+    for where, stack in handle.live_stacks():
         br.set_branch_strength(stack, handle.name, strength, where, handle.ledger)
     for module, record in handle.bakes.items():
         for baked in record.adapters:

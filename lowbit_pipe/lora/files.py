@@ -137,17 +137,14 @@ def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor]) -> tuple[
     """(tensors, safetensors metadata, where) of a file path or an in-memory state dict."""
     if isinstance(path_or_state, Mapping):
         return dict(path_or_state), {}, "<state dict>"
-    from safetensors import safe_open
-
     from lowbit_pipe.checkpoint import load_tensors, read_header
 
     path = str(path_or_state)
     if not Path(path).is_file():
         raise LoraError(f"{path}: no such LoRA file")
-    read_header(path)  # checks the header, errors name the file
-    with safe_open(path, framework="pt") as f:
-        metadata = dict(f.metadata() or {})
-    return load_tensors(path), metadata, path
+    header = read_header(path)  # checks the header, errors name the file
+    # The project's own reads, not safetensors' get_tensor (which leaks; see load_tensors)
+    return load_tensors(path, header=header), dict(header.metadata), path
 
 
 def _layer_scale(written: str, parts: Mapping[str, str], state: Mapping[str, torch.Tensor], rank: int,

@@ -134,10 +134,14 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
 
 
 def _owned(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A copy in freshly allocated memory: memory-mapped file data can be misaligned, and
-    CPU matmul kernels round differently on misaligned inputs (reload must be bit-exact)."""
+    """The tensor in memory of its own, aligned: CPU matmul kernels round differently on misaligned inputs
+    (reload must be bit-exact). What load_tensors read (a whole fresh allocation) is kept as it is, so a load
+    holds each tensor once; a view into a larger storage or misaligned data is copied."""
     out = tensor.to(dtype) if dtype is not None else tensor
-    return out.clone() if out.data_ptr() == tensor.data_ptr() else out
+    if out.data_ptr() != tensor.data_ptr():
+        return out  # converted: a fresh copy already
+    whole = out.storage_offset() == 0 and out.untyped_storage().nbytes() == out.numel() * out.element_size()
+    return out if whole and out.data_ptr() % 64 == 0 else out.clone()
 
 
 def _is_quant_key(model: nn.Module, key: str) -> bool:
