@@ -27,10 +27,10 @@ class LayerOption:
     rel_error: float
 
 
-def measure_options(model: nn.Module, names: list[str], candidates: list[Candidate],
+def measure_options(model: nn.Module, names: list[str], candidates: list[Candidate] | dict[str, list[Candidate]],
                     run_calibration: Callable[[], None], *, rows: int = 256, seed: int = 0) -> dict[str, list[LayerOption]]:
     """Every layer's options among `candidates` (those its shape fits; float always fits), with their bytes and
-    error. Raises naming a layer the calibration never ran."""
+    error (`candidates` per layer name, or one list for all). Raises naming a layer the calibration never ran."""
     with capture_inputs(model, names, rows, seed) as captured, torch.no_grad():
         run_calibration()
     out: dict[str, list[LayerOption]] = {}
@@ -40,7 +40,7 @@ def measure_options(model: nn.Module, names: list[str], candidates: list[Candida
         linear = model.get_submodule(name)
         bias = tensor_bytes(linear.bias) if linear.bias is not None else 0
         opts = []
-        for cand in candidates:
+        for cand in (candidates[name] if isinstance(candidates, dict) else candidates):
             if cand.spec is None:
                 opts.append(LayerOption(cand, tensor_bytes(linear), 0.0))
             elif get_format(cand.spec.format).supports_shape(linear.out_features, linear.in_features):
@@ -48,6 +48,22 @@ def measure_options(model: nn.Module, names: list[str], candidates: list[Candida
                 opts.append(LayerOption(cand, nbytes + bias, err))
         out[name] = opts
     return out
+
+
+def quantized_bytes(linear: nn.Module, spec) -> int:  # noqa: ANN001 - FormatSpec
+    """The layer's bytes in `spec` as the budget counts them (weights, scales, record, derived buffers, bias),
+    for layers the recipe fixes (a rule's format). A static input scale (one scalar) is not counted."""
+    from dataclasses import replace
+
+    from lowbit_pipe.formats import encode_record
+
+    fmt = get_format(spec.format)
+    if spec.activations == "static":
+        spec = replace(spec, activations="dynamic")
+    q = fmt.with_activations(fmt.quantize(linear.weight.detach(), spec), spec.activations, None)
+    derived = sum(t.numel() * t.element_size() for t in fmt.derived_tensors(q).values())
+    bias = tensor_bytes(linear.bias) if linear.bias is not None else 0
+    return q.nbytes + encode_record(q.record).numel() + derived + bias
 
 
 @contextlib.contextmanager

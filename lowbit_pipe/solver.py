@@ -41,7 +41,8 @@ class Problem:
     fixed_bytes: int  # bytes outside the free layers
     float_ms: float  # the float model's forward time (speedup = float_ms / predicted time)
     float_bytes: int  # the float transformer's bytes (ratio = bytes / float_bytes)
-    error_scale: float  # predicted output error = error_scale * sqrt(sum err2)
+    error_scale: float  # predicted output error = error_scale * sqrt(fixed_err2 + sum err2)
+    fixed_err2: float = 0.0  # squared errors of the layers the recipe fixes (a rule's format)
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ def predict(problem: Problem, choice: np.ndarray | tuple[int, ...], m: Matrices 
     idx = np.asarray(choice, dtype=int)
     time = problem.fixed_ms + float(m.time[rows, idx].sum())
     nbytes = problem.fixed_bytes + int(m.nbytes[rows, idx].sum())
-    error = problem.error_scale * float(np.sqrt(m.err2[rows, idx].sum()))
+    error = problem.error_scale * float(np.sqrt(problem.fixed_err2 + m.err2[rows, idx].sum()))
     return Prediction(time, nbytes, error, problem.float_ms / time if time > 0 else float("inf"),
                       nbytes / problem.float_bytes)
 
@@ -137,7 +138,8 @@ def mckp(f: np.ndarray, g: np.ndarray, cap: float, valid: np.ndarray) -> np.ndar
         ok = valid & (df < 0) & (dg <= slack)
         if not ok.any():
             break
-        score = np.where(ok, -df / np.maximum(dg, 1e-15), -np.inf)
+        with np.errstate(invalid="ignore", divide="ignore"):  # inf - inf outside `valid`, masked by `ok`
+            score = np.where(ok, -df / np.maximum(dg, 1e-15), -np.inf)
         i, j = np.unravel_index(int(np.argmax(score)), score.shape)
         choice[i] = j
     return choice
@@ -156,7 +158,7 @@ def solve(problem: Problem, target: Target) -> Solution:
         if problem.error_scale <= 0:
             cap_raw = np.inf
         else:
-            cap_raw = (target.value / problem.error_scale) ** 2
+            cap_raw = (target.value / problem.error_scale) ** 2 - problem.fixed_err2
         top = float(m.err2[m.valid].max()) or 1.0
         f, g, cap = t + _TIE * e, e, cap_raw / top
     elif target.kind == "speedup":
@@ -166,6 +168,7 @@ def solve(problem: Problem, target: Target) -> Solution:
         budget = target.value if target.kind == "bytes" else target.value * problem.float_bytes
         top = float(m.nbytes[m.valid].max()) or 1.0
         f, g, cap = e + _TIE * t, b, (budget - problem.fixed_bytes) / top
+    f, g = np.where(m.valid, f, 0.0), np.where(m.valid, g, 0.0)  # finite (0 * inf is nan); `valid` masks them
     choice = mckp(f, g, cap * (1 + 1e-12), m.valid)
     if choice is None:
         best = np.argmin(np.where(m.valid, g, np.inf), axis=1)
@@ -205,6 +208,7 @@ def frontier(problem: Problem, points: int = 16) -> list[FrontierPoint]:
     t, b, e = (_normalised(a, m.valid) for a in (m.time, m.nbytes, m.err2))
     lams = np.concatenate([[0.0], np.logspace(-6, 3, points - 1)])
     seen: dict[tuple[int, ...], Prediction] = {}
+    t, b, e = (np.where(m.valid, a, 0.0) for a in (t, b, e))  # finite everywhere: 0 * inf is nan; masked below
     extremes = [t + _TIE * e, b + _TIE * e, e + _TIE * t]
     for score in extremes + [e + a * t + c * b for a in lams for c in lams]:
         choice = tuple(int(x) for x in np.argmin(np.where(m.valid, score, np.inf), axis=1))

@@ -25,7 +25,7 @@ from torch import nn
 
 from lowbit_pipe import speed_table
 from lowbit_pipe.candidates import FLOAT, Candidate
-from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options
+from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.forward_timing import ExampleForward, ForwardCheck, time_forward
 from lowbit_pipe.formats import FormatSpec, get_format
@@ -108,13 +108,17 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     example = _example(ctx, compiled)
     names = free_layers(plans)
     candidates = [Candidate(_spec(c)) for c in t.candidates] + ([Candidate(None)] if t.allow_float else [])
-    options = measure_options(model, names, candidates, run_calibration, seed=cfg.calibration_seed)
+    fixed_specs = {p.name: p.spec for p in plans if p.spec is not None and p.name not in set(names)}  # rules' layers
+    per_layer = {**{n: candidates for n in names}, **{n: [Candidate(s)] for n, s in fixed_specs.items()}}
+    measured = measure_options(model, list(per_layer), per_layer, run_calibration, seed=cfg.calibration_seed)
+    options = {n: measured[n] for n in names}
+    fixed_options = {n: measured[n][0] for n in fixed_specs if measured[n]}
     for name, opts in options.items():
         if not opts:
             raise RecipeError("quantize.target.candidates", f"no candidate fits layer '{name}' "
                                                             f"{tuple(model.get_submodule(name).weight.shape)} and "
                                                             "allow_float is off")
-    calls = layer_calls(model, names, example.runner() if not compiled else
+    calls = layer_calls(model, names + list(fixed_specs), example.runner() if not compiled else
                         ExampleForward(model, example.inputs, example.output).runner())
     float_cand = Candidate(None)
     dt = speed_table.dtype_name(dtype)
@@ -125,13 +129,14 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
                                   cfg.prepack and cand.spec is not None) for rows in calls[name]]
 
     needed = [(o.candidate, e) for n in names for o in options[n] for e in entries(n, o.candidate)]
-    needed += [(float_cand, e) for n in names for e in entries(n, float_cand)]
+    needed += [(float_cand, e) for n in [*names, *fixed_specs] for e in entries(n, float_cand)]
+    needed += [(Candidate(spec), e) for n, spec in fixed_specs.items() for e in entries(n, Candidate(spec))]
     started = time.perf_counter()
     table = speed_table.load(speed_table.cache_dir(cfg.speed_cache), speed_table.table_key(device), cfg.speed_refresh)
     table = speed_table.ensure(table, needed, device, dtype, compile_backend=ctx.recipe.compile.backend, timing=timing)
     table_seconds = time.perf_counter() - started
     float_ms, reference = time_forward(example, device, timing)
-    scale = error_scale(example, reference, options)
+    scale = error_scale(example, reference, {**options, **{n: [o] for n, o in fixed_options.items()}})
 
     def layer_ms(name: str, cand: Candidate) -> float:
         return sum(table.get(e) for e in entries(name, cand))
@@ -141,9 +146,14 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
                          tuple(o.nbytes for o in options[n]), tuple(o.rel_error ** 2 for o in options[n]))
               for n in names]
     float_bytes = tensor_bytes(model)
-    problem = Problem(layers, fixed_ms=float_ms - sum(layer_ms(n, float_cand) for n in names),
-                      fixed_bytes=float_bytes - sum(tensor_bytes(model.get_submodule(n)) for n in names),
-                      float_ms=float_ms, float_bytes=float_bytes, error_scale=scale["scale"])
+    # Fixed: all but the free layers, the rules' layers as quantized (their float time and bytes swapped out).
+    fixed_ms = float_ms - sum(layer_ms(n, float_cand) for n in [*names, *fixed_specs]) + \
+        sum(layer_ms(n, Candidate(spec)) for n, spec in fixed_specs.items())
+    fixed_bytes = float_bytes - sum(tensor_bytes(model.get_submodule(n)) for n in [*names, *fixed_specs]) + \
+        sum(quantized_bytes(model.get_submodule(n), spec) for n, spec in fixed_specs.items())
+    problem = Problem(layers, fixed_ms=fixed_ms, fixed_bytes=fixed_bytes,
+                      float_ms=float_ms, float_bytes=float_bytes, error_scale=scale["scale"],
+                      fixed_err2=sum(o.rel_error ** 2 for o in fixed_options.values()))
     started = time.perf_counter()
     solution = solve(problem, target)
     front = frontier(problem, t.frontier_points)
