@@ -101,7 +101,8 @@ def speed_cache(tmp_path_factory):
 
 def _run(tmp_path, overrides, cache=None, name="run"):
     return lowbit_pipe.run("default", ["pipeline=[load,detect,quantize]", f"quantize.speed_cache={cache or tmp_path / 'cache'}",
-                                       *overrides], run_dir=tmp_path / name)
+                                       "quantize.calibration_samples=1", "quantize.calibration_steps=1", *overrides],
+                           run_dir=tmp_path / name)
 
 
 def test_ratio_target_with_a_rule_keeps_the_rule_and_fits(tmp_path, speed_cache):
@@ -123,6 +124,11 @@ def test_ratio_target_with_a_rule_keeps_the_rule_and_fits(tmp_path, speed_cache)
     # The error is deterministic: the prediction (layer errors summed, scaled by one probe forward) is within 2x.
     assert 0.5 < fc["measured_error"] / fc["predicted_error"] < 2.0
     assert t["frontier"] and r.report["stages"]["quantize"]["target_off"] == pytest.approx(fc["off"], abs=1e-3)
+    summary = (r.run_dir / "summary.txt").read_text()
+    assert "target: ratio 0.6 (met" in summary and "target check: measured" in summary and "frontier the solver saw" in summary
+    from lowbit_pipe.report import main as report_main
+    assert report_main([str(r.run_dir), "--out", str(tmp_path / "cmp")]) == 0
+    assert (tmp_path / "cmp" / "frontier.png").stat().st_size > 1000
 
 
 @pytest.mark.slow
