@@ -49,6 +49,7 @@ hydra.searchpath=[file:///path/to/conf] (its recipe/*.yaml become recipe= option
 == Flags ==
 $FLAGS_HELP
 --version prints lowbit_pipe's version (with Hydra's and torch's).
+--refresh times the speed table of a quantize.target run again (= quantize.speed_refresh=true).
 Override any key of the recipe (quantize.default.format=fp8); the schema and every key are in
 lowbit_pipe/recipe.py and docs/recipes.md. Exit codes: 0 done, 1 a stage failed, 2 refused before any work.
 """

@@ -77,3 +77,13 @@ def test_compiled_entry_times_the_compiled_layer(tmp_path):
     table = st.ensure(st.load(tmp_path, st.table_key(CPU)), needed, CPU, torch.float32, timing=FAST,
                       compile_backend="aot_eager")
     assert all(table.get(e) > 0 for _, e in needed) and all("|compiled" in k for k in table.times_ms)
+
+
+def test_refresh_flag_is_the_recipe_key(tmp_path):
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "lowbit_pipe", "--refresh", "--cfg", "job"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "speed_refresh: true" in proc.stdout
