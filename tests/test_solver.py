@@ -149,3 +149,13 @@ def test_recipe_errors_name_the_key(tmp_path):
                         "quantize.target.candidates=[{format: int8}, {format: svdquant_w4a4}]"])
     with pytest.raises(RecipeError, match=r"quantize.target.loads_in"):
         _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.loads_in=comfy"])
+
+
+def test_a_target_needs_the_model_loaded():
+    from lowbit_pipe.recipe import Recipe
+    from lowbit_pipe.stream_choice import stream_blockers
+
+    recipe = Recipe()
+    assert not any(k == "quantize.target" for k, _ in stream_blockers(recipe))
+    recipe.quantize.target.ratio = 0.5
+    assert any(k == "quantize.target" and "forwards" in why for k, why in stream_blockers(recipe))
