@@ -127,12 +127,14 @@ def save(table: SpeedTable) -> None:
 def _layer(candidate: Candidate, entry: Entry, device: torch.device, dtype: torch.dtype) -> nn.Module:
     from lowbit_pipe.nn import QuantLinear
 
-    gen = torch.Generator().manual_seed(entry.in_features * 7919 + entry.out_features)
-    linear = nn.Linear(entry.in_features, entry.out_features, bias=True)
+    # Drawn on the device: a full-size layer's fp32 weight drawn on the host took about a second each.
+    gen = torch.Generator(device=device).manual_seed(entry.in_features * 7919 + entry.out_features)
+    with torch.device(device):
+        linear = nn.Linear(entry.in_features, entry.out_features, bias=True, dtype=dtype)
     with torch.no_grad():
-        linear.weight.copy_(torch.randn(entry.out_features, entry.in_features, generator=gen) / entry.in_features ** 0.5)
+        linear.weight.copy_(torch.randn(entry.out_features, entry.in_features, generator=gen, device=device)
+                            / entry.in_features ** 0.5)
         linear.bias.zero_()
-    linear = linear.to(device, dtype)
     if candidate.spec is None:
         return linear
     layer = QuantLinear.from_linear(linear, candidate.spec, None, candidate.label).to(device)
@@ -144,17 +146,18 @@ def _layer(candidate: Candidate, entry: Entry, device: torch.device, dtype: torc
 
 
 def measure(candidate: Candidate, entry: Entry, device: torch.device, dtype: torch.dtype, *,
-            compile_backend: str = "inductor", timing: TimingSettings = TimingSettings()) -> float:
+            compile_backend: str = "inductor", timing: TimingSettings | None = None) -> float:
     """Milliseconds of one call of the candidate's linear on an [M, K] input (activation prep included)."""
     layer = _layer(candidate, entry, device, dtype)
-    x = torch.randn(entry.rows, entry.in_features, generator=torch.Generator().manual_seed(entry.rows)).to(device, dtype)
+    x = torch.randn(entry.rows, entry.in_features, generator=torch.Generator(device=device).manual_seed(entry.rows),
+                    device=device).to(dtype)
     fn = torch.compile(layer, backend=compile_backend) if entry.compiled else layer
-    return time_ms(lambda: fn(x), device, timing)
+    return time_ms(lambda: fn(x), device, timing or TimingSettings.for_device(device))
 
 
 def ensure(table: SpeedTable, needed: Iterable[tuple[Candidate, Entry]], device: torch.device, dtype: torch.dtype, *,
            compile_backend: str = "inductor",
-           timing: TimingSettings = TimingSettings()) -> SpeedTable:
+           timing: TimingSettings | None = None) -> SpeedTable:
     """Measure every needed entry the table lacks, then save it (only when something was added)."""
     added = 0
     for candidate, entry in needed:

@@ -99,8 +99,9 @@ def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
 
 
 def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],  # noqa: ANN001
-                    timing: TimingSettings = TimingSettings()) -> TargetPlan:
+                    timing: TimingSettings | None = None) -> TargetPlan:
     cfg = ctx.recipe.quantize
+    timing = timing or TimingSettings.for_device(ctx.device)
     t = cfg.target
     model = ctx.transformer
     device, dtype = ctx.device, ctx.dtype
@@ -186,9 +187,9 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     return TargetPlan(new_plans, report, example, reference, float_ms, solution)
 
 
-def check(tp: TargetPlan, device: torch.device, timing: TimingSettings = TimingSettings()) -> ForwardCheck:
+def check(tp: TargetPlan, device: torch.device, timing: TimingSettings | None = None) -> ForwardCheck:
     """Time the quantized forward once on the same example and measure its output error against the float's."""
-    measured_ms, out = time_forward(tp.example, device, timing)
+    measured_ms, out = time_forward(tp.example, device, timing or TimingSettings.for_device(device))
     pred = tp.solution.prediction
     return ForwardCheck(tp.float_ms, pred.time_ms, measured_ms, pred.error, rel_error(tp.reference, out))
 

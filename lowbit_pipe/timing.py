@@ -19,6 +19,11 @@ class TimingSettings:
     warmup: int = 2  # calls before timing (first-call allocations, Triton / Inductor compilation, caches)
     reps: int = 7  # timed calls (CPU: the fastest single call; GPU: one event pair around all of them)
 
+    @staticmethod
+    def for_device(device: torch.device) -> "TimingSettings":
+        """GPU calls are cheap and short ones jitter by launch: more of them; a CPU call can take 100 ms."""
+        return TimingSettings(warmup=3, reps=20) if device.type == "cuda" else TimingSettings()
+
 
 def time_ms(fn: Callable[[], Any], device: torch.device, settings: TimingSettings = TimingSettings()) -> float:
     """Milliseconds per call of `fn()` on `device`, after `settings.warmup` untimed calls.
