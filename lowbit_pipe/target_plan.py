@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe import speed_table
-from lowbit_pipe.candidates import FLOAT, Candidate
+from lowbit_pipe.candidates import Candidate
 from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.forward_timing import ExampleForward, ForwardCheck, time_forward
@@ -194,4 +194,4 @@ def check(tp: TargetPlan, device: torch.device, timing: TimingSettings | None = 
     return ForwardCheck(tp.float_ms, pred.time_ms, measured_ms, pred.error, rel_error(tp.reference, out))
 
 
-__all__ = ["FLOAT", "TargetPlan", "check", "error_scale", "free_layers", "plan_for_target"]
+__all__ = ["TargetPlan", "check", "error_scale", "free_layers", "plan_for_target"]
