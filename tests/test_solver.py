@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 import lowbit_pipe
 from lowbit_pipe.errors import RecipeError
@@ -145,6 +146,8 @@ def test_recipe_errors_name_the_key(tmp_path):
     with pytest.raises(RecipeError, match=r"quantize.target.candidates\[1\].*stock ComfyUI"):
         _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.loads_in=comfyui",
                         "quantize.target.candidates=[{format: int8}, {format: svdquant_w4a4}]"])
+    with pytest.raises(RecipeError, match=r"quantize.target.error.*planned by a run"):
+        lowbit_pipe.quantize(torch.nn.Sequential(torch.nn.Linear(64, 64)), {"target": {"error": 0.01}})
     with pytest.raises(RecipeError, match=r"quantize.target.loads_in"):
         _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.loads_in=comfy"])
 
