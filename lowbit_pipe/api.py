@@ -69,6 +69,15 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
             raise RecipeError(f"quantize.{sorted(unknown)[0]}", "no such key")
         config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantizeConfig), config))
     validate(Recipe(pipeline=["load"], quantize=config))
+    from lowbit_pipe.targets import resolve_target
+
+    target = resolve_target(config)
+    if target is not None:  # it would be ignored here: no arch example inputs to time or calibrate the forward on
+        from lowbit_pipe.errors import RecipeError
+
+        raise RecipeError(target.key, "is planned by a run (lowbit_pipe.run or the command line), which times the "
+                                      "forward on the architecture's example inputs; lowbit_pipe.quantize takes a "
+                                      "fixed plan")
     found = detect_module(module)
     policy = found.arch.policy if found else generic_policy(module)
     plans = plan_layers(linear_shapes(module), config, policy, found.policy_name if found else None)

@@ -13,6 +13,8 @@ EXAMPLES = """\
   python -m lowbit_pipe recipe=krea2_nvfp4               # tiny Krea 2, NVFP4 + ConvRot, sensitive layers INT8
   python -m lowbit_pipe recipe=flux1_fp8                 # tiny FLUX.1, FP8
   python -m lowbit_pipe recipe=krea2_nvfp4 model.path=/models/krea2.safetensors model.dtype=bfloat16 model.device=cuda
+  python -m lowbit_pipe recipe=krea2_auto_speed_tiny quantize.target.ratio=0.5   # formats chosen per layer for a target
+                                                         # (target.speedup / bytes / ratio / error; docs/recipes.md)
   python -m lowbit_pipe -m quantize.default.format=int8,fp8,nvfp4   # a sweep: one run dir per job
   python -m lowbit_pipe recipe=runs/<date>/<time>/recipe.yaml       # rerun a run from its run dir
   python -m lowbit_pipe --cfg job                        # print the composed recipe, run nothing"""
@@ -47,6 +49,7 @@ hydra.searchpath=[file:///path/to/conf] (its recipe/*.yaml become recipe= option
 == Flags ==
 $FLAGS_HELP
 --version prints lowbit_pipe's version (with Hydra's and torch's).
+--refresh times the speed table of a quantize.target run again (= quantize.speed_refresh=true).
 Override any key of the recipe (quantize.default.format=fp8); the schema and every key are in
 lowbit_pipe/recipe.py and docs/recipes.md. Exit codes: 0 done, 1 a stage failed, 2 refused before any work.
 """

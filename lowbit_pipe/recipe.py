@@ -93,6 +93,32 @@ class GPTQConfig:
     warn_damp_share: float = 0.9
 
 
+def _target_candidates() -> list[FormatChoice]:
+    return [FormatChoice(format="int8"), FormatChoice(format="int8", rotation="convrot"), FormatChoice(format="fp8"),
+            FormatChoice(format="nvfp4")]
+
+
+@dataclass
+class TargetConfig:
+    """The recipe that writes itself: per-layer formats chosen among `candidates` (and float) to meet one target
+    with the least error, or, for an error target, the most speed (lowbit_pipe.target_plan; docs/recipes.md)."""
+
+    speedup: Optional[float] = None  # forward time of the float model over the quantized one's (1.6: 1.6x faster)
+    bytes: Optional[int] = None  # the whole transformer's bytes (as quantize.budget_bytes)
+    ratio: Optional[float] = None  # of the float transformer's bytes (as quantize.budget_ratio)
+    error: Optional[float] = None  # relative output error on the calibration inputs
+    candidates: list[FormatChoice] = field(default_factory=_target_candidates)  # a rotation is a candidate of its own
+    allow_float: bool = True  # float is a candidate (the most sensitive or the fastest-in-float layers stay float)
+    # What must load the export: "lowbit_pipe" (every format), "comfyui_pack" (ComfyUI with lowbit_pipe's node pack:
+    # every format), "comfyui" (stock ComfyUI: the kinds its own loader knows). Candidates it cannot load are refused.
+    loads_in: str = "lowbit_pipe"
+    # Time the compiled layers (torch.compile with compile.backend) rather than eager ones; null: when the pipeline
+    # has a compile stage.
+    compiled: Optional[bool] = None
+    check_forward: bool = True  # time the whole quantized forward once and report how far the prediction was off
+    frontier_points: int = 16  # Lagrange multipliers per axis of the frontier sweep (points^2 solves, each ~1 ms)
+
+
 @dataclass
 class QuantizeConfig:
     default: FormatChoice = field(default_factory=FormatChoice)
@@ -114,6 +140,10 @@ class QuantizeConfig:
     budget_candidates: list[FormatChoice] = field(
         default_factory=lambda: [FormatChoice(format="nvfp4"), FormatChoice(format="int8")])
     budget_allow_float: bool = True  # the most sensitive layers may stay float
+    target: TargetConfig = field(default_factory=TargetConfig)  # one of speedup / bytes / ratio / error, or none
+    # The speed table's directory (one JSON file per device and software versions); null: ~/.cache/lowbit_pipe.
+    speed_cache: Optional[str] = None
+    speed_refresh: bool = False  # time every entry again and rewrite the table
     calibration_samples: int = 2  # seeded example-input sets: budget sensitivity, static scales, GPTQ Hessians
     calibration_seed: int = 20_000  # apart from evaluate's seeds (0.., trajectories 10_000..): held-out figures
     # Each sample runs the arch's Euler sampler for this many steps, calibrating on every step's input (DiT

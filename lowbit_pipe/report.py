@@ -30,6 +30,8 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "weight_bytes": ("evaluate", "weight_bytes"),
     "export_bytes": ("export", "bytes"),
     "latency_ms": ("evaluate", "latency_ms", "quantized"),
+    "target_ms": ("quantize", "target", "forward_check", "measured_ms"),  # the target's whole-forward check
+    "target_off": ("quantize", "target", "forward_check", "off"),
     "seconds": (),  # sum of stage seconds (wall clock of the run)
 }
 HIGHER_IS_BETTER = {"psnr_db": True, "cosine": True, "sqnr_min_db": True, "traj_min_cos": True, "traj_mean_cos": True,
@@ -76,6 +78,7 @@ def collect(dirs: list[Path]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"run": str(run_dir), "overrides": " ".join(o for o in overrides if o not in common) or "(base)"}
         for col, path in FIGURES.items():
             row[col] = _get(report, path) if path else round(sum(s.get("seconds", 0) for s in report.get("stages", {}).values()), 3)
+        row["frontier"] = _get(report, ("quantize", "target", "frontier"))  # not a column: plot_frontier draws it
         rows.append(row)
     return sorted(rows, key=lambda r: (_job_number(r["run"]), r["run"]))
 
@@ -168,6 +171,37 @@ def plot(rows: list[dict[str, Any]], metric: str, path: Path) -> dict[str, list[
     return fronts
 
 
+def plot_frontier(rows: list[dict[str, Any]], path: Path) -> int:
+    """Error against forward time: each target run's frontier (the solver's predicted plans) as a line, and every
+    run's measured point (its target check, else its GPU latency) with its evaluate rel_error, so hand-written
+    recipes sit beside the frontier. Returns how many frontiers were drawn (0: no file written)."""
+    fronts = [(i, r["frontier"]) for i, r in enumerate(rows) if r.get("frontier")]
+    if not fronts:
+        return 0
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for i, front in fronts:
+        ax.plot([f["time_ms"] for f in front], [f["error"] for f in front], marker=".", linestyle="--",
+                label=f"frontier (predicted): {_short(rows[i]['overrides'], 30)}")
+    for r in rows:
+        x = r.get("target_ms") if r.get("target_ms") is not None else r.get("latency_ms")
+        if x is not None and r.get("rel_error") is not None:
+            ax.scatter([x], [r["rel_error"]], color="black", zorder=3)
+            ax.annotate(_short(r["overrides"]), (x, r["rel_error"]), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    ax.set_xlabel("forward ms (frontier: predicted; points: measured)")
+    ax.set_ylabel("relative output error (frontier: predicted on the example input; points: evaluate rel_error)")
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return len(fronts)
+
+
 def _short(overrides: str, width: int = 40) -> str:
     text = " ".join(o.split(".")[-1] if "=" in o else o for o in overrides.split())
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -196,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
               "need matplotlib: pip install \"lowbit_pipe[report]\"")
         return 0
     fronts = plot(rows, args.metric, out / "report.png")
+    if plot_frontier(rows, out / "frontier.png"):
+        print(f"wrote {out / 'frontier.png'} (the targets' frontiers beside every run's measured point)")
     on_front = sorted({i for f in fronts.values() for i in f})
     print(f"\nPareto ({args.metric} vs bytes): " + ", ".join(rows[i]["overrides"] for i in fronts.get("weight_bytes", [])))
     print(f"wrote {out / 'report.csv'}, {out / 'report.md'}, {out / 'report.png'} ({len(rows)} runs, {len(on_front)} on a front)")

@@ -47,6 +47,8 @@ def stream_blockers(recipe: Recipe) -> list[tuple[str, str]]:
     if q.budget_bytes is not None or q.budget_ratio is not None:
         key = "quantize.budget_bytes" if q.budget_bytes is not None else "quantize.budget_ratio"
         out.append((key, "a byte budget calibrates on forwards"))
+    if any(getattr(q.target, k) is not None for k in ("speedup", "bytes", "ratio", "error")):
+        out.append(("quantize.target", "a target calibrates and times forwards of the loaded model"))
     if q.gptq.enabled:
         out.append(("quantize.gptq.enabled", "GPTQ calibrates on forwards of the loaded model"))
     choices = [("quantize.default", q.default), ("quantize.sensitive", q.sensitive), ("quantize.fallback", q.fallback)]

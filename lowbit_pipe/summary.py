@@ -34,6 +34,28 @@ def plan_counts(plan: list[dict[str, Any]]) -> list[list[Any]]:
     return [[fmt, n, why] for (fmt, why), n in sorted(counts.items(), key=lambda kv: (kv[0][0] == "float", kv[0]))]
 
 
+def target_lines(t: dict[str, Any] | None) -> list[str]:
+    """quantize.target: what was asked, what the plan predicts, what the whole-forward check measured, the frontier."""
+    if not t:
+        return []
+    p = t["predicted"]
+    goal = t["target"]
+    lines = [f"target: {goal['kind']} {goal['value']:g} ({'met' if t['met'] else 'NOT met'} as predicted; "
+             f"export loads in {t['loads_in']}): predicted {p['speedup']:.3f}x the float forward "
+             f"({p['time_ms']:.4g} ms), {fmt_bytes(p['bytes'])} ({p['ratio']:.3f} of float), output error {p['error']:.5f}"]
+    fc = t.get("forward_check")
+    if fc:
+        lines.append(f"target check: measured {fc['measured_ms']:.4g} ms = {fc['measured_speedup']:.3f}x (prediction off by "
+                     f"{fc['off']:+.1%}), output error {fc['measured_error']:.5f}")
+    lines += table(["plan (target)", "layers"], [[k, v] for k, v in t["layers"].items()])
+    rows = [[f"{f['speedup']:.3f}x", f"{f['time_ms']:.4g}", fmt_bytes(f["bytes"]), f"{f['error']:.5f}",
+             " ".join(f"{k}:{v}" for k, v in f["layers"].items())] for f in t.get("frontier", [])]
+    if rows:
+        lines.append(f"frontier the solver saw ({len(rows)} plans, predicted; report.json quantize.target.frontier):")
+        lines += table(["speedup", "ms", "bytes", "error", "layers"], rows)
+    return lines
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """Stage times and memory, the layer plan, quality, export path and size, teardown."""
     lines = [f"lowbit_pipe run: {report['status']}  recipe={report['recipe'].get('name')}"]
@@ -53,6 +75,7 @@ def format_summary(report: dict[str, Any]) -> str:
     plan = report.get("plan")
     if plan:
         lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])
+    lines += target_lines((report.get("quantize") or {}).get("target"))
     ev = report.get("evaluate")
     if ev and "rel_error" in ev:
         extra = ""

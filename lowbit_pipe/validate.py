@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.recipe import DTYPES, EvaluateConfig, FormatChoice, LayerRule, Recipe
+from lowbit_pipe.recipe import DTYPES, EvaluateConfig, FormatChoice, LayerRule, QuantizeConfig, Recipe
 from lowbit_pipe.stream_choice import stream_blockers, stream_mode
 
 # The GPU kernels rotate with tl.dot, which needs 16 or more columns per group.
@@ -157,6 +157,35 @@ def _check_stream(recipe: Recipe) -> None:
                                "or false loads it)")
 
 
+def _check_target(q: QuantizeConfig) -> None:
+    """quantize.target: one target, in range; candidates valid and loadable by quantize.target.loads_in."""
+    from lowbit_pipe.loadable import LOADERS, loadable
+    from lowbit_pipe.policy import _spec
+    from lowbit_pipe.targets import resolve_target
+
+    t = q.target
+    target = resolve_target(q)
+    if t.loads_in not in LOADERS:
+        raise RecipeError("quantize.target.loads_in", f"must be one of {list(LOADERS)}, got '{t.loads_in}'")
+    if t.frontier_points < 2:
+        raise RecipeError("quantize.target.frontier_points", f"must be >= 2, got {t.frontier_points}")
+    if target is None:
+        return
+    if q.budget_bytes is not None or q.budget_ratio is not None:
+        key = "quantize.budget_bytes" if q.budget_bytes is not None else "quantize.budget_ratio"
+        raise RecipeError(key, f"set {target.key} or a budget, not both (target.bytes / target.ratio are the "
+                               "budget with speed reported)")
+    if not t.candidates and not t.allow_float:
+        raise RecipeError("quantize.target.candidates", "no candidate: list formats, or allow_float")
+    for i, choice in enumerate(t.candidates):
+        path = f"quantize.target.candidates[{i}]"
+        check_choice(path, choice)
+        if not loadable(_spec(choice), t.loads_in):
+            raise RecipeError(path, f"{choice.format} (rotation {choice.rotation}) writes a kind stock ComfyUI does not "
+                                    "load: drop it, or set quantize.target.loads_in to comfyui_pack (ComfyUI with "
+                                    "lowbit_pipe's node pack) or lowbit_pipe")
+
+
 def validate(recipe: Recipe) -> Recipe:
     """Checks types cannot express; raises RecipeError naming the path."""
     _check_pipeline(recipe)
@@ -231,6 +260,7 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("quantize.gptq.warn_damp_share", f"must be in (0, 1], got {q.gptq.warn_damp_share}")
     for i, choice in enumerate(q.budget_candidates):
         check_choice(f"quantize.budget_candidates[{i}]", choice)
+    _check_target(q)
     for i, pattern in enumerate(q.keep):
         check_pattern(f"quantize.keep[{i}]", pattern)
     check_evaluate(recipe.evaluate)

@@ -7,6 +7,7 @@ this machine does not have run too: they must be refused before any work (exit 2
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
 import subprocess
@@ -79,7 +80,10 @@ def _cli_id(command: str) -> str:
 @pytest.mark.parametrize("command", _of_kind("cli"), ids=_cli_id)
 def test_cli_command_runs(command, tmp_path):
     argv = shlex.split(command)
-    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    # A target's speed table goes to ~/.cache/lowbit_pipe: here a HOME of the test's own, never the user's.
+    env = {**os.environ, "HOME": str(tmp_path)} if "quantize.target" in command else None
+    proc = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=env)
     wants_gpu = "model.device=cuda" in command
     if wants_gpu and not torch.cuda.is_available():
         # Needs a GPU and a real checkpoint: refused before any work, naming what is missing.

@@ -65,6 +65,11 @@ class Detect(Stage):
         shape = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("arch", "extra") and v is not None)
         # A run reading model.path says whether it streams it (model.stream, stream_choice.decide_stream) and why.
         how = f"; {ctx.stream_choice.line()}" if ctx.stream_choice is not None and ctx.source.get("path") else ""
+        q = ctx.recipe.quantize
+        if any(getattr(q.target, k) is not None for k in ("speedup", "bytes", "ratio", "error")):
+            how += "; quantize.target re-plans the quantized layers (summary: the plan it chose)"
+        elif q.budget_bytes is not None or q.budget_ratio is not None:
+            how += "; quantize.budget_* re-plans the quantized layers"
         ctx.console.say(f"detect: {arch_id} ({shape}){', native module names' if ctx.native else ''}\n"
                         f"plan:   {', '.join(f'{k} {v}' for k, v in sorted(counts.items()))} layers; "
                         f"linear weights {fmt_bytes(before)} -> {fmt_bytes(after)}{how}")

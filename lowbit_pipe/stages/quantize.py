@@ -407,6 +407,30 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
     return result.plans, result.as_dict()
 
 
+def _target_plan(ctx: Context, plans: list[LayerPlan]):  # noqa: ANN202 - TargetPlan | None
+    """quantize.target: the solver's plan (lowbit_pipe.target_plan), or None when the recipe sets no target."""
+    from lowbit_pipe.target_plan import plan_for_target
+    from lowbit_pipe.targets import resolve_target
+
+    target = resolve_target(ctx.recipe.quantize)
+    if target is None:
+        return None
+    return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"))
+
+
+def _check_target(ctx: Context, target_plan) -> dict[str, Any]:  # noqa: ANN001 - TargetPlan
+    """The whole-forward check of a target plan (quantize.target.check_forward): into the report, and the stage's
+    figures (predicted vs measured ms and by how much the prediction was off)."""
+    from lowbit_pipe.target_plan import check
+
+    if not ctx.recipe.quantize.target.check_forward:
+        return {}
+    result = check(target_plan, ctx.device)
+    target_plan.report["forward_check"] = result.as_dict()
+    return {"target_predicted_ms": round(result.predicted_ms, 4), "target_measured_ms": round(result.measured_ms, 4),
+            "target_off": round(result.off, 4)}
+
+
 def _plan_report(plans: list[LayerPlan]) -> list[dict[str, Any]]:
     return [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
              "activations": p.spec.activations if p.spec else None, "reason": p.reason} for p in plans]
@@ -437,6 +461,9 @@ class Quantize(Stage):
         budget = None
         if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
             plans, budget = _budget_plans(ctx, plans)
+        target_plan = _target_plan(ctx, plans)
+        if target_plan is not None:
+            plans = target_plan.plans
         amax = {}
         if any(p.spec is not None and p.spec.activations == "static" for p in plans):
             amax = static_input_amax(ctx.transformer, plans, example_runner(ctx, "activations=static"))
@@ -463,13 +490,18 @@ class Quantize(Stage):
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
-        if budget is not None or amax or run_examples is not None:
+        if target_plan is not None:
+            result["target"] = target_plan.report
+            figures_target = _check_target(ctx, target_plan)
+        if budget is not None or target_plan is not None or amax or run_examples is not None:
             result["calibration"] = calibration_source(cfg) if ctx.calibrate is None else {
                 "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
         figures = {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
                    "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
+        if target_plan is not None:
+            figures.update(figures_target)
         if gptq_threads:  # the CPU threads GPTQ's matrix work ran on (gptq_threads: they follow the machine's load)
             figures["gptq_threads"] = gptq_threads
         return figures
