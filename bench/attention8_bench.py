@@ -154,30 +154,58 @@ def bench_shape(s: Shape, device: str, rep: int) -> list[dict]:
     return rows
 
 
+def configs() -> list:
+    """The tile configs --sweep times: every block / warps / stages choice, and warp specialization for the
+    128-wide key blocks."""
+    out = [A.Attention8Config(bm, bn, w, st) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for st in (2, 3, 4)]
+    return out + [A.Attention8Config(bm, 128, w, st, True) for bm in (64, 128) for w in (4, 8) for st in (2, 3)]
+
+
 def sweep(s: Shape, rep: int) -> list[dict]:
     """Every tile config of the attention kernel (operands quantized once per block shape)."""
     q, k, v = inputs(s, "cuda")
     flops = 4 * s.batch * s.heads * s.tokens ** 2 * s.dim
     rows = []
     for fmt in A.QK_FORMATS:
-        for bm in (64, 128):
-            for bn in (64, 128):
-                for warps in (4, 8):
-                    for stages in (2, 3, 4):
-                        cfg = A.Attention8Config(bm, bn, warps, stages)
-                        try:
-                            qkv = A.quantize_qkv(q, k, v, fmt, config=cfg)
-                            o = torch.empty_like(q)
-                            ms = time_ms(lambda: A.attention8_quantized(qkv, o), "cuda", rep)
-                        except Exception as exc:  # a config the compiler or the SM's shared memory refuses
-                            rows.append({"shape": s.name, "fmt": fmt, **asdict(cfg), "error": str(exc)[:200]})
-                            continue
-                        rows.append({"shape": s.name, "fmt": fmt, **asdict(cfg), "ms": ms, "tflops": flops / ms / 1e9})
-                        print(f"sweep {s.name} {fmt} {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOPS", flush=True)
+        for cfg in configs():
+            try:
+                qkv = A.quantize_qkv(q, k, v, fmt, config=cfg)
+                o = torch.empty_like(q)
+                ms = time_ms(lambda: A.attention8_quantized(qkv, o), "cuda", rep)
+            except Exception as exc:  # a config the compiler or the SM's shared memory refuses
+                rows.append({"shape": s.name, "fmt": fmt, **asdict(cfg), "error": str(exc)[:200]})
+                continue
+            rows.append({"shape": s.name, "fmt": fmt, **asdict(cfg), "ms": ms, "tflops": flops / ms / 1e9})
+            print(f"sweep {s.name} {fmt} {cfg}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOPS", flush=True)
     return rows
 
 
-def table(rows: list[dict], sweep_rows: list[dict]) -> str:
+def profile(s: Shape, iters: int = 10) -> list[dict]:
+    """Device time of each kernel that one sdpa8 call launches (torch.profiler), per format."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    q, k, v = inputs(s, "cuda")
+    rows = []
+    for fmt in A.QK_FORMATS:
+        for _ in range(3):
+            A.sdpa8(q, k, v, fmt)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                A.sdpa8(q, k, v, fmt)
+            torch.cuda.synchronize()
+        for e in prof.key_averages():
+            dev = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if dev > 0 and e.count >= iters:
+                rows.append({"shape": s.name, "fmt": fmt, "kernel": e.key, "calls": e.count // iters,
+                             "ms_per_call": dev / iters / 1e3})
+        for r in rows:
+            if r["fmt"] == fmt:
+                print(f"profile {s.name} {fmt} {r['kernel'][:60]:60s} x{r['calls']} {r['ms_per_call']:.4f} ms", flush=True)
+    return rows
+
+
+def table(rows: list[dict], sweep_rows: list[dict], profile_rows: list[dict] = ()) -> str:
     lines = ["| shape | variant | ms | TFLOPS | x SDPA bf16 | cos vs bf16 | cos vs fp64 | rel vs fp64 | kernel vs ref |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -187,10 +215,16 @@ def table(rows: list[dict], sweep_rows: list[dict]) -> str:
                      f"| {f('cos_bf16', '.6f')} | {f('cos_exact', '.6f')} | {f('rel_exact', '.4f')} "
                      f"| {f('rel_vs_reference', '.1e')} |")
     if sweep_rows:
-        lines += ["", "| shape | fmt | block_m | block_n | warps | stages | ms | TFLOPS |", "|---|---|---|---|---|---|---|---|"]
-        for r in sorted(sweep_rows, key=lambda r: (r["fmt"], r.get("ms", 1e9))):
+        lines += ["", "| shape | fmt | block_m | block_n | warps | stages | warp spec. | ms | TFLOPS |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for r in sorted(sweep_rows, key=lambda r: (r["shape"], r["fmt"], r.get("ms", 1e9))):
             lines.append(f"| {r['shape']} | {r['fmt']} | {r['block_m']} | {r['block_n']} | {r['num_warps']} | "
-                         f"{r['num_stages']} | {r.get('ms', float('nan')):.3f} | {r.get('tflops', 0):.0f} |")
+                         f"{r['num_stages']} | {r['warp_specialize']} | {r.get('ms', float('nan')):.3f} | "
+                         f"{r.get('tflops', 0):.0f} |" + (f" {r['error'][:60]}" if "error" in r else ""))
+    if profile_rows:
+        lines += ["", "| shape | fmt | kernel | calls | device ms per call of sdpa8 |", "|---|---|---|---|---|"]
+        for r in profile_rows:
+            lines.append(f"| {r['shape']} | {r['fmt']} | {r['kernel'][:70]} | {r['calls']} | {r['ms_per_call']:.4f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -200,20 +234,29 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="one small shape (a CPU smoke run)")
     ap.add_argument("--shapes", nargs="*", help="names from SHAPES (default: all)")
-    ap.add_argument("--sweep", action="store_true", help="time every tile config at the first shape")
+    ap.add_argument("--sweep", nargs="*", help="time every tile config at these shapes (none named: the first)")
+    ap.add_argument("--profile", action="store_true", help="each kernel's device time in one sdpa8 call")
     ap.add_argument("--rep", type=int, default=30)
     args = ap.parse_args()
     shapes = SMALL if args.small else [s for s in SHAPES if not args.shapes or s.name in args.shapes]
     payload = {"command": " ".join(sys.argv), "torch": torch.__version__, "device": args.device,
                "device_name": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-               "configs": {d: asdict(c) for d, c in A.GPU_CONFIGS.items()}, "rows": [], "sweep": []}
-    if args.sweep:
-        payload["sweep"] = sweep(shapes[0], args.rep)
-        save_outputs(args.out, table(payload["rows"], payload["sweep"]), payload)
+               "configs": {d: asdict(c) for d, c in A.GPU_CONFIGS.items()}, "rows": [], "sweep": [], "profile": []}
+
+    def save():
+        save_outputs(args.out, table(payload["rows"], payload["sweep"], payload["profile"]), payload)
+
+    if args.profile:
+        payload["profile"] = profile(shapes[0])
+        save()
+    if args.sweep is not None:
+        for s in [s for s in SHAPES if s.name in args.sweep] or shapes[:1]:
+            payload["sweep"] += sweep(s, args.rep)
+            save()
     for s in shapes:
         payload["rows"] += bench_shape(s, args.device, args.rep if args.device == "cuda" else 2)
-        save_outputs(args.out, table(payload["rows"], payload["sweep"]), payload)
-    print(table(payload["rows"], payload["sweep"]))
+        save()
+    print(table(payload["rows"], payload["sweep"], payload["profile"]))
 
 
 if __name__ == "__main__":

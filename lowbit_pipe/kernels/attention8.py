@@ -48,11 +48,12 @@ class Attention8Config:
     block_n: int = 128
     num_warps: int = 8
     num_stages: int = 3
+    warp_specialize: bool = False
 
 
 # Fixed configs, no autotuner in the call path: chosen by bench/attention8_bench.py --sweep on the H200 (the
 # table in bench/results/attention8_h200.md). The interpreter (CPU tests) takes small tiles.
-GPU_CONFIGS = {64: Attention8Config(128, 128, 8, 3), 128: Attention8Config(128, 128, 8, 3)}
+GPU_CONFIGS = {64: Attention8Config(64, 128, 4, 2), 128: Attention8Config(64, 128, 4, 2)}
 INTERPRETER_CONFIG = Attention8Config(32, 32, 4, 1)
 
 
@@ -140,7 +141,8 @@ def _quant_v_kernel(
     x = tl.where(ok[:, None], x - tl.load(vm_ptr + bh * D + cols)[None, :], 0.0)
     scale = tl.load(vs_ptr + bh * D + cols)
     y = _round_codes(tl.div_rn(x, tl.zeros_like(x) + scale[None, :]), False)
-    tl.store(y_ptr + (bh * D + cols)[None, :] * N_PAD + rows[:, None], y)
+    # stored as a [D, BLOCK] tile (tokens contiguous), so the compiler coalesces the transposed write
+    tl.store(y_ptr + (bh * D + cols)[:, None] * N_PAD + rows[None, :], tl.trans(y))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -152,6 +154,7 @@ def _attention8_kernel(
     q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, vm_ptr, o_ptr,
     H, N, N_PAD, stride_ob, stride_oh, stride_on, stride_od,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, MASK_TAIL: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -163,7 +166,7 @@ def _attention8_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    for start_n in range(0, N_PAD, BLOCK_N):
+    for start_n in tl.range(0, N_PAD, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         k = k_desc.load([row0 + start_n, 0])
         if INT8:
             s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
@@ -255,7 +258,8 @@ def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
     _attention8_kernel[(n_pad // cfg.block_m, bh)](
         q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_mean, out, out.shape[1], qkv.n, n_pad,
         *out.stride(), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT8=qkv.qk_format == "int8",
-        MASK_TAIL=qkv.n % cfg.block_n != 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        MASK_TAIL=qkv.n % cfg.block_n != 0, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return out
 
 
