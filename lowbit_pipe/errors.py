@@ -42,3 +42,12 @@ class StageError(LowbitError):
 class LoraError(LowbitError):
     """A LoRA file does not fit the model, or its adapter config cannot be read or applied: names the file, the
     key or config field, and the layer."""
+
+
+class MalformedKeysError(LowbitError, ValueError):
+    """A state dict's key names cannot be a model's: a block index no model reaches (a billion layers), names
+    the key."""
+
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        super().__init__(f"[{key}]: {problem}")
