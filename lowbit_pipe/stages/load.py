@@ -121,6 +121,9 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
         if key in expected and expected[key].shape != tensor.shape:
             raise CheckpointError(where, f"shape {tuple(tensor.shape)} does not match the model's "
                                          f"{tuple(expected[key].shape)}{hint or ' (wrong model.config?)'}", key)
+        if key in expected and expected[key].is_floating_point() != tensor.is_floating_point():
+            raise CheckpointError(where, f"dtype {str(tensor.dtype).removeprefix('torch.')} where the model has a "
+                                         f"{str(expected[key].dtype).removeprefix('torch.')} tensor", key)
         if tensor.is_floating_point():
             if not all_finite(tensor):
                 raise CheckpointError(where, "NaN or Inf in weights", key)
@@ -244,7 +247,7 @@ def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]
         if arch_id is None and meta.get("arch") is None:
             raise CheckpointError(path, f"{err}; set model.arch (known: {', '.join(sorted(ARCHS))})") from None
         detected, arch_config, file_layout = None, None, meta.get("layout", "diffusers")
-    except (KeyError, ValueError, ZeroDivisionError, IndexError) as err:  # a config read off damaged shapes
+    except (FormatError, KeyError, ValueError, ZeroDivisionError, IndexError) as err:  # a config read off damaged shapes
         raise CheckpointError(path, f"its keys look like a known architecture, but their shapes do not add up "
                                     f"({type(err).__name__}: {err})") from None
     arch = get_arch(arch_id or meta.get("arch") or detected.id)
