@@ -256,6 +256,7 @@ def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]
     # A file we wrote carries its exact constructor config; never infer it from (packed) shapes then.
     kwargs = dict(meta["transformer_config"]) if meta.get("transformer_config") else arch.default_kwargs()
     kwargs.update(config_override)
+    check_config(kwargs, path)  # before any meta build, the loading one or streaming's
     return SourceFile(path, files, meta, records, header_records, arch, arch_config, file_layout, kwargs)
 
 
@@ -305,7 +306,6 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
         size = sum(Path(f).stat().st_size for f in src.files)
         console.say(f"load: {path} ({src.arch.id}, {fmt_bytes(size)} in {len(src.files)} "
                     f"file{'s' if len(src.files) > 1 else ''})")
-    check_config(src.kwargs, path)
     model = _build_empty(arch.model_class(), src.kwargs)
     # Only the keys under the model's prefix are read (an all-in-one file's VAE and text encoders are not), and
     # only once they fit the model built above.
@@ -354,6 +354,7 @@ def inspect_dir(path: str, config_override: dict[str, Any]) -> SourceFile:
                                                 f"streams ({', '.join(sorted(ARCHS))})", "_class_name")
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     kwargs.update(config_override)
+    check_config(kwargs, str(config_file))
     return SourceFile(path, diffusers_dir_files(path), {}, {}, {}, arch, arch.config_from_dict(kwargs), "diffusers",
                       kwargs)
 
