@@ -144,6 +144,12 @@ def _check_layout(path: str, tensors: dict[str, TensorInfo], data_len: int) -> N
                                     f"({'trailing bytes' if at < data_len else 'truncated?'})")
 
 
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN / Inf in a float tensor; 1-byte floats (fp8, whose isfinite torch does not implement) through fp16,
+    which holds their every value."""
+    return bool(torch.isfinite(tensor.half() if tensor.element_size() == 1 else tensor).all())
+
+
 def load_tensors(path: str | Path, keys: list[str] | None = None, *, console: Console | None = None,
                  label: str = "load: read") -> dict[str, torch.Tensor]:
     """Tensors of a checked file (memory-mapped by safetensors); `console`: progress per tensor."""

@@ -410,3 +410,26 @@ def test_a_gibibyte_claim_costs_no_memory(exports, tmp_path):
     assert proc.stdout.count("claims 1073741824 bytes") >= 3, proc.stdout
     growth = int(proc.stdout.rsplit("GROWTH", 1)[1])
     assert growth < 128 * 2**20, (growth, proc.stdout)
+
+
+@pytest.mark.slow
+def test_mutated_float_checkpoints_stream_or_are_refused_by_name(exports, tmp_path):
+    """model.stream=true (the lazy reader, the key map on lazy tensors, the streaming writer) on structural
+    mutations of a float export: a whole export or a named error, never a raw one or a hang (a config of a
+    billion layers hung the meta build here before the bound moved into inspect_file)."""
+    entries, meta = read_entries(exports["float"])
+    outcomes = {"exported": 0, "refused": 0}
+    for i, (what, ents, md) in enumerate(structural_mutations(entries, meta, random.Random(3), 12)):
+        path = write_entries(tmp_path / "m.safetensors", ents, md)
+        start = time.monotonic()
+        try:
+            lowbit_pipe.run("default", [f"model.path={path}", "model.stream=true", "pipeline=[load,detect,quantize,export]",
+                                        f"export.path={tmp_path / f'o{i}.safetensors'}"], run_dir=tmp_path / f"r{i}")
+            outcomes["exported"] += 1
+            assert read_header(tmp_path / f"o{i}.safetensors").tensors, what
+        except LowbitError as err:
+            assert str(path) in str(err) or "model." in str(err), (what, str(err))
+            assert not (tmp_path / f"o{i}.safetensors").exists(), what
+            outcomes["refused"] += 1
+        assert time.monotonic() - start < 20, what
+    assert outcomes["refused"] > 3, outcomes

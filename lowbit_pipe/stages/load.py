@@ -14,7 +14,7 @@ from torch import nn
 from lowbit_pipe.arch import ARCHS, Arch, ArchConfig, get_arch
 from lowbit_pipe.arch.base import compute_dtype, keeps_fp32
 from lowbit_pipe.arch.tiny import build_tiny
-from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
+from lowbit_pipe.checkpoint import all_finite, load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import decode_record, encode_record, format_for_record
@@ -135,12 +135,6 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
     if leftover:
         raise CheckpointError(where, f"tensors the file does not provide: {leftover[:5]}")
     return quantized
-
-
-def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN / Inf in a float tensor; 1-byte floats (fp8, whose isfinite torch does not implement) through fp16,
-    which holds their every value."""
-    return bool(torch.isfinite(tensor.half() if tensor.element_size() == 1 else tensor).all())
 
 
 def _owned(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
