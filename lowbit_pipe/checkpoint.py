@@ -21,6 +21,7 @@ _DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32
                "F6_E3M2": 6, "C64": 64}
 _DTYPES = set(_DTYPE_BITS)
 MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit: a longer header is refused before it is read
+MAX_COUNT = 2**63 - 1  # a dimension, element count or offset past int64 is refused (safetensors: usize overflow)
 
 
 @dataclass(frozen=True)
@@ -111,8 +112,12 @@ def _tensor_info(path: str, key: str, info: Any) -> TensorInfo:
             and offsets[0] <= offsets[1]):
         raise CheckpointError(path, f"corrupt data_offsets {offsets!r}: must be [start, end], 0 <= start <= end", key)
     numel = 1
-    for d in shape:
+    for d in shape:  # in order, as safetensors' checked product: [2**40, 2**40, 0] overflows before the 0
         numel *= d
+        if numel > MAX_COUNT or d > MAX_COUNT:
+            raise CheckpointError(path, f"shape {shape}: element count overflows int64", key)
+    if offsets[1] > MAX_COUNT:
+        raise CheckpointError(path, f"corrupt data_offsets {offsets!r}: past int64", key)
     bits = numel * _DTYPE_BITS[dtype]
     if bits % 8 or offsets[1] - offsets[0] != bits // 8:
         raise CheckpointError(path, f"data_offsets {offsets[0]}..{offsets[1]} hold {offsets[1] - offsets[0]} bytes, "
@@ -137,6 +142,12 @@ def _check_layout(path: str, tensors: dict[str, TensorInfo], data_len: int) -> N
     if at != data_len:
         raise CheckpointError(path, f"the tensors' data ends at byte {at} but the file has {data_len} data bytes "
                                     f"({'trailing bytes' if at < data_len else 'truncated?'})")
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN / Inf in a float tensor; 1-byte floats (fp8, whose isfinite torch does not implement) through fp16,
+    which holds their every value."""
+    return bool(torch.isfinite(tensor.half() if tensor.element_size() == 1 else tensor).all())
 
 
 def load_tensors(path: str | Path, keys: list[str] | None = None, *, console: Console | None = None,
@@ -220,20 +231,42 @@ def metadata_json(metadata: dict[str, str], key: str, path: str) -> Any:
         return None
     try:
         return json.loads(metadata[key])
-    except json.JSONDecodeError as err:
-        raise CheckpointError(path, f"metadata '{key}' is not valid JSON ({err})") from err
+    except (json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointError(path, f"metadata '{key}' is not valid JSON ({str(err)[:200]})", key) from None
+
+
+MAX_INDEX_BYTES = 100_000_000  # a shard index (key -> file name JSON) of a 12B model is about 100 KB
 
 
 def shard_files(path: str) -> list[str]:
-    """The files of a (possibly sharded) export: a .safetensors file, or an index .json naming shards."""
+    """The files of a (possibly sharded) export: a .safetensors file, or an index .json naming shards. The index
+    is checked against the shards' headers: each name a plain file beside the index (no folder, no `..`), each
+    shard holding exactly the keys the index gives it; errors name the index and the key or shard."""
     if not path.endswith(".json"):
         return [path]
     try:
-        index = json.loads(Path(path).read_text())
-        files = sorted(set(index["weight_map"].values()))
-    except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+        if os.path.getsize(path) > MAX_INDEX_BYTES:
+            raise CheckpointError(path, f"not a valid safetensors index (over {MAX_INDEX_BYTES} bytes)")
+        index = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CheckpointError(path, f"not a valid safetensors index ({err})") from err
-    return [str(Path(path).parent / f) for f in files]
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(path, "not a valid safetensors index (no 'weight_map' of tensor -> shard file)")
+    for key, name in weight_map.items():
+        if not isinstance(name, str) or not name or name != Path(name).name or name in (".", ".."):
+            raise CheckpointError(path, f"weight_map names shard {name!r}: must be a file name beside the index", key)
+    files = sorted(set(weight_map.values()))
+    folder = Path(path).parent
+    held = {name: set(read_header(folder / name).tensors) for name in files}  # a missing shard: "cannot read" it
+    for name, have in held.items():
+        want = {k for k, v in weight_map.items() if v == name}
+        if want != have:
+            extra, lacking = sorted(have - want), sorted(want - have)
+            raise CheckpointError(path, f"shard '{name}' does not hold what the index says: "
+                                        + (f"lacks {lacking[:3]}" if lacking else f"also holds {extra[:3]}"),
+                                  (lacking or extra)[0])
+    return [str(folder / f) for f in files]
 
 
 # E8M0 (mxfp8's block scales) is written as its bytes, U8: ComfyUI 0.29's own safetensors reader, the one it uses

@@ -52,3 +52,12 @@ class WriteError(LowbitError):
         self.path = path
         self.problem = problem
         super().__init__(f"{path}: {problem}")
+
+
+class MalformedKeysError(LowbitError, ValueError):
+    """A state dict's key names cannot be a model's: a block index no model reaches (a billion layers), names
+    the key."""
+
+    def __init__(self, key: str, problem: str):
+        self.key = key
+        super().__init__(f"[{key}]: {problem}")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from lowbit_pipe.arch.detect import strip_prefix
-from lowbit_pipe.checkpoint import StreamingWriter, shard_files
+from lowbit_pipe.checkpoint import StreamingWriter, all_finite, shard_files
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import encode_record, get_format, is_stock_loadable
 from lowbit_pipe.lazy import LazyTensor, SafetensorsFiles
@@ -117,7 +117,10 @@ def stream_export(source: Any, plans: list[LayerPlan], out: Path, *, layout: str
                     fmt = get_format(spec.format)
                     w = tensors[key].materialize().to(compute_dtype).to(device)
                     bytes_before += w.numel() * w.element_size()
-                    q = fmt.with_activations(fmt.quantize(w, spec), spec.activations, None, layer)
+                    try:
+                        q = fmt.with_activations(fmt.quantize(w, spec), spec.activations, None, layer)
+                    except FormatError as err:  # NaN in the weight, a shape the format cannot store: name the key
+                        raise CheckpointError(source.path, str(err), key) from None
                     del w
                     for name, t in q.tensors.items():
                         writer.write(f"{layer}.{name}", t)
@@ -128,6 +131,8 @@ def stream_export(source: Any, plans: list[LayerPlan], out: Path, *, layout: str
                     counts[fmt.name] += 1
                 else:
                     t = tensors[key].materialize()
+                    if t.is_floating_point() and not all_finite(t):  # what the loading path refuses too
+                        raise CheckpointError(source.path, "NaN or Inf in weights", key)
                     writer.write(key, t.to(float_dtype) if t.is_floating_point() else t)
             quant = {name: info["record"] for name, info in summary.items()}
             header = {"version": __version__, "arch": arch.id, "layout": "native" if native_out else "diffusers",

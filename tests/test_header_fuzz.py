@@ -1,10 +1,9 @@
-"""read_header against hostile and damaged safetensors files: every one ends in CheckpointError naming the file
+"""read_header against hostile and damaged safetensors files (made by tests/hostile_files.py): every one ends in CheckpointError naming the file
 (never a raw exception, never an allocation by the size a header claims), and whatever it accepts safetensors'
 own reader accepts and loads with the same dtypes and shapes."""
 
 from __future__ import annotations
 
-import json
 import random
 import struct
 from pathlib import Path
@@ -14,14 +13,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hostile_files import F32, HOSTILE_HEADERS, header_mutations, write_raw
 from lowbit_pipe.checkpoint import read_header
 from lowbit_pipe.errors import CheckpointError
 
 
-def _file(path: Path, header: dict | bytes, data: bytes = b"", length: int | None = None) -> Path:
-    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
-    return path
+_file = write_raw
 
 
 def _real(tmp_path: Path) -> Path:
@@ -42,29 +39,7 @@ def _safetensors_accepts(path: Path) -> dict[str, tuple[torch.dtype, tuple[int, 
         return None
 
 
-F32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
-HOSTILE = {
-    "header longer than safetensors' limit": ({"x": F32}, bytes(8), 200_000_000),
-    "header length past the file": ({"x": F32}, bytes(8), 4096),
-    "not UTF-8": (b'{"x\xff": 1}', b"", None),
-    "not an object": (b'[1, 2, 3]       ', b"", None),
-    "duplicate key": (b'{"x": ' + json.dumps(F32).encode() + b', "x": ' + json.dumps(F32).encode() + b'}', bytes(8), None),
-    "entry not an object": ({"x": 5}, b"", None),
-    "entry without offsets": ({"x": {"dtype": "F32", "shape": [2]}}, bytes(8), None),
-    "unknown dtype": ({"x": {**F32, "dtype": "F128"}}, bytes(8), None),
-    "negative shape": ({"x": {**F32, "shape": [-2]}}, bytes(8), None),
-    "float shape": ({"x": {**F32, "shape": [2.0]}}, bytes(8), None),
-    "huge shape": ({"x": {**F32, "shape": [2**40, 2**40]}}, bytes(8), None),
-    "offsets not matching the shape": ({"x": {**F32, "shape": [3]}}, bytes(8), None),
-    "offsets reversed": ({"x": {**F32, "data_offsets": [8, 0]}}, bytes(8), None),
-    "offsets past the data": ({"x": {**F32, "data_offsets": [8, 16]}}, bytes(8), None),
-    "overlapping": ({"x": F32, "y": F32}, bytes(16), None),
-    "gap": ({"x": F32, "y": {**F32, "data_offsets": [12, 20]}}, bytes(20), None),
-    "trailing bytes": ({"x": F32}, bytes(12), None),
-    "metadata not strings": ({"__metadata__": {"n": 3}, "x": F32}, bytes(8), None),
-    "metadata not an object": ({"__metadata__": [1], "x": F32}, bytes(8), None),
-    "F4 of an odd count": ({"x": {"dtype": "F4", "shape": [3], "data_offsets": [0, 1]}}, bytes(1), None),
-}
+HOSTILE = HOSTILE_HEADERS
 
 
 @pytest.mark.parametrize("case", list(HOSTILE))
@@ -117,19 +92,7 @@ def test_mutated_headers_are_refused_cleanly_or_load_as_safetensors_loads_them(t
     rng = random.Random(27)
     path = tmp_path / "mutated.safetensors"
     accepted = 0
-    for _ in range(600):
-        h = bytearray(header)
-        i = rng.randrange(len(h))
-        op = rng.randrange(4)
-        if op == 0:
-            h[i] = rng.randrange(256)
-        elif op == 1:
-            del h[i]
-        elif op == 2:
-            h.insert(i, h[i])
-        else:
-            digits = [j for j, b in enumerate(h) if chr(b).isdigit()]
-            h[rng.choice(digits)] = ord(str(rng.randrange(10)))
+    for h in header_mutations(header, rng, 600):
         path.write_bytes(struct.pack("<Q", len(h)) + bytes(h) + data)
         try:
             ours = read_header(path)

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.arch.keymap import KeyMap
+from lowbit_pipe.errors import MalformedKeysError
 from lowbit_pipe.arch.lora import resolve_lora_name
 
 
@@ -188,11 +189,20 @@ class Arch(ABC):
         return output.sample
 
 
+MAX_BLOCKS = 10_000  # released DiTs have under 100 blocks per list
+
+
 def count_blocks(shapes: Mapping[str, Any], prefix: str) -> int:
     """Number of `<prefix>.<n>.` blocks in a key map (max index + 1; 0 when none)."""
     rx = re.compile(re.escape(prefix) + r"\.(\d+)\.")
-    idx = [int(m.group(1)) for k in shapes if (m := rx.match(k))]
-    return max(idx) + 1 if idx else 0
+    idx = {k: int(m.group(1)) for k in shapes if (m := rx.match(k))}
+    if not idx:
+        return 0
+    key = max(idx, key=idx.__getitem__)
+    if idx[key] >= MAX_BLOCKS:  # counted as max + 1, so a stray index would size the model by it
+        raise MalformedKeysError(key, f"block index {idx[key]} of '{prefix}': no model has {MAX_BLOCKS} blocks "
+                                      f"(the file has {len(set(idx.values()))} distinct indices)")
+    return idx[key] + 1
 
 
 def rows(shapes: Mapping[str, Any], key: str, dim: int = 0, default: int | None = None) -> int:

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from lowbit_pipe.errors import FormatError
+
 
 @dataclass(frozen=True)
 class Rename:
@@ -220,20 +222,30 @@ class KeyMap:
             if rule is None:
                 out[key] = v
                 continue
-            i, p = m.groupdict().get("i"), m.groupdict().get("p")
-            if isinstance(rule, Fused):
-                w = native.get(_fill(rule.native, i) + ".weight", v)
-                hidden = _in_features(w)
-                rows = split_sizes(tuple(s for _, s in rule.parts), _rows(v), hidden)
-                for (part, _), piece in zip(rule.parts, _split(v, rows)):
-                    out[f"{_fill(part, i)}.{p}"] = piece
-                continue
-            name = _fill(rule.diff, i) if rule.param else f"{_fill(rule.diff, i)}.{'weight' if rule.norm and p == 'scale' else p}"
-            if rule.flat and len(_shape(v)) == 1:
-                n = self.flat_rows.get(rule.diff, 1)
-                v = _reshape(v, (n, _numel(v) // n))
-            out[name] = _swap(v, _in_features(native.get(key[: -len(p)] + "weight", v))) if rule.swap and p else v
+            try:
+                self._one_from_native(native, out, key, v, m, rule)
+            except (ValueError, IndexError, TypeError, RuntimeError, ZeroDivisionError) as err:  # a damaged file's shapes
+                raise FormatError(f"native key '{key}' of shape {list(_shape(v))} does not convert to the diffusers "
+                                  f"layout ({err})") from None
         return out
+
+    def _one_from_native(self, native: dict[str, Any], out: dict[str, Any], key: str, v: Any, m: Any, rule: Any) -> None:
+        """One native key's diffusers entries into `out`; raises on shapes the rule cannot convert."""
+        i, p = m.groupdict().get("i"), m.groupdict().get("p")
+        if isinstance(rule, Fused):
+            w = native.get(_fill(rule.native, i) + ".weight", v)
+            hidden = _in_features(w)
+            rows = split_sizes(tuple(s for _, s in rule.parts), _rows(v), hidden)
+            for (part, _), piece in zip(rule.parts, _split(v, rows)):
+                out[f"{_fill(part, i)}.{p}"] = piece
+            return
+        name = _fill(rule.diff, i) if rule.param else f"{_fill(rule.diff, i)}.{'weight' if rule.norm and p == 'scale' else p}"
+        if rule.flat and len(_shape(v)) == 1:
+            n = self.flat_rows.get(rule.diff, 1)
+            if _numel(v) % n:  # checked now: a lazy tensor's reshape runs only when it is read
+                raise ValueError(f"{_numel(v)} values are not {n} rows")
+            v = _reshape(v, (n, _numel(v) // n))
+        out[name] = _swap(v, _in_features(native.get(key[: -len(p)] + "weight", v))) if rule.swap and p else v
 
     def to_native(self, diff: dict[str, Any]) -> dict[str, Any]:
         """Diffusers layout -> native layout (no prefix). Fused parts are concatenated in order."""

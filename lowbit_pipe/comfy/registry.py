@@ -51,7 +51,7 @@ from lowbit_pipe.comfy import layout
 from lowbit_pipe.formats.comfy_versions import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
-from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
+from lowbit_pipe.formats.base import MAX_RECORD_BYTES, WEIGHT_ONLY_KEY
 from lowbit_pipe.formats.common import MARKER_KEYS
 from lowbit_pipe.ledger import Ledger
 
@@ -250,11 +250,11 @@ def _peek_record(state_dict: dict, prefix: str) -> dict[str, Any] | None:
     """The layer's `.comfy_quant` record without popping it; None when absent or unreadable (the
     original loader then deals with it as it always did)."""
     t = state_dict.get(f"{prefix}comfy_quant")
-    if not isinstance(t, torch.Tensor):
+    if not isinstance(t, torch.Tensor) or t.numel() * t.element_size() > MAX_RECORD_BYTES:
         return None
     try:
         record = json.loads(t.detach().cpu().numpy().tobytes())
-    except (ValueError, UnicodeDecodeError, TypeError):
+    except (ValueError, UnicodeDecodeError, TypeError, RecursionError):
         return None
     return record if isinstance(record, dict) else None
 

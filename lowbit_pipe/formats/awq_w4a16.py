@@ -139,7 +139,7 @@ class AWQW4A16(Format):
         w = common.packed_codes(tensors, where, fmt, "packed uint4")
         s = common.require(tensors, "weight_scale", where, fmt)
         z = common.require(tensors, "weight_zeros", where, fmt)
-        group = int(record.get("group_size", GROUP))
+        group = common.record_int(record, "group_size", GROUP, where)
         if group != GROUP:
             raise FormatError(f"{where}: awq_w4a16 group_size {group}; only {GROUP} is supported")
         n, k = self.logical_shape(tuple(w.shape), record)

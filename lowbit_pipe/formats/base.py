@@ -76,6 +76,9 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+MAX_RECORD_BYTES = 65536  # a `.comfy_quant` record is a few hundred bytes of JSON: a larger one is refused unparsed
+
+
 def encode_record(record: dict[str, Any]) -> torch.Tensor:
     """`.comfy_quant` tensor: compact JSON bytes as uint8."""
     data = json.dumps(record, separators=(",", ":"), sort_keys=False).encode("utf-8")
@@ -86,12 +89,18 @@ def decode_record(tensor: torch.Tensor, where: str) -> dict[str, Any]:
     """Parse a `.comfy_quant` tensor; `where` names the file and key for errors."""
     if tensor.dtype != torch.uint8 or tensor.dim() != 1:
         raise FormatError(f"{where}: .comfy_quant must be a 1-D uint8 tensor, got {tensor.dtype} {tuple(tensor.shape)}")
+    if tensor.numel() > MAX_RECORD_BYTES:
+        raise FormatError(f"{where}: .comfy_quant record of {tensor.numel()} bytes, over the {MAX_RECORD_BYTES} a "
+                          "record may take (ours are under 1 KiB)")
     try:
-        record = json.loads(bytes(tensor.tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise FormatError(f"{where}: .comfy_quant is not valid JSON ({err})") from err
+        record = json.loads(tensor.contiguous().cpu().numpy().tobytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise FormatError(f"{where}: .comfy_quant is not valid JSON ({str(err)[:200]})") from None
     if not isinstance(record, dict) or "format" not in record:
-        raise FormatError(f"{where}: .comfy_quant record has no 'format' field: {record!r}")
+        raise FormatError(f"{where}: .comfy_quant record has no 'format' field: {str(record)[:200]}")
+    for key in ("format", "lowbit_format"):
+        if key in record and not isinstance(record[key], str):
+            raise FormatError(f"{where}: .comfy_quant '{key}' is {str(record[key])[:80]}, not a format name")
     return record
 
 

@@ -98,6 +98,25 @@ def check_rotation_fits(record: dict[str, Any], in_features: int, where: str) ->
     return kind, group
 
 
+def record_int(record: dict[str, Any], key: str, default: int, where: str, low: int = 1, high: int = 2**31) -> int:
+    """An integer field of a record (a group size, a bit count), in [low, high], or a FormatError naming it."""
+    value = record.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise FormatError(f"{where}: .comfy_quant '{key}' is {str(value)[:80]}, expected an integer in [{low}, {high}]")
+    return value
+
+
+def record_shape(record: dict[str, Any], key: str, where: str) -> tuple[int, int] | None:
+    """A record's logical [out, in] (nvfp4's `lowbit_shape`): two positive integers, or a FormatError naming it."""
+    value = record.get(key)
+    if value is None:
+        return None
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(d, int) and not isinstance(d, bool) and 0 < d < 2**31 for d in value)):
+        raise FormatError(f"{where}: .comfy_quant '{key}' is {str(value)[:80]}, expected [out, in] of positive integers")
+    return value[0], value[1]
+
+
 def scalar_or_row_scale(s: torch.Tensor, rows: int, key: str, where: str) -> torch.Tensor:
     """A per-tensor (-> shape ()) or per-row (-> [rows, 1]) fp32 scale, finite, or a FormatError naming it."""
     if s.numel() == 1:

@@ -204,9 +204,9 @@ class NVFP4(Format):
                                dict(q.record))
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
-        shape = record.get("lowbit_shape")
+        shape = common.record_shape(record, "lowbit_shape", "nvfp4 record")
         if shape is not None:
-            return (int(shape[0]), int(shape[1]))
+            return shape
         return (int(weight_shape[0]), int(weight_shape[1]) * 2)
 
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
@@ -221,6 +221,7 @@ class NVFP4(Format):
         np_, kp = int(w.shape[0]), int(w.shape[1]) * 2
         if np_ % 16 or kp % 16:
             raise FormatError(f"{where}.weight: stored shape {tuple(w.shape)} is not padded to 16 x 16 (logical {np_} x {kp})")
+        common.record_shape(record, "lowbit_shape", where)  # checked here, so its error names the layer
         n, k = self.logical_shape(tuple(w.shape), record)
         if not (np_ - 16 < n <= np_ and kp - 16 < k <= kp):
             raise FormatError(f"{where}.weight: stored shape {tuple(w.shape)} contradicts record lowbit_shape {[n, k]}")

@@ -305,7 +305,7 @@ class W4A8(Format):
         common.check_dtype(s_rel, "weight_s_rel", where, (torch.float8_e4m3fn, torch.uint8, torch.float32))
         s_rel = s_rel.view(torch.float8_e4m3fn) if s_rel.dtype == torch.uint8 else s_rel
         try:
-            group_size = int(record.get("group_size", GROUP_SIZE))
+            group_size = common.record_int(record, "group_size", GROUP_SIZE, where)
             cgroup = rotation.resolve_group("convrot", record.get("convrot_groupsize", CONVROT_GROUP))
         except (TypeError, ValueError) as err:
             raise FormatError(f"{where}: .comfy_quant group_size/convrot_groupsize: {err}") from err
@@ -316,7 +316,7 @@ class W4A8(Format):
         bits = int(w.shape[1]) * 8 // k if k else 0
         if bits not in (4, 6) or bits * k != int(w.shape[1]) * 8:
             raise FormatError(f"{where}.weight: row width {w.shape[1]} bytes fits neither 4 nor 6 bits for K={k} (from weight_s_rel)")
-        if "lowbit_bits" in record and int(record["lowbit_bits"]) != bits:
+        if "lowbit_bits" in record and common.record_int(record, "lowbit_bits", bits, where, 1, 8) != bits:
             raise FormatError(f"{where}.weight: record says lowbit_bits={record['lowbit_bits']} but the row width implies {bits}")
         if k % 16 or k % cgroup:
             raise FormatError(f"{where}.weight: in_features {k} not a multiple of 16 and convrot_groupsize {cgroup}")

@@ -133,8 +133,11 @@ class LoraData:
         return any(f.rslora for f in self.layers)
 
 
-def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
-    """(tensors, safetensors metadata, where) of a file path or an in-memory state dict."""
+def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor], max_tensor_bytes: int | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, str], str]:
+    """(tensors, safetensors metadata, where) of a file path or an in-memory state dict. `max_tensor_bytes`: a
+    file tensor claiming more (a factor or delta larger than any Linear of the model could use) is refused from
+    the header, before anything is read."""
     if isinstance(path_or_state, Mapping):
         return dict(path_or_state), {}, "<state dict>"
     from lowbit_pipe.checkpoint import load_tensors, read_header
@@ -143,12 +146,16 @@ def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor]) -> tuple[
     if not Path(path).is_file():
         raise LoraError(f"{path}: no such LoRA file")
     header = read_header(path)  # checks the header, errors name the file
-    # The project's own reads, not safetensors' get_tensor (which leaks; see load_tensors)
+    for key, info in header.tensors.items():
+        claim = info.offsets[1] - info.offsets[0]
+        if max_tensor_bytes is not None and claim > max_tensor_bytes:
+            raise LoraError(f"{path} [{key}]: claims {claim} bytes, more than a full fp32 delta of the model's largest "
+                            f"Linear ({max_tensor_bytes}): a corrupt header, or a LoRA for another model")
     return load_tensors(path, header=header), dict(header.metadata), path
 
 
 def _layer_scale(written: str, parts: Mapping[str, str], state: Mapping[str, torch.Tensor], rank: int,
-                 cfg: AdapterConfig | None, alpha: float | None, down_key: str) -> tuple[float, bool]:
+                 cfg: AdapterConfig | None, alpha: float | None, down_key: str, where: str) -> tuple[float, bool]:
     """(alpha, rslora) of one module, in the order the module doc gives."""
     from lowbit_pipe.arch.lora import strip_lora_prefixes
 
@@ -161,7 +168,10 @@ def _layer_scale(written: str, parts: Mapping[str, str], state: Mapping[str, tor
     if alpha is not None:
         return float(alpha), rslora
     if "alpha" in parts:
-        return float(state[parts["alpha"]].float().reshape(-1)[0]), rslora
+        a = _values(state[parts["alpha"]], parts["alpha"], where)
+        if a.numel() != 1:
+            raise LoraError(f"{where} [{parts['alpha']}]: alpha of shape {tuple(a.shape)}, expected one value")
+        return float(a.float().reshape(())), rslora
     if cfg is not None:
         a, source = cfg.alpha_for(name)
         if a is None:
@@ -195,8 +205,19 @@ def _generic_targets(name: str, linears: Mapping[str, nn.Module]) -> list[tuple[
     return [(stripped, None)] if stripped in linears else []
 
 
+def _values(t: torch.Tensor, key: str, where: str) -> torch.Tensor:
+    """A factor, alpha or magnitude as read: floating point and finite (an integer or NaN factor would
+    apply garbage, or NaN, to every output of its layer)."""
+    if not t.is_floating_point():
+        raise LoraError(f"{where} [{key}]: dtype {t.dtype}; LoRA tensors are floating point")
+    if not torch.isfinite(t.half() if t.element_size() == 1 else t).all():
+        raise LoraError(f"{where} [{key}]: NaN or Inf values")
+    return t
+
+
 def _matrix(t: torch.Tensor, key: str, where: str) -> torch.Tensor:
     """2-D view of a factor; a 1x1 conv factor [r, k, 1, 1] is a Linear factor."""
+    _values(t, key, where)
     if t.dim() == 4 and t.shape[2:] == (1, 1):
         return t.reshape(t.shape[0], t.shape[1])
     if t.dim() != 2:
@@ -213,10 +234,11 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     sizes fused splits; `alpha` overrides every alpha of the file (`.alpha` tensors, `lora_alpha`,
     `alpha_pattern`; a `use_rslora` adapter keeps its alpha / sqrt(rank)). Without any: alpha = rank.
     """
-    state, metadata, where = read_state(path_or_state)
-    configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
     # nn.Linear, QuantLinear, and ComfyUI's mixed-precision Linear (no nn.Linear; see is_linear)
     linears = {n: m for n, m in model.named_modules() if is_linear(m)}
+    largest = max((m.out_features * m.in_features * 4 for m in linears.values()), default=0) + (1 << 20)
+    state, metadata, where = read_state(path_or_state, largest)
+    configs = adapter_configs(metadata, where, None if isinstance(path_or_state, Mapping) else Path(where))
     # A model of the arch that is not its diffusers class carries native names (a ComfyUI model): names are
     # resolved to diffusers modules as usual, then the factors are put back together per native module.
     native = arch is not None and arch.keymap is not None and not arch.detect_model(model)
@@ -268,8 +290,10 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
         rank = down.shape[0]
         if up.shape[1] != rank:
             raise LoraError(f"{where} [{up_key}]: up {tuple(up.shape)} does not match down rank {rank} ({down_key})")
-        a, rslora = _layer_scale(written, parts, state, rank, cfg, alpha, down_key)
-        mag = state[mag_key] if kind == "dora" else None
+        a, rslora = _layer_scale(written, parts, state, rank, cfg, alpha, down_key, where)
+        if rank == 0:
+            raise LoraError(f"{where} [{down_key}]: rank 0 (down {tuple(down.shape)})")
+        mag = _values(state[mag_key], mag_key, where) if kind == "dora" else None
         if mag is not None and mag.dim() == 1:
             mag = mag.reshape(-1, 1)  # peft's lora_magnitude_vector [out]: one magnitude per output row
         total = up.shape[0]
@@ -281,6 +305,9 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
                 raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
                                 f"layer {named} ({layer.out_features}x{layer.in_features})")
             m = take_rows(mag, rows, layer.in_features) if mag is not None and mag.shape[0] == total else mag
+            if m is not None and tuple(m.shape) not in ((layer.out_features, 1), (1, layer.in_features)):
+                raise LoraError(f"{where} [{mag_key}]: DoRA magnitude {tuple(m.shape)} fits neither the rows "
+                                f"({layer.out_features}, 1) nor the columns (1, {layer.in_features}) of '{module}'")
             f = LayerFactors(module, kind, down, part, a, None, m, keys, rslora)
             data.layers.append(_compact(f) if isinstance(rows, slice) else f)
     if native:

@@ -14,7 +14,7 @@ from torch import nn
 from lowbit_pipe.arch import ARCHS, Arch, ArchConfig, get_arch
 from lowbit_pipe.arch.base import compute_dtype, keeps_fp32
 from lowbit_pipe.arch.tiny import build_tiny
-from lowbit_pipe.checkpoint import load_tensors, metadata_json, read_header, shard_files
+from lowbit_pipe.checkpoint import all_finite, load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.formats import decode_record, encode_record, format_for_record
@@ -24,6 +24,7 @@ from lowbit_pipe.progress import Console
 from lowbit_pipe.summary import fmt_bytes
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.load_fit import check_config, check_fits
 from lowbit_pipe.stream_choice import StreamChoice, decide_stream
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
@@ -120,8 +121,11 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
         if key in expected and expected[key].shape != tensor.shape:
             raise CheckpointError(where, f"shape {tuple(tensor.shape)} does not match the model's "
                                          f"{tuple(expected[key].shape)}{hint or ' (wrong model.config?)'}", key)
+        if key in expected and expected[key].is_floating_point() != tensor.is_floating_point():
+            raise CheckpointError(where, f"dtype {str(tensor.dtype).removeprefix('torch.')} where the model has a "
+                                         f"{str(expected[key].dtype).removeprefix('torch.')} tensor", key)
         if tensor.is_floating_point():
-            if not torch.isfinite(tensor).all():
+            if not all_finite(tensor):
                 raise CheckpointError(where, "NaN or Inf in weights", key)
             state[key] = _owned(tensor, torch.float32 if kept(key) else dtype)
         else:
@@ -191,7 +195,7 @@ def check_file_tensors(state: dict[str, torch.Tensor], path: str, console: Conso
             raise CheckpointError(path, str(err)) from err
     items = list(state.items())
     for key, tensor in console.progress(items, "load: check values") if console is not None else items:
-        if key.rsplit(".", 1)[0] not in quantized and tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        if key.rsplit(".", 1)[0] not in quantized and tensor.is_floating_point() and not all_finite(tensor):
             raise CheckpointError(path, "NaN or Inf in weights", key)
 
 
@@ -216,13 +220,14 @@ def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]
     The architecture: `arch_id` (model.arch) when given, else the file's own header, else key detection.
     "generic" only changes how detect plans the layers; the model is still built as the file's class."""
     from lowbit_pipe.arch.detect import UnknownArchError, detect_state_dict
+    from lowbit_pipe.errors import MalformedKeysError
 
     if arch_id == "generic":
         arch_id = None
     files = shard_files(path)
     headers = [read_header(f) for f in files]
     shapes = {k: v.shape for h in headers for k, v in h.tensors.items()}
-    meta = metadata_json(headers[0].metadata, METADATA_KEY, files[0]) or {}
+    meta = _our_metadata(headers[0].metadata, files[0])
     records = {}
     for f, h in zip(files, headers):
         records.update(_read_records(f, [k for k in h.tensors if k.endswith(".comfy_quant")]))
@@ -234,17 +239,44 @@ def inspect_file(path: str, arch_id: str | None, config_override: dict[str, Any]
     records.update(header_records)
     try:
         detected, arch_config, file_layout = detect_state_dict(shapes, records)
+    except MalformedKeysError as err:
+        raise CheckpointError(path, err.args[0].split("]: ", 1)[-1], err.key) from None
     except UnknownArchError as err:
         if arch_id is None and meta.get("arch") is None:
             raise CheckpointError(path, f"{err}; set model.arch (known: {', '.join(sorted(ARCHS))})") from None
         detected, arch_config, file_layout = None, None, meta.get("layout", "diffusers")
+    except (FormatError, KeyError, ValueError, ZeroDivisionError, IndexError) as err:  # a config read off damaged shapes
+        raise CheckpointError(path, f"its keys look like a known architecture, but their shapes do not add up "
+                                    f"({type(err).__name__}: {err})") from None
     arch = get_arch(arch_id or meta.get("arch") or detected.id)
     if arch_config is None or (detected is not None and detected.id != arch.id):
         arch_config = arch.default_config()
     # A file we wrote carries its exact constructor config; never infer it from (packed) shapes then.
     kwargs = dict(meta["transformer_config"]) if meta.get("transformer_config") else arch.default_kwargs()
     kwargs.update(config_override)
+    check_config(kwargs, path)  # before any meta build, the loading one or streaming's
     return SourceFile(path, files, meta, records, header_records, arch, arch_config, file_layout, kwargs)
+
+
+def _our_metadata(metadata: dict[str, str], where: str) -> dict[str, Any]:
+    """The file's own `lowbit_pipe` header ({} when absent), its fields typed, or a CheckpointError naming them."""
+    meta = metadata_json(metadata, METADATA_KEY, where)
+    if meta is None:
+        return {}
+    if not isinstance(meta, dict):
+        raise CheckpointError(where, f"metadata '{METADATA_KEY}' is {type(meta).__name__}, not a JSON object",
+                              METADATA_KEY)
+    for field, kind in (("arch", str), ("layout", str), ("transformer_config", dict)):
+        if meta.get(field) is not None and not isinstance(meta[field], kind):
+            raise CheckpointError(where, f"metadata '{METADATA_KEY}' field '{field}' is {str(meta[field])[:60]}, "
+                                         f"not a {kind.__name__}", METADATA_KEY)
+    if meta.get("arch") is not None and meta["arch"] not in ARCHS:
+        raise CheckpointError(where, f"metadata '{METADATA_KEY}' names arch '{meta['arch'][:60]}' (known: "
+                                     f"{', '.join(sorted(ARCHS))})", METADATA_KEY)
+    if meta.get("layout") not in (None, "native", "diffusers"):
+        raise CheckpointError(where, f"metadata '{METADATA_KEY}' layout '{meta['layout'][:60]}' is neither "
+                                     "'native' nor 'diffusers'", METADATA_KEY)
+    return meta
 
 
 def config_hint(src: SourceFile, config_override: dict[str, Any]) -> str:
@@ -272,10 +304,18 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
         size = sum(Path(f).stat().st_size for f in src.files)
         console.say(f"load: {path} ({src.arch.id}, {fmt_bytes(size)} in {len(src.files)} "
                     f"file{'s' if len(src.files) > 1 else ''})")
+    model = _build_empty(arch.model_class(), src.kwargs)
+    # Only the keys under the model's prefix are read (an all-in-one file's VAE and text encoders are not), and
+    # only once they fit the model built above.
+    headers = [read_header(f) for f in src.files]
+    _, keep_prefix = strip_prefix({k: None for h in headers for k in h.tensors})
+    wanted = [[k for k in h.tensors if k.startswith(keep_prefix)] for h in headers]
+    check_fits(model, {k: h.tensors[k].offsets[1] - h.tensors[k].offsets[0] for h, keys in zip(headers, wanted)
+                       for k in keys}, path)
     state: dict[str, torch.Tensor] = {}
-    for i, f in enumerate(src.files, 1):
+    for i, (f, keys) in enumerate(zip(src.files, wanted), 1):
         label = "load: read" + (f" shard {i}/{len(src.files)}" if len(src.files) > 1 else "")
-        state.update(load_tensors(f, console=console, label=label))
+        state.update(load_tensors(f, keys, console=console, label=label))
     state.update({f"{name}.comfy_quant": encode_record(record) for name, record in src.header_records.items()})
     check_file_tensors(state, path, console)
     state, prefix = strip_prefix(state)
@@ -288,7 +328,6 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
             state = layout.from_native(state, arch, arch_config, rows)
         except FormatError as err:
             raise CheckpointError(path, str(err)) from err
-    model = _build_empty(arch.model_class(), src.kwargs)
 
     def file_key(name: str) -> str:  # errors name the layer as the file spells it
         return prefix + (arch.to_native(name, arch_config)[0] if src.layout == "native" else name)
@@ -313,6 +352,7 @@ def inspect_dir(path: str, config_override: dict[str, Any]) -> SourceFile:
                                                 f"streams ({', '.join(sorted(ARCHS))})", "_class_name")
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     kwargs.update(config_override)
+    check_config(kwargs, str(config_file))
     return SourceFile(path, diffusers_dir_files(path), {}, {}, {}, arch, arch.config_from_dict(kwargs), "diffusers",
                       kwargs)
 
