@@ -347,6 +347,9 @@ def apply_recipe_attention(ctx: Context) -> dict[str, Any]:
         return {"format": cfg.format, "applied": False,
                 "note": "a streamed run has no model in memory; the attention format is run time only (exports never "
                         "carry it)"}
+    if ctx.native:
+        return {"format": cfg.format, "applied": False,
+                "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
     applied = apply_attention(ctx.transformer, cfg.format, ctx.ledger, list(cfg.layers))
     ctx.attention = applied
     ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
