@@ -189,3 +189,33 @@ def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
     assert all(m.processor is stock[n] for n, m in attention_modules(model).items())
     assert result.context.attention is None
     assert torch.equal(_out(model, arch, inputs), before)
+
+
+# ------------------------------------------------------------------------------------------------------ the bench
+@pytest.mark.slow
+def test_the_error_bench_runs_and_writes_its_table(tmp_path):
+    """bench/attention8_error.py --smoke on the tiny FLUX.1: per-layer figures against float64 attention for every
+    joint call, and the trajectory rows (the attention's own share is the float-weights row)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(root / "bench" / "attention8_error.py"), "--smoke", "--archs", "flux1",
+                           "--out", str(tmp_path / "err")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "err.json").read_text())
+    assert "## Per attention layer" in (tmp_path / "err.md").read_text()
+    layers = {r["layer"]: r for r in payload["layers"]}
+    assert len(layers) == 3 and all(r["calls"] == 2 for r in layers.values())  # 1 seed x 2 steps
+    for r in layers.values():
+        assert r["int8"]["min_cosine"] > 0.999 and r["fp8"]["min_cosine"] > 0.999
+        assert 0 < r["bf16_sdpa"]["max_rel"] < r["int8"]["max_rel"] < 0.05
+        assert r["sageattention"] is None and r["sageattention_note"] == "needs CUDA"
+    rows = {(r["weights"], r["attention"]): r for r in payload["trajectories"]}
+    assert len(rows) == 8 and ("float", "bf16") not in rows
+    assert 0 < rows[("float", "int8")]["mean_rel"] < rows[("int8", "int8")]["mean_rel"]
+    assert rows[("float", "int8")]["calls"] == {"int8": 6}
