@@ -184,6 +184,8 @@ def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
     # the attention's own error is a part of the whole run's (int8 weights + 8-bit attention)
     assert 0 < share["rel_error"] < ev["rel_error"] and 0 < share["share_of_rel_error"] < 1
     assert share["trajectory"]["min_cosine"] > 0.999 and share["trajectory"]["diverged"] == 0
+    summary = (result.run_dir / "summary.txt").read_text()
+    assert "attention: int8 on 4 modules (calls: int8 " in summary and "8-bit attention (int8) alone" in summary
     proof = lowbit_pipe.teardown(result)
     assert proof["unfreed"] == [] and proof["errors"] == [] and proof["undone"]["attention_processor"] == 4
     assert all(m.processor is stock[n] for n, m in attention_modules(model).items())

@@ -206,6 +206,9 @@ class LowbitQuantize:
             run.ledger.record("comfy_attention", f"8-bit attention ({attention}) override on the MODEL",
                               lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
             summary += f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override"
+            if list(result.context.recipe.attention.layers) != ["*"]:  # diffusers module names: none here
+                summary += (f"; attention.layers {list(result.context.recipe.attention.layers)} names diffusers "
+                            "modules and is not applied in ComfyUI: every attention call of the MODEL gets it")
         return out, summary
 
 
