@@ -188,7 +188,7 @@ def _fmt(fig: dict | None, key: str) -> str:
 
 def table(payload: dict[str, Any]) -> str:
     lines = [f"# 8-bit attention's error ({payload['device']})", "", f"`{payload['command']}`", "",
-             f"Tiny models, {payload['seeds']} seeds x {payload['steps']} Euler steps, {payload['image_tokens']} image "
+             f"Tiny models in {payload['dtype']}, {payload['seeds']} seeds x {payload['steps']} Euler steps, {payload['image_tokens']} image "
              f"tokens + {payload['text_tokens']} text tokens; torch {payload['torch']}. Against float64 softmax "
              "attention on each call's own q, k, v (as the stock processor attends over them). "
              "rel = |out - exact| / |exact|.", "",
@@ -211,6 +211,8 @@ def table(payload: dict[str, Any]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernel where it serves)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the tiny models' weights and activations (the float reference runs in it too)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
@@ -226,18 +228,18 @@ def main() -> None:
     payload: dict[str, Any] = {"command": " ".join(["python bench/attention8_error.py", *sys.argv[1:]]),
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
                                f"cpu ({platform.processor() or platform.machine()})", "torch": torch.__version__,
-                               "seeds": args.seeds, "steps": args.steps, "image_tokens": args.image_tokens,
+                               "dtype": args.dtype, "seeds": args.seeds, "steps": args.steps, "image_tokens": args.image_tokens,
                                "text_tokens": args.text_tokens, "layers": [], "trajectories": []}
     start = time.time()
     for arch_id in args.archs:
         arch = get_arch(arch_id)
-        # fp32 weights on every device: the trajectories compare attention, not the weights' dtype
-        base = build_tiny(arch_id, tiny_model_config(arch_id), 0, torch.float32).to(device)
+        dtype = getattr(torch, args.dtype)  # the float reference runs in it too: the rows compare attention alone
+        base = build_tiny(arch_id, tiny_model_config(arch_id), 0, dtype).to(device)
 
         def inputs_for(seed: int, _arch=arch, _base=base) -> dict[str, Any]:  # noqa: ANN001
             return _arch.example_inputs(dict(_base.config), batch=1, image_tokens=args.image_tokens,
                                         text_tokens=args.text_tokens, generator=torch.Generator().manual_seed(10_000 + seed),
-                                        dtype=torch.float32, device=device)
+                                        dtype=dtype, device=device)
 
         payload["layers"] += per_layer(arch_id, base, inputs_for, args, device)
         save_outputs(out, table(payload), payload)
