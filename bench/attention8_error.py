@@ -2,7 +2,7 @@
 trajectories, and on the trajectories of the whole model. Runs on the CPU (sdpa8's torch reference, the kernel's
 arithmetic); --device cuda runs the Triton kernel where it serves (Hopper, head dims 64 / 128).
 
-    python bench/attention8_error.py [--device cpu] [--out bench/results/attention8_error_cpu] [--smoke]
+    python bench/attention8_error.py [--device cpu] [--out bench/results/attention8_error_cpu] [--smoke] [--full]
 
 1. Per layer: each attention call of the tiny Krea 2 / FLUX.1 during float Euler sampling (--seeds seeds x
    --steps steps, --image-tokens image tokens) is captured (q, k, v as the stock processor attends over them:
@@ -13,6 +13,8 @@ arithmetic); --device cuda runs the Triton kernel where it serves (Hopper, head 
 2. Trajectories: the whole model's final latent after --steps Euler steps against the float model's, with the
    weights float / int8 / fp8 (W8A8, the arch's keep-float list) and the attention bf16 (the model's own) /
    int8 / fp8: cosine and relative error, mean over seeds. The attention's own share is the float-weights row.
+3. --full: full-size Krea 2 (random weights, bf16), one forward at 1024 x 1024: 1. for its 48 + 4 attention
+   layers, and the output with 8-bit attention against the stock forward's (the "full size" rows).
 """
 
 from __future__ import annotations
@@ -49,29 +51,28 @@ ATTENTIONS = ("bf16", "int8", "fp8")
 
 
 class CaptureDispatch(Dispatch8):
-    """The stock dispatch (the model computes as it always does), with every call's q, k, v kept as
-    [B, H, N, D] under its layer's name."""
+    """The stock dispatch (the model computes as it always does); each unmasked call's q, k, v ([B, H, N, D]) go
+    to `measure(layer, q, k, v)` first, on their device, and are not kept."""
 
-    def __init__(self, stock: Any, store: list, layer: str) -> None:
+    def __init__(self, stock: Any, measure: Any, layer: str) -> None:
         super().__init__("int8", stock, Counter())
-        self.store = store
+        self.measure = measure
         self.layer = layer
 
     def __call__(self, query, key, value, attn_mask=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
         if attn_mask is None:
-            self.store.append((self.layer, *(t.transpose(1, 2).detach().float().cpu() for t in (query, key, value))))
+            self.measure(self.layer, *(t.transpose(1, 2).detach() for t in (query, key, value)))
         return self.stock(query, key, value, attn_mask, *args, **kwargs)
 
 
-def capture_calls(model: torch.nn.Module, run: Any) -> list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(layer, q, k, v) of every unmasked attention call while `run()` runs; the stock processors back after."""
-    store: list = []
+def capture_calls(model: torch.nn.Module, run: Any, measure: Any) -> None:
+    """measure(layer, q, k, v) on every unmasked attention call while `run()` runs; the stock processors back after."""
     swapped = []
     for name, module in attention_modules(model).items():
         stock = module.processor
         cls = type(stock)
         proc = processor_for(stock, processor_class(cls, CaptureDispatch(cls.__call__.__globals__["dispatch_attention_fn"],
-                                                                         store, name)))
+                                                                         measure, name)))
         module.set_processor(proc)
         swapped.append((module, stock))
     try:
@@ -79,12 +80,17 @@ def capture_calls(model: torch.nn.Module, run: Any) -> list[tuple[str, torch.Ten
     finally:
         for module, stock in swapped:
             module.set_processor(stock)
-    return store
 
 
 def _cos_rel(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     out, ref = out.double().flatten(), ref.double().flatten()
     return float(out @ ref / (out.norm() * ref.norm())), float((out - ref).norm() / ref.norm())
+
+
+def exact_by_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int = 8) -> torch.Tensor:
+    """float64 softmax attention a few heads at a time (the full-size scores would not fit at once)."""
+    return torch.cat([exact_attention(q[:, i:i + heads], k[:, i:i + heads], v[:, i:i + heads])
+                      for i in range(0, q.shape[1], heads)], dim=1)
 
 
 def _sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | str:
@@ -101,8 +107,28 @@ def _sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | s
         return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
 
 
-def per_layer(arch_id: str, model: torch.nn.Module, inputs_for: Any, args: argparse.Namespace,
-              device: torch.device) -> list[dict[str, Any]]:
+def layer_figures() -> tuple[dict[str, dict[str, list]], Any]:
+    """(figures per layer, measure(layer, q, k, v)): each call against float64 attention on its own q, k, v."""
+    rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+
+    def measure(layer: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        exact = exact_by_heads(q, k, v)
+        figures = rows[layer]
+        figures["shape"] = [list(q.shape)]
+        for fmt in QK_FORMATS:
+            figures[fmt].append(_cos_rel(sdpa8(q, k, v, fmt), exact))
+        qb, kb, vb = (t.to(torch.bfloat16) for t in (q, k, v))
+        figures["bf16_sdpa"].append(_cos_rel(F.scaled_dot_product_attention(qb, kb, vb), exact))
+        sage = _sage(qb, kb, vb)
+        if isinstance(sage, str):
+            figures["sage_note"] = [sage]
+        else:
+            figures["sageattention"].append(_cos_rel(sage, exact))
+
+    return rows, measure
+
+
+def per_layer(arch_id: str, model: torch.nn.Module, inputs_for: Any, args: argparse.Namespace) -> list[dict[str, Any]]:
     scale = sampler.TIME_SCALE.get(arch_id, 1.0)
     arch = get_arch(arch_id)
 
@@ -111,22 +137,12 @@ def per_layer(arch_id: str, model: torch.nn.Module, inputs_for: Any, args: argpa
             for seed in range(args.seeds):
                 sampler.euler_sample(lambda kw: arch.output_tensor(model(**kw)), inputs_for(seed), args.steps, scale)
 
-    calls = capture_calls(model, run)
-    rows: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for layer, q, k, v in calls:
-        exact = exact_attention(q, k, v)
-        figures = rows[layer]
-        figures["shape"] = [list(q.shape)]
-        qd, kd, vd = (t.to(device, torch.bfloat16 if device.type == "cuda" else torch.float32) for t in (q, k, v))
-        for fmt in QK_FORMATS:
-            figures[fmt].append(_cos_rel(sdpa8(qd, kd, vd, fmt).float().cpu(), exact))
-        qb, kb, vb = (t.to(device, torch.bfloat16) for t in (q, k, v))
-        figures["bf16_sdpa"].append(_cos_rel(F.scaled_dot_product_attention(qb, kb, vb).float().cpu(), exact))
-        sage = _sage(qb, kb, vb)
-        if isinstance(sage, str):
-            figures["sage_note"] = [sage]
-        else:
-            figures["sageattention"].append(_cos_rel(sage.float().cpu(), exact))
+    rows, measure = layer_figures()
+    capture_calls(model, run, measure)
+    return summarize(arch_id, rows)
+
+
+def summarize(arch_id: str, rows: dict[str, dict[str, list]]) -> list[dict[str, Any]]:
     out = []
     for layer, figures in rows.items():
         row: dict[str, Any] = {"arch": arch_id, "layer": layer, "calls": len(figures["bf16_sdpa"]),
@@ -180,6 +196,36 @@ def trajectories(arch_id: str, base: torch.nn.Module, inputs_for: Any, args: arg
     return rows
 
 
+def full_size(args: argparse.Namespace, device: torch.device) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Full-size Krea 2 (the released 12.82B shape, random weights from seed 0, bf16; --smoke: headline's small
+    config), one forward at 1024 x 1024 (4096 image + 512 text tokens): every attention call against float64
+    attention, and the forward's output with 8-bit attention against the stock one's."""
+    from headline import build_krea2, krea2_inputs
+
+    arch = get_arch("krea2")
+    model = build_krea2(device, args.smoke)
+    inputs = krea2_inputs(model, device, args.smoke)
+
+    def forward() -> torch.Tensor:
+        with torch.no_grad():
+            return arch.output_tensor(model(**inputs))
+
+    rows, measure = layer_figures()
+    capture_calls(model, forward, measure)
+    layers = summarize("krea2 (full size)", rows)
+    reference = forward()
+    outputs = []
+    for fmt in QK_FORMATS:
+        ledger = Ledger()
+        applied = apply_attention(model, fmt, ledger)
+        cos, rel = _cos_rel(forward(), reference)
+        outputs.append({"arch": "krea2 (full size)", "weights": "bf16", "attention": fmt, "mean_cosine": cos,
+                        "min_cosine": cos, "mean_rel": rel, "calls": dict(applied.calls), "forward": "one, 1024 x 1024"})
+        ledger.unwind()
+    del model
+    return layers, outputs
+
+
 def _fmt(fig: dict | None, key: str) -> str:
     if fig is None:
         return "-"
@@ -201,7 +247,7 @@ def table(payload: dict[str, Any]) -> str:
                      f"{_fmt(r['int8'], 'max_rel')} | {_fmt(r['fp8'], 'min_cosine')} | {_fmt(r['fp8'], 'max_rel')} | "
                      f"{_fmt(r['bf16_sdpa'], 'max_rel')} | {sage} |")
     lines += ["", "## Trajectories (final latent against the float model's; the float-weights rows are the attention's "
-              "own share)", "", "| arch | weights | attention | 1 - mean cosine | 1 - min cosine | mean rel |", "|---|---|---|---|---|---|"]
+              "own share; full-size rows: one forward's output against the stock forward's)", "", "| arch | weights | attention | 1 - mean cosine | 1 - min cosine | mean rel |", "|---|---|---|---|---|---|"]
     for r in payload["trajectories"]:
         lines.append(f"| {r['arch']} | {r['weights']} | {r['attention']} | {1 - r['mean_cosine']:.2e} | "
                      f"{1 - r['min_cosine']:.2e} | {r['mean_rel']:.2e} |")
@@ -211,8 +257,9 @@ def table(payload: dict[str, Any]) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cpu", help="cpu, or cuda (the Triton kernel where it serves)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                   help="the tiny models' weights and activations (the float reference runs in it too)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="the tiny models' weights and activations (the float reference runs in it too); default "
+                        "float32 on the CPU, bfloat16 on CUDA (what the kernel takes)")
     p.add_argument("--archs", nargs="+", default=list(ARCHS), choices=ARCHS)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
@@ -220,10 +267,13 @@ def main() -> None:
     p.add_argument("--text-tokens", type=int, default=16)
     p.add_argument("--out", default=None, help="output stem (default bench/results/attention8_error_<device>)")
     p.add_argument("--smoke", action="store_true", help="1 seed, 2 steps, 64 image tokens: a quick check")
+    p.add_argument("--full", action="store_true", help="also full-size Krea 2, one forward at 1024 x 1024 (a GPU with "
+                   "40 GB; with --smoke: a small config)")
     args = p.parse_args()
     if args.smoke:
         args.seeds, args.steps, args.image_tokens, args.text_tokens = 1, 2, 64, 8
     device = torch.device(args.device)
+    args.dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"attention8_error_{device.type}"
     payload: dict[str, Any] = {"command": " ".join(["python bench/attention8_error.py", *sys.argv[1:]]),
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else
@@ -241,12 +291,18 @@ def main() -> None:
                                         text_tokens=args.text_tokens, generator=torch.Generator().manual_seed(10_000 + seed),
                                         dtype=dtype, device=device)
 
-        payload["layers"] += per_layer(arch_id, base, inputs_for, args, device)
+        payload["layers"] += per_layer(arch_id, base, inputs_for, args)
         save_outputs(out, table(payload), payload)
         payload["trajectories"] += trajectories(arch_id, base, inputs_for, args)
         payload["seconds"] = round(time.time() - start, 1)
         save_outputs(out, table(payload), payload)
         print(f"{arch_id}: done ({payload['seconds']} s)", flush=True)
+    if args.full:
+        layers, outputs = full_size(args, device)
+        payload["layers"] += layers
+        payload["trajectories"] += outputs
+        payload["seconds"] = round(time.time() - start, 1)
+        save_outputs(out, table(payload), payload)
     print(table(payload))
 
 
