@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, stock_reason
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, kernel_head_dims, stock_reason
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
 
@@ -36,10 +36,12 @@ class Dispatch8:
     """`dispatch_attention_fn`'s signature ([B, N, H, D] tensors, as diffusers' dispatch takes them): sdpa8 where
     it serves the call, the stock dispatch otherwise; `calls` counts each path (format, or the stock reason)."""
 
-    def __init__(self, qk_format: str, stock: Callable[..., torch.Tensor], calls: Counter) -> None:
+    def __init__(self, qk_format: str, stock: Callable[..., torch.Tensor], calls: Counter,
+                 head_dims: tuple[int, ...] | None = None) -> None:
         self.qk_format = qk_format
         self.stock = stock
         self.calls = calls
+        self.head_dims = head_dims  # what the kernel serves on the model's GPU, looked up once (not in traced code)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
@@ -49,7 +51,7 @@ class Dispatch8:
         if enable_gqa and k.dim() == 4 and q.shape[1] != k.shape[1] and q.shape[1] % k.shape[1] == 0:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        why = stock_reason(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        why = stock_reason(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, head_dims=self.head_dims)
         if why is None and attention_kwargs:
             why = "backend-specific attention_kwargs"
         if why is None and parallel_config is not None:
@@ -145,6 +147,8 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
     except ImportError as err:
         raise ImportError(f"{path}.format={attention_format} needs triton (lowbit_pipe.kernels.attention8): {err}") from None
     applied = AppliedAttention(attention_format)
+    device = next((t.device for t in root.parameters()), torch.device("cpu"))
+    head_dims = kernel_head_dims(device) if device.type == "cuda" else None
     classes: dict[type, type] = {}
     for name, module in attention_modules(root).items():
         if not any(matches(p, name) for p in layers):
@@ -157,7 +161,8 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
             continue
         stock_cls = type(stock)
         if stock_cls not in classes:
-            dispatch = Dispatch8(attention_format, stock_cls.__call__.__globals__[DISPATCH_GLOBAL], applied.calls)
+            dispatch = Dispatch8(attention_format, stock_cls.__call__.__globals__[DISPATCH_GLOBAL], applied.calls,
+                                 head_dims)
             classes[stock_cls] = processor_class(stock_cls, dispatch)
         proc = processor_for(stock, classes[stock_cls])
         _swap_processor(ledger, name, module, stock, proc)

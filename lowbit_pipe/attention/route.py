@@ -18,9 +18,19 @@ STOCK = "bf16"  # attention.format for the model's own attention, whatever its d
 ATTENTION_FORMATS = (STOCK, "int8", "fp8")  # int8 / fp8: the format of Q·Kᵀ (P·V is fp8 in both)
 
 
+def kernel_head_dims(device: torch.device) -> tuple[int, ...]:
+    """The head dims the Triton kernel serves on `device` (none before Hopper, or off CUDA)."""
+    if device.type != "cuda":
+        return ()
+    from lowbit_pipe.kernels.attention8 import GPU_CONFIGS
+
+    return tuple(GPU_CONFIGS) if torch.cuda.get_device_capability(device) >= (9, 0) else ()
+
+
 def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, dropout_p: float = 0.0,
-                 is_causal: bool = False) -> str | None:
-    """Why this [B, H, N, D] call runs the model's own attention; None when sdpa8 serves it."""
+                 is_causal: bool = False, head_dims: tuple[int, ...] | None = None) -> str | None:
+    """Why this [B, H, N, D] call runs the model's own attention; None when sdpa8 serves it. `head_dims`: what
+    `kernel_head_dims` says for q's device, looked up once by a caller that torch.compile traces (None: here)."""
     if mask is not None:
         return "attention mask"
     if dropout_p:
@@ -31,11 +41,8 @@ def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any
         return "q, k, v of different shapes (cross-attention or grouped heads)"
     if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
         return "q, k, v of different dtypes"
-    if q.is_cuda:
-        from lowbit_pipe.kernels.attention8 import kernel_runs
-
-        if not kernel_runs(q):
-            return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
+    if q.is_cuda and q.shape[-1] not in (head_dims if head_dims is not None else kernel_head_dims(q.device)):
+        return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
     return None
 
 
