@@ -39,6 +39,7 @@ class Context:
     # run(..., calibrate=): runs the model on the caller's calibration inputs (a ComfyUI sampler, a natively
     # named model's own forward); used instead of the arch's example inputs wherever the recipe calibrates.
     calibrate: Callable[[], None] | None = None
+    attention: Any = None  # lowbit_pipe.attention.AppliedAttention: the recipe's 8-bit attention, as applied
 
     def set_model(self, model: Any, *, owned: bool) -> None:
         self.model = model

@@ -16,12 +16,14 @@ EXAMPLES = """\
   python -m lowbit_pipe recipe=krea2_auto_speed_tiny quantize.target.ratio=0.5   # formats chosen per layer for a target
                                                          # (target.speedup / bytes / ratio / error; docs/recipes.md)
   python -m lowbit_pipe -m quantize.default.format=int8,fp8,nvfp4   # a sweep: one run dir per job
+  python -m lowbit_pipe attention.format=int8            # 8-bit attention (int8 Q·Kᵀ, fp8 P·V) on top
   python -m lowbit_pipe recipe=runs/<date>/<time>/recipe.yaml       # rerun a run from its run dir
   python -m lowbit_pipe --cfg job                        # print the composed recipe, run nothing"""
 
 
 def help_template() -> str:
     from lowbit_pipe.arch import ARCHS
+    from lowbit_pipe.attention.route import ATTENTION_FORMATS
     from lowbit_pipe.formats import FORMATS
     from lowbit_pipe.formats.base import ACT_GRANULARITIES, ACTIVATION_MODES, ROTATIONS
 
@@ -40,6 +42,8 @@ YAML recipe, measure it against the float model, export a .safetensors file Comf
   act_granularity: {", ".join(ACT_GRANULARITIES)} (dynamic activation scales per token, the default; per call:
                   nvfp4 only, stock ComfyUI's global scale, which ties a sample to its batch-mates)
   architectures:  {", ".join(sorted(ARCHS))}, generic
+  attention:      {", ".join(ATTENTION_FORMATS)} (attention.format: bf16 keeps the model's own attention; int8 / fp8
+                  are the Q·Kᵀ format of 8-bit attention, P·V in fp8; run time only)
 
 == Recipes and models (group=option) ==
 $APP_CONFIG_GROUPS

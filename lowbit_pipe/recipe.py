@@ -227,6 +227,19 @@ class TeardownConfig:
 
 
 @dataclass
+class AttentionConfig:
+    """8-bit attention (lowbit_pipe.kernels.attention8) in place of the model's own scaled dot-product attention:
+    Q·Kᵀ in int8 or fp8 with per-block scales and K smoothing, P·V in fp8, fp32 online softmax. Run time only
+    (exports are unchanged); applied with the quantize stage, undone by teardown."""
+
+    # "bf16": the model's own attention, unchanged (whatever its dtype); "int8" / "fp8": the format of Q·Kᵀ.
+    format: str = "bf16"
+    # Attention modules (diffusers names, e.g. transformer_blocks.*.attn; globs or re:) that get it; the rest keep
+    # their own. Calls sdpa8 cannot serve (a padding mask, cross-attention) run the model's own attention anyway.
+    layers: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass
 class Recipe:
     """The whole run: ordered stage names plus one key per stage."""
 
@@ -236,6 +249,7 @@ class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)

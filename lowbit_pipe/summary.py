@@ -72,6 +72,11 @@ def format_summary(report: dict[str, Any]) -> str:
     if st and (report["recipe"].get("model") or {}).get("path"):  # a run reading model.path: streamed or loaded
         lines.append(f"model: {'streamed file to file' if st['streamed'] else 'loaded whole'} "
                      f"(model.stream={st['mode']}: {st['reason']})")
+    att = report.get("attention") or {}
+    if att.get("format", "bf16") != "bf16":
+        calls = ", ".join(f"{k} {v}" for k, v in (att.get("calls") or {}).items())
+        lines.append(f"attention: {att['format']} on {att.get('modules', 0)} modules" +
+                     (f" (calls: {calls})" if calls else "") + (f"; {att['note']}" if att.get("note") else ""))
     plan = report.get("plan")
     if plan:
         lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])
@@ -85,6 +90,11 @@ def format_summary(report: dict[str, Any]) -> str:
         if traj.get("min_cosine") is not None:
             extra += f"  trajectory cosine min {traj['min_cosine']:.5f}"
         lines.append(f"quality: rel_error {ev['rel_error']:.5f}  cosine {ev['cosine']:.6f}{extra}")
+        att = ev.get("attention")
+        if att:
+            traj = (att.get("trajectory") or {}).get("min_cosine")
+            lines.append(f"quality, 8-bit attention ({att['format']}) alone: rel_error {att['rel_error']:.5f}  cosine "
+                         f"{att['cosine']:.6f}" + (f"  trajectory cosine min {traj:.5f}" if traj is not None else ""))
     elif ev:
         lines.append(f"quality: skipped ({ev.get('skipped')})")
     ex, q = report.get("export"), report.get("quantize")

@@ -121,6 +121,25 @@ def _check_pipeline(recipe: Recipe) -> None:
         raise RecipeError("pipeline", "'lora' must come after 'quantize' (branches attach to quantized layers)")
 
 
+def _check_attention(recipe: Recipe) -> None:
+    from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK
+
+    a = recipe.attention
+    if a.format not in ATTENTION_FORMATS:
+        raise RecipeError("attention.format", f"must be one of {', '.join(ATTENTION_FORMATS)}, got '{a.format}'")
+    if not a.layers:
+        raise RecipeError("attention.layers", "lists the attention modules that get 8-bit attention: at least one "
+                                              "pattern ('*' for all)")
+    for i, pattern in enumerate(a.layers):
+        if not isinstance(pattern, str) or not pattern:
+            raise RecipeError(f"attention.layers[{i}]", f"must be a non-empty glob or re: pattern, got {pattern!r}")
+        check_pattern(f"attention.layers[{i}]", pattern)
+    if a.format != STOCK and "quantize" not in recipe.pipeline:
+        raise RecipeError("attention.format", f"'{a.format}' is applied by the quantize stage, which the pipeline "
+                                              f"{list(recipe.pipeline)} lacks: add 'quantize', or leave attention.format "
+                                              f"'{STOCK}'")
+
+
 def _check_device(path: str, device: str | None) -> None:
     if device is not None and not re.fullmatch(r"cpu|auto|cuda(:\d+)?", device):
         raise RecipeError(path, f"must be cpu, cuda, cuda:N or auto, got '{device}'")
@@ -191,6 +210,7 @@ def validate(recipe: Recipe) -> Recipe:
     _check_pipeline(recipe)
     _check_model(recipe)
     _check_stream(recipe)
+    _check_attention(recipe)
     if recipe.export.dtype not in DTYPES + ("auto",):
         raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{recipe.export.dtype}'")
     if recipe.export.layout not in ("comfy", "diffusers"):

@@ -197,7 +197,19 @@ class LowbitQuantize:
         converted = len(patches.low_rank) - sum(1 for layer in patches.low_rank if layer not in quantized)
         if converted:
             summary += f"\nComfyUI LoRA patches on {converted} quantized layers became exact residual branches"
-        return _with_tree(model, tree, run, kept_patches), summary
+        out = _with_tree(model, tree, run, kept_patches)
+        attention = result.context.recipe.attention.format
+        if attention != "bf16":  # the recipe's attention: ComfyUI's override on this MODEL, dropped by Purge
+            from lowbit_pipe.comfy.attention import drop_attention8, with_attention8
+
+            out = with_attention8(out, attention, made_by, unique_id)
+            run.ledger.record("comfy_attention", f"8-bit attention ({attention}) override on the MODEL",
+                              lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
+            summary += f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override"
+            if list(result.context.recipe.attention.layers) != ["*"]:  # diffusers module names: none here
+                summary += (f"; attention.layers {list(result.context.recipe.attention.layers)} names diffusers "
+                            "modules and is not applied in ComfyUI: every attention call of the MODEL gets it")
+        return out, summary
 
 
 def _branches_from_patches(tree: Any, model: Any, patches: Any, quantized: set[str], run: NodeRun) -> dict:
@@ -406,11 +418,17 @@ class LowbitPurge:
                     "sampler's output here")})}}
 
     def purge(self, model: Any, after: Any = None) -> dict[str, Any]:
+        from lowbit_pipe.comfy.attention import drop_attention8
+
+        dropped = drop_attention8(model, time.strftime("%H:%M:%S"))
+        attention = (f"8-bit attention ({dropped.qk_format}) of {dropped.made_by} dropped "
+                     f"(calls: {dict(dropped.calls)})") if dropped is not None else None
         tree = _tree(model)
         state = node_runs.state_of(tree)
         if state is None:
             sealed = getattr(tree, "__dict__", {}).get(node_runs.SEAL_ATTR)
-            text = "lowbit_pipe purge: " + ("already purged" if sealed else "nothing of lowbit_pipe on this MODEL")
+            text = "lowbit_pipe purge: " + (attention or ("already purged" if sealed else
+                                                          "nothing of lowbit_pipe on this MODEL"))
             return _ui(text, (after, text))
         run = state.run
         del state, tree
@@ -418,7 +436,7 @@ class LowbitPurge:
         report = node_runs.purge(run, teardown=_teardown)
         text = "lowbit_pipe purge: " + json.dumps({k: report.get(k) for k in (
             "bytes_freed", "retained_bytes", "patches_restored", "unfreed", "proven", "unproven", "caveats",
-            "device")}, indent=1)
+            "device")}, indent=1) + (f"\n{attention}" if attention else "")
         print(text)
         return _ui(text, (after, text))
 
@@ -431,6 +449,37 @@ def _teardown(run: NodeRun) -> dict[str, Any]:
         run.result = None
         return report
     return run.ledger.unwind().as_dict()
+
+
+# ============================================================================================== 8-bit attention
+class LowbitAttention8:
+    DESCRIPTION = ("Runs the model's attention in 8 bits (lowbit_pipe's attention kernel: Q·Kᵀ in INT8 or FP8 with "
+                   "per-block scales and K smoothing, P·V in FP8) through ComfyUI's attention override, on a clone: "
+                   "the MODEL given is unchanged. Calls it cannot serve (a mask, cross-attention, a GPU without the "
+                   "kernel: before Hopper, head dims other than 64 / 128) keep ComfyUI's attention. Purge drops it.")
+    CATEGORY = CATEGORY
+    RETURN_TYPES = ("MODEL",)
+    OUTPUT_TOOLTIPS = ("the model with 8-bit attention (a new MODEL; the input one is unchanged)",)
+    FUNCTION = "apply"
+
+    @classmethod
+    def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802
+        return {"required": {
+            "model": ("MODEL", {"tooltip": "any diffusion model (float or quantized)"}),
+            "format": (["int8", "fp8", "bf16"], {"default": "int8", "tooltip": (
+                "the format of Q·Kᵀ (P·V is FP8 in both); bf16: ComfyUI's own attention (removes this pack's)")}),
+        }, "hidden": {"unique_id": "UNIQUE_ID"}}
+
+    @classmethod
+    def IS_CHANGED(cls, unique_id: str | None = None, **_: Any) -> str:  # noqa: N802
+        return f"purges={PURGES.of(unique_id)}"
+
+    def apply(self, model: Any, format: str, unique_id: str | None = None) -> tuple[Any]:  # noqa: A002 - the input's name
+        from lowbit_pipe.comfy.attention import with_attention8
+
+        made_by = f"8-bit attention (lowbit_pipe) node {unique_id}" if unique_id else "8-bit attention (lowbit_pipe)"
+        node_runs.check_usable(_tree(model), made_by)
+        return (with_attention8(model, format, made_by, unique_id),)
 
 
 # ============================================================================================== example inputs
@@ -517,7 +566,9 @@ def _models_dir(kind: str) -> Path | None:
 
 
 NODE_CLASS_MAPPINGS = {"LowbitQuantize": LowbitQuantize, "LowbitLoRA": LowbitLoRA, "LowbitExport": LowbitExport,
-                       "LowbitPurge": LowbitPurge, "LowbitExampleInputs": LowbitExampleInputs}
+                       "LowbitPurge": LowbitPurge, "LowbitExampleInputs": LowbitExampleInputs,
+                       "LowbitAttention8": LowbitAttention8}
 NODE_DISPLAY_NAME_MAPPINGS = {"LowbitQuantize": "Quantize (lowbit_pipe)", "LowbitLoRA": "LoRA residual (lowbit_pipe)",
                               "LowbitExport": "Export quantized (lowbit_pipe)", "LowbitPurge": "Purge (lowbit_pipe)",
-                              "LowbitExampleInputs": "Example inputs (lowbit_pipe)"}
+                              "LowbitExampleInputs": "Example inputs (lowbit_pipe)",
+                              "LowbitAttention8": "8-bit attention (lowbit_pipe)"}

@@ -4,6 +4,10 @@ Figures (report.json `evaluate`): model-output rel_error / cosine / max_abs_erro
 SQNR (each quantized layer on the float layer's own input); sampling-trajectory fidelity (Euler
 flow-matching from N seeds, both models); optional decoded images (PSNR, SSIM, PNG grid); weight
 bytes; peak device memory and forward latency on CUDA only (null on CPU, where timing means little).
+
+With 8-bit attention (the recipe's `attention:`), the float reference runs the model's own attention too, and
+`attention` reports the 8-bit attention's own share: the float weights with 8-bit attention against the float
+model (output and trajectories), beside the whole run's figures, and the attention calls per path.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ TRAJECTORY_SEED_OFFSET = 10_000  # trajectory seeds differ from the output-sampl
 
 
 @contextlib.contextmanager
-def float_reference(ctx: Context, eager: bool = True) -> Iterator[None]:
-    """Temporarily put the float originals of every swapped layer back (exact reference, no copy).
+def float_reference(ctx: Context, eager: bool = True, attention8: bool = False) -> Iterator[None]:
+    """Temporarily put the float originals of every swapped layer back (exact reference, no copy), and the
+    model's own attention where the run made it 8-bit (`attention8`: keep the 8-bit attention, to measure its
+    own error on the float weights).
 
     `eager`: the float model runs eagerly even where the compile stage compiled its blocks
     (torch.compiler.set_stance("force_eager")). Compiled, every block would recompile for the float
@@ -40,6 +46,8 @@ def float_reference(ctx: Context, eager: bool = True) -> Iterator[None]:
     try:
         if eager:
             stack.enter_context(torch.compiler.set_stance("force_eager"))
+        if ctx.attention is not None and not attention8:
+            stack.enter_context(ctx.attention.stock())
         for name in ctx.ledger.swapped():
             original = ctx.ledger.original(name)
             if original is None:
@@ -114,7 +122,7 @@ class Evaluate(Stage):
         elif ctx.native:
             result = {"skipped": "the model has native (ComfyUI) module names: the arch's example inputs fit its "
                                  "diffusers class, not this model's forward"}
-        elif not ctx.ledger.swapped():
+        elif not ctx.ledger.swapped() and ctx.attention is None:
             result = {"skipped": "nothing was quantized in this run (no float reference to compare against)"}
         else:
             result = self._measure(ctx)
@@ -133,7 +141,8 @@ class Evaluate(Stage):
 
     def _measure(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.evaluate
-        with ctx.console.task("evaluate: forwards", 2 * (cfg.samples + cfg.trajectory_seeds * cfg.steps)) as task:
+        runs = 3 if ctx.attention is not None else 2  # quantized, float (and float with 8-bit attention)
+        with ctx.console.task("evaluate: forwards", runs * (cfg.samples + cfg.trajectory_seeds * cfg.steps)) as task:
             return self._measured(ctx, self._counted(self._forward(ctx), task))
 
     @staticmethod
@@ -151,7 +160,7 @@ class Evaluate(Stage):
         cfg = ctx.recipe.evaluate
         cuda = ctx.device.type == "cuda"
         result: dict[str, Any] = {}
-        refs, outs = [], []
+        refs, outs, attention_outs = [], [], []
         sums: dict[str, list[float]] = {}
         with torch.inference_mode():
             for i in range(cfg.samples):
@@ -163,6 +172,9 @@ class Evaluate(Stage):
                     result["peak_device_bytes"] = torch.cuda.max_memory_allocated(ctx.device)
                 with layer_probes(ctx, sums) if cfg.layers else contextlib.nullcontext(), float_reference(ctx):
                     refs.append(forward(inputs).float().cpu())
+                if ctx.attention is not None:
+                    with float_reference(ctx, attention8=True):
+                        attention_outs.append(forward(inputs).float().cpu())
             result.update(metrics.compare(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in outs])))
             result["samples"] = cfg.samples
             result["psnr_db"] = metrics.finite(result["psnr_db"])
@@ -176,6 +188,8 @@ class Evaluate(Stage):
 
                 result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png",
                                                   seeds=result["trajectory"]["seeds"], steps=cfg.steps)
+            if ctx.attention is not None:
+                result["attention"] = self._attention_share(ctx, forward, refs, attention_outs, result, finals)
             result.update(self._bytes(ctx))
             result["peak_device_bytes"] = result.get("peak_device_bytes")
             result["latency_ms"] = self._latency(ctx, forward.uncounted) if cfg.latency and cuda else None
@@ -195,16 +209,38 @@ class Evaluate(Stage):
         worst = min(finite) if finite else (None, None)
         return {"layers": layers, "sqnr_min_db": worst[0], "sqnr_worst_layer": worst[1]}
 
-    def _trajectory(self, ctx: Context, forward: Callable) -> tuple[dict[str, Any], list]:
+    def _attention_share(self, ctx: Context, forward: Callable, refs: list[torch.Tensor],
+                         attention_outs: list[torch.Tensor], whole: dict[str, Any], finals: list) -> dict[str, Any]:
+        """The 8-bit attention's own error: the float weights with 8-bit attention against the float model,
+        beside the whole run's (quantized weights and 8-bit attention) figures."""
+        own = metrics.compare(torch.cat([r.flatten() for r in refs]), torch.cat([o.flatten() for o in attention_outs]))
+        out: dict[str, Any] = {"format": ctx.attention.format, "rel_error": own["rel_error"], "cosine": own["cosine"],
+                               "psnr_db": metrics.finite(own["psnr_db"]),
+                               "share_of_rel_error": own["rel_error"] / whole["rel_error"] if whole["rel_error"] else None}
+        if ctx.recipe.evaluate.trajectory_seeds:
+            traj, _ = self._trajectory(ctx, forward, attention_only=True, refs=[r for r, _ in finals])
+            out["trajectory"] = {k: traj[k] for k in ("cosines", "mean_cosine", "min_cosine", "diverged")}
+        out["calls"] = dict(sorted(ctx.attention.calls.items()))
+        ctx.report.setdefault("attention", {})["calls"] = out["calls"]
+        return out
+
+    def _trajectory(self, ctx: Context, forward: Callable, attention_only: bool = False,
+                    refs: list | None = None) -> tuple[dict[str, Any], list]:
+        """Euler trajectories of the run's model against the float model's (`attention_only`: of the float weights
+        with the 8-bit attention instead; `refs`: the float trajectories' final latents, already sampled)."""
         cfg = ctx.recipe.evaluate
         scale = sampler.TIME_SCALE.get(ctx.arch.id, 1.0)
         seeds = [cfg.seed + TRAJECTORY_SEED_OFFSET + k for k in range(cfg.trajectory_seeds)]
         cosines, finals = [], []
-        for seed in seeds:
+        for i, seed in enumerate(seeds):
             inputs = self._inputs(ctx, seed, 1)
-            quant = sampler.euler_sample(forward, inputs, cfg.steps, scale)
-            with float_reference(ctx):
-                ref = sampler.euler_sample(forward, inputs, cfg.steps, scale)
+            with float_reference(ctx, attention8=True) if attention_only else contextlib.nullcontext():
+                quant = sampler.euler_sample(forward, inputs, cfg.steps, scale)
+            if refs is not None:
+                ref = refs[i]
+            else:
+                with float_reference(ctx):
+                    ref = sampler.euler_sample(forward, inputs, cfg.steps, scale)
             cosines.append(metrics.cosine(sampler.flatten_latent(ref), sampler.flatten_latent(quant)))
             finals.append((ref, quant))
         # A NaN cosine (non-finite latents) counts as diverged: `not c >= threshold` is True for NaN.

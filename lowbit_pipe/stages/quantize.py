@@ -335,6 +335,32 @@ def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, 
     return out
 
 
+def apply_recipe_attention(ctx: Context) -> dict[str, Any]:
+    """The recipe's `attention:` on the loaded transformer (8-bit attention through its diffusers processors,
+    every swap in the ledger): report.json's `attention`."""
+    from lowbit_pipe.attention import STOCK, apply_attention
+
+    cfg = ctx.recipe.attention
+    if cfg.format == STOCK:
+        return {"format": STOCK}
+    if ctx.stream is not None:
+        return {"format": cfg.format, "applied": False,
+                "note": "a streamed run has no model in memory; the attention format is run time only (exports never "
+                        "carry it)"}
+    if ctx.native:
+        return {"format": cfg.format, "applied": False,
+                "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
+    applied = apply_attention(ctx.transformer, cfg.format, ctx.ledger, list(cfg.layers))
+    ctx.attention = applied
+    ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
+                      check=lambda: True if ctx.attention is None else "still set")
+    if not applied.modules:
+        why = next(iter(applied.kept.values()), "no diffusers attention module (a ComfyUI model takes the 8-bit "
+                                                "attention node's override instead)")
+        warnings.warn(f"attention.format={cfg.format}: no attention module got 8-bit attention ({why})", stacklevel=2)
+    return {**applied.as_dict(), "applied": bool(applied.modules)}
+
+
 def compute_device(name: str | None) -> torch.device | None:
     """quantize.compute_device: None (where each weight is), "auto" (the GPU when there is one), or a device."""
     if name is None:
@@ -475,6 +501,7 @@ class Quantize(Stage):
             ctx.report["plan"] = _plan_report(plans)
             ctx.report["quantize"] = {"layers": dict(counts), "streamed": True, "unfit": unfit_counts,
                                       "float_layers": dict(Counter(p.reason for p in plans if p.spec is None))}
+            ctx.report["attention"] = apply_recipe_attention(ctx)
             return {"planned_layers": sum(counts.values()), "streamed": True}
         groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" and \
             not ctx.native else []
@@ -498,6 +525,7 @@ class Quantize(Stage):
                 "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
+        ctx.report["attention"] = apply_recipe_attention(ctx)
         figures = {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
                    "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
         if target_plan is not None:

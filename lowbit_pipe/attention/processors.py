@@ -1,0 +1,191 @@
+"""8-bit attention on a diffusers model: its own attention processors, with only the attention call swapped.
+
+A diffusers attention processor (Krea2AttnProcessor, FluxAttnProcessor, ...) projects, norms, applies RoPE,
+concatenates text and image tokens, calls `dispatch_attention_fn` (a global of its module), then splits and
+projects back. The processor put in its place is an instance of a subclass of the stock class whose `__call__`
+is the stock `__call__`'s own code object, with one global rebound: `dispatch_attention_fn` is `Dispatch8`,
+which runs sdpa8 where it applies (lowbit_pipe.attention.route) and the stock dispatch elsewhere. Nothing of
+the processor's code is copied, so everything but the attention call is diffusers' own, and the module's
+global is untouched (other models, and this one after teardown, see the stock function).
+
+Every swap goes through the ledger (undo: the stock processor back, checked by identity). `AppliedAttention`
+also lets evaluate run the model with the stock processors for a moment (`stock()`), to compare against.
+Processors that do not call `dispatch_attention_fn`, or hold weights (nn.Module processors: IP adapters), keep
+their stock processor; the report names them with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, kernel_head_dims, stock_reason
+from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.policy import matches
+
+DISPATCH_GLOBAL = "dispatch_attention_fn"
+
+
+class Dispatch8:
+    """`dispatch_attention_fn`'s signature ([B, N, H, D] tensors, as diffusers' dispatch takes them): sdpa8 where
+    it serves the call, the stock dispatch otherwise; `calls` counts each path (format, or the stock reason)."""
+
+    def __init__(self, qk_format: str, stock: Callable[..., torch.Tensor], calls: Counter,
+                 head_dims: tuple[int, ...] | None = None) -> None:
+        self.qk_format = qk_format
+        self.stock = stock
+        self.calls = calls
+        self.head_dims = head_dims  # what the kernel serves on the model's GPU, looked up once (not in traced code)
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                 attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
+                 parallel_config: Any = None) -> torch.Tensor:
+        q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if enable_gqa and k.dim() == 4 and q.shape[1] != k.shape[1] and q.shape[1] % k.shape[1] == 0:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        why = stock_reason(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, head_dims=self.head_dims)
+        if why is None and attention_kwargs:
+            why = "backend-specific attention_kwargs"
+        if why is None and parallel_config is not None:
+            why = "context parallelism"
+        if why is not None:
+            self.calls[f"stock: {why}"] += 1
+            return self.stock(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
+                              parallel_config=parallel_config)
+        self.calls[self.qk_format] += 1
+        return attend8(q, k, v, self.qk_format, scale).transpose(1, 2)
+
+
+def supports(processor: Any) -> str | None:
+    """Why `processor` cannot take 8-bit attention; None when it can."""
+    if isinstance(processor, nn.Module):
+        return f"{type(processor).__name__} holds weights (an nn.Module processor)"
+    call = getattr(type(processor), "__call__", None)
+    code = getattr(call, "__code__", None)
+    if code is None or DISPATCH_GLOBAL not in code.co_names:
+        return f"{type(processor).__name__} does not call {DISPATCH_GLOBAL}"
+    return None
+
+
+def processor_class(stock_cls: type, dispatch: Dispatch8) -> type:
+    """A subclass of `stock_cls` whose __call__ is the stock code with `dispatch_attention_fn` bound to `dispatch`
+    (same parameters: diffusers filters the kwargs it passes by the processor's signature)."""
+    call = stock_cls.__call__
+    scope = dict(call.__globals__)  # the processor module's globals, one rebound; the module keeps its own
+    scope[DISPATCH_GLOBAL] = dispatch
+    # Without a module name torch.compile guards these globals as this very dict; with the module's name it would
+    # look them up on the module (sys.modules), where dispatch_attention_fn is the stock function.
+    scope.pop("__name__", None)
+    rebound = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
+    rebound.__kwdefaults__ = call.__kwdefaults__
+    rebound.__qualname__ = f"{stock_cls.__name__}8bit.__call__"
+    rebound.__doc__ = call.__doc__
+    return type(f"{stock_cls.__name__}8bit", (stock_cls,), {
+        "__call__": rebound, "__module__": __name__, "lowbit_qk_format": dispatch.qk_format,
+        "__doc__": f"{stock_cls.__name__} with its attention call in 8-bit ({dispatch.qk_format} Q·Kᵀ, fp8 P·V)."})
+
+
+def processor_for(stock: Any, cls: type) -> Any:
+    """An instance of `cls` carrying the stock processor's own settings (attention backend, parallel config)."""
+    proc = cls.__new__(cls)
+    proc.__dict__.update(vars(stock))
+    return proc
+
+
+@dataclass
+class AppliedAttention:
+    """8-bit attention as applied to one model: what got it, what kept its stock processor and why, the calls."""
+
+    format: str
+    modules: dict[str, tuple[nn.Module, Any, Any]] = field(default_factory=dict)  # name -> (module, stock, 8-bit)
+    kept: dict[str, str] = field(default_factory=dict)  # attention module name -> why it keeps its own attention
+    calls: Counter = field(default_factory=Counter)
+
+    @contextlib.contextmanager
+    def stock(self) -> Iterator[None]:
+        """The stock processors for the duration (evaluate's float reference); the 8-bit ones back after."""
+        done = []
+        try:
+            for module, stock, proc in self.modules.values():
+                if module.processor is proc:
+                    module.set_processor(stock)
+                    done.append((module, proc))
+            yield
+        finally:
+            for module, proc in reversed(done):
+                module.set_processor(proc)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"format": self.format, "modules": len(self.modules), "kept": dict(self.kept),
+                "calls": dict(sorted(self.calls.items()))}
+
+
+def attention_modules(root: nn.Module) -> dict[str, nn.Module]:
+    """The modules that run an attention processor (diffusers' AttentionModuleMixin and older Attention)."""
+    return {name: m for name, m in root.named_modules() if hasattr(m, "set_processor") and hasattr(m, "processor")}
+
+
+def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, layers: list[str] | tuple[str, ...] = ("*",),
+                    path: str = "attention") -> AppliedAttention | None:
+    """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) an 8-bit
+    processor, each swap recorded in `ledger`. "bf16" changes nothing (None). `path`: the recipe key, in errors."""
+    if attention_format not in ATTENTION_FORMATS:
+        raise ValueError(f"{path}.format must be one of {list(ATTENTION_FORMATS)}, got {attention_format!r}")
+    if attention_format == STOCK:
+        return None
+    try:
+        import lowbit_pipe.kernels.attention8  # noqa: F401 - Triton's import: the kernel and its torch reference
+    except ImportError as err:
+        raise ImportError(f"{path}.format={attention_format} needs triton (lowbit_pipe.kernels.attention8): {err}") from None
+    applied = AppliedAttention(attention_format)
+    device = next((t.device for t in root.parameters()), torch.device("cpu"))
+    head_dims = kernel_head_dims(device) if device.type == "cuda" else None
+    classes: dict[type, type] = {}
+    for name, module in attention_modules(root).items():
+        if not any(matches(p, name) for p in layers):
+            applied.kept[name] = f"not in {path}.layers"
+            continue
+        stock = module.processor
+        why = supports(stock)
+        if why is not None:
+            applied.kept[name] = why
+            continue
+        stock_cls = type(stock)
+        if stock_cls not in classes:
+            dispatch = Dispatch8(attention_format, stock_cls.__call__.__globals__[DISPATCH_GLOBAL], applied.calls,
+                                 head_dims)
+            classes[stock_cls] = processor_class(stock_cls, dispatch)
+        proc = processor_for(stock, classes[stock_cls])
+        _swap_processor(ledger, name, module, stock, proc)
+        applied.modules[name] = (module, stock, proc)
+    ledger.record("attention8", f"8-bit attention ({attention_format}) on {len(applied.modules)} modules",
+                  lambda: _forget(applied), check=lambda: True if not applied.modules else "8-bit processors still held")
+    return applied
+
+
+def _forget(applied: AppliedAttention) -> None:
+    """After the swaps are undone (they were recorded before this entry, so unwind reaches them after it): drop
+    the references to the modules and processors, so nothing of the run is kept alive by this object."""
+    applied.modules.clear()
+
+
+def _swap_processor(ledger: Ledger, name: str, module: nn.Module, stock: Any, proc: Any) -> None:
+    module.set_processor(proc)
+
+    def undo() -> None:
+        if module.processor is not proc:
+            raise RuntimeError(f"{name}.processor was replaced by someone else after the 8-bit one; left as is")
+        module.set_processor(stock)
+
+    ledger.record("attention_processor", f"{name}.processor", undo,
+                  check=lambda: True if module.processor is stock else "not the stock processor")
+    ledger.watch(f"{name}.processor (8-bit attention)", proc)

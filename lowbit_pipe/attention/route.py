@@ -1,0 +1,53 @@
+"""Which attention calls 8-bit attention serves, and the call itself in [B, H, N, D].
+
+sdpa8 computes softmax(q kᵀ * scale) v with no mask, no dropout, queries and keys of one length and one head
+count. A call outside that (a padding mask, cross-attention of another length, dropout) runs the model's own
+attention instead, and says why (`stock_reason`): nothing is approximated that sdpa8 does not compute. On a
+CUDA device where the Triton kernel does not run (before Hopper, a head dim other than 64 / 128) the call runs
+the model's own attention too: sdpa8's torch reference there is the kernel's oracle, not a fast path. On the CPU
+sdpa8's reference runs (what the error measurements and the tests use).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+STOCK = "bf16"  # attention.format for the model's own attention, whatever its dtype
+ATTENTION_FORMATS = (STOCK, "int8", "fp8")  # int8 / fp8: the format of Q·Kᵀ (P·V is fp8 in both)
+
+
+def kernel_head_dims(device: torch.device) -> tuple[int, ...]:
+    """The head dims the Triton kernel serves on `device` (none before Hopper, or off CUDA)."""
+    if device.type != "cuda":
+        return ()
+    from lowbit_pipe.kernels.attention8 import GPU_CONFIGS
+
+    return tuple(GPU_CONFIGS) if torch.cuda.get_device_capability(device) >= (9, 0) else ()
+
+
+def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, dropout_p: float = 0.0,
+                 is_causal: bool = False, head_dims: tuple[int, ...] | None = None) -> str | None:
+    """Why this [B, H, N, D] call runs the model's own attention; None when sdpa8 serves it. `head_dims`: what
+    `kernel_head_dims` says for q's device, looked up once by a caller that torch.compile traces (None: here)."""
+    if mask is not None:
+        return "attention mask"
+    if dropout_p:
+        return "dropout"
+    if is_causal:
+        return "causal mask"
+    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
+        return "q, k, v of different shapes (cross-attention or grouped heads)"
+    if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
+        return "q, k, v of different dtypes"
+    if q.is_cuda and q.shape[-1] not in (head_dims if head_dims is not None else kernel_head_dims(q.device)):
+        return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
+    return None
+
+
+def attend8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, scale: float | None) -> torch.Tensor:
+    """sdpa8 on [B, H, N, D] tensors (any strides): [B, H, N, D] in q's dtype."""
+    from lowbit_pipe.kernels.attention8 import sdpa8
+
+    return sdpa8(q, k, v, qk_format=qk_format, sm_scale=scale)

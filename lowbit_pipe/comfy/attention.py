@@ -1,0 +1,114 @@
+"""8-bit attention on a ComfyUI MODEL, through ComfyUI's attention override.
+
+ComfyUI (0.29.0) wraps every attention function of comfy/ldm/modules/attention.py (`wrap_attn`): when the
+model's `transformer_options` hold `optimized_attention_override`, the call goes to `override(func, *args,
+**kwargs)` instead, `func` being the attention function ComfyUI picked (pytorch, sage, flash, ...). The MODEL's
+`model_options["transformer_options"]` reach every attention call of its diffusion model (Krea 2's, FLUX's),
+and a clone copies them (dicts and lists deep, other objects shared): set on a clone, the override rides on
+that MODEL and every MODEL made from it, never on the MODEL it was cloned from.
+
+`Attention8Override` runs sdpa8 where it serves the call (lowbit_pipe.attention.route) and ComfyUI's own `func`
+elsewhere: a mask, cross-attention of another length, a layer that asks for full precision
+(`low_precision_attention=False`, which ComfyUI's sage attention honours too), a GPU without the kernel.
+Purge drops it: off the MODEL it is given, and marked purged, so any other MODEL still carrying it (ComfyUI's
+cache) refuses to sample, naming the node, rather than silently compute in 16 bits; the node re-runs on the
+next queue (its purge count moves).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+import torch
+
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, stock_reason
+from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
+
+OVERRIDE_KEY = "optimized_attention_override"
+
+
+class Attention8Override:
+    """ComfyUI's `optimized_attention_override` callable: sdpa8 in `qk_format`, or ComfyUI's function."""
+
+    def __init__(self, qk_format: str, made_by: str, node_id: str | None = None) -> None:
+        if qk_format not in ATTENTION_FORMATS or qk_format == STOCK:
+            raise ValueError(f"{made_by}: 8-bit attention takes {[f for f in ATTENTION_FORMATS if f != STOCK]}, "
+                             f"got {qk_format!r}")
+        self.qk_format = qk_format
+        self.made_by = made_by
+        self.node_id = node_id
+        self.calls: Counter = Counter()
+        self.purged: str | None = None
+
+    def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 heads: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.purged is not None:
+            raise PurgedModelError(f"this MODEL carries the 8-bit attention of {self.made_by}, {self.purged}. Queue "
+                                   "the workflow again: that node re-runs by itself")
+        why, qkv = self._route(q, k, v, heads, args, kwargs)
+        if why is not None:
+            self.calls[f"stock: {why}"] += 1
+            return func(q, k, v, heads, *args, **kwargs)
+        self.calls[self.qk_format] += 1
+        out = attend8(*qkv, self.qk_format, kwargs.get("scale"))  # [B, H, N, D]
+        if kwargs.get("skip_output_reshape", False):
+            return out
+        return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
+
+    @staticmethod
+    def _route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, args: tuple,
+               kwargs: dict[str, Any]) -> tuple[str | None, tuple[torch.Tensor, ...]]:
+        """(why ComfyUI's own function runs this call, or None; q, k, v as [B, H, N, D])."""
+        if args:
+            return "positional arguments past heads", ()
+        if kwargs.get("low_precision_attention", True) is False:
+            return "the layer asks for full precision", ()
+        if kwargs.get("skip_reshape", False):  # [B, H, N, D]
+            if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+                return "q, k, v not [B, H, N, D]", ()
+            if kwargs.get("enable_gqa", False) and 0 < k.shape[1] != q.shape[1] and q.shape[1] % k.shape[1] == 0:
+                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        else:  # [B, N, H * D]
+            if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] % heads:
+                return "q, k, v of different shapes (cross-attention)", ()
+            b, n, width = q.shape
+            q, k, v = (t.reshape(b, n, heads, width // heads).transpose(1, 2) for t in (q, k, v))
+        return stock_reason(q, k, v, mask=kwargs.get("mask")), (q, k, v)
+
+    def purge(self, when: str) -> None:
+        self.purged = f"purged by Purge (lowbit_pipe) at {when}"
+        PURGES.bump(self.node_id)
+
+
+def override_of(model: Any) -> Attention8Override | None:
+    """The 8-bit attention override a MODEL carries (None: none, or another pack's override)."""
+    found = getattr(model, "model_options", {}).get("transformer_options", {}).get(OVERRIDE_KEY)
+    return found if isinstance(found, Attention8Override) else None
+
+
+def with_attention8(model: Any, qk_format: str, made_by: str, node_id: str | None = None) -> Any:
+    """A clone of `model` carrying 8-bit attention ("bf16": a plain clone, without ours). The MODEL given is
+    untouched; another attention override already on it (a pack's) is refused rather than silently replaced."""
+    current = getattr(model, "model_options", {}).get("transformer_options", {}).get(OVERRIDE_KEY)
+    if current is not None and not isinstance(current, Attention8Override):
+        raise ValueError(f"{made_by}: this MODEL already carries an attention override ({current!r}, another node "
+                         "pack's): 8-bit attention would replace it. Apply one of the two")
+    out = model.clone()
+    options = out.model_options.setdefault("transformer_options", {})
+    options.pop(OVERRIDE_KEY, None)
+    if qk_format != STOCK:
+        options[OVERRIDE_KEY] = Attention8Override(qk_format, made_by, node_id)
+    return out
+
+
+def drop_attention8(model: Any, when: str) -> Attention8Override | None:
+    """Purge's part: the override off this MODEL's options, and marked purged (other MODELs still holding it
+    refuse to sample). Returns it, or None when the MODEL carried none."""
+    found = override_of(model)
+    if found is None:
+        return None
+    model.model_options["transformer_options"].pop(OVERRIDE_KEY, None)
+    found.purge(when)
+    return found

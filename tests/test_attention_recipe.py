@@ -1,0 +1,223 @@
+"""The recipe's `attention:` section: 8-bit attention through the diffusers attention processors of the tiny Krea 2
+and FLUX.1, recorded in the ledger and undone by teardown; evaluate's report of the attention's own error."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lowbit_pipe
+from lowbit_pipe.arch import detect_model
+from lowbit_pipe.attention import apply_attention
+from lowbit_pipe.attention.processors import attention_modules
+from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.errors import RecipeError
+from lowbit_pipe.kernels.attention8 import exact_attention, reference_attention8
+from lowbit_pipe.ledger import Ledger
+
+
+def _inputs(model, tokens: int = 16, seed: int = 3):
+    arch = detect_model(model)
+    return arch, arch.example_inputs(dict(model.config), batch=1, image_tokens=tokens, text_tokens=4,
+                                     generator=torch.Generator().manual_seed(seed), dtype=torch.float32, device="cpu")
+
+
+def _out(model, arch, inputs):
+    with torch.no_grad():
+        return arch.output_tensor(model(**inputs))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+# ------------------------------------------------------------------------------------------------------ recipe
+def test_default_recipe_keeps_the_models_attention():
+    recipe = compose_recipe("default")
+    assert recipe.attention.format == "bf16" and recipe.attention.layers == ["*"]
+    assert compose_recipe("default", ["attention.format=fp8"]).attention.format == "fp8"
+
+
+@pytest.mark.parametrize("override, path, words", [
+    (["attention.format=int4"], "attention.format", "bf16, int8, fp8"),
+    (["attention.layers=['re:(']"], "attention.layers[0]", "invalid regex"),
+    (["attention.layers=[]"], "attention.layers", "at least one"),
+    (["attention.format=int8", "pipeline=[load,detect,export]"], "attention.format", "quantize"),
+    (["attention.scale=2"], "attention.scale", "no such key"),
+])
+def test_bad_attention_values_name_the_recipe_path(override, path, words):
+    with pytest.raises(RecipeError) as err:
+        compose_recipe("default", override)
+    assert err.value.path == path and words in err.value.problem
+
+
+# ------------------------------------------------------------------------------------------------------ processors
+@pytest.mark.parametrize("arch_id, n_modules", [("krea2", 4), ("flux1", 3)])
+def test_processors_run_the_stock_code_with_8bit_attention_and_teardown_restores_them(tiny_model, arch_id, n_modules):
+    model = tiny_model(arch_id)
+    arch, inputs = _inputs(model)
+    stock = {name: m.processor for name, m in attention_modules(model).items()}
+    stock_globals = {name: type(p).__call__.__globals__["dispatch_attention_fn"] for name, p in stock.items()}
+    before = _out(model, arch, inputs)
+    ledger = Ledger()
+    applied = apply_attention(model, "int8", ledger)
+    assert len(applied.modules) == n_modules == len(stock) and not applied.kept
+    for name, module in attention_modules(model).items():
+        assert isinstance(module.processor, type(stock[name])) and module.processor is not stock[name]
+        # the stock __call__'s own code (norms, RoPE, joint concat and split are diffusers'), one global rebound
+        assert type(module.processor).__call__.__code__ is type(stock[name]).__call__.__code__
+        assert type(stock[name]).__call__.__globals__["dispatch_attention_fn"] is stock_globals[name]
+    after = _out(model, arch, inputs)
+    assert sum(applied.calls.values()) == applied.calls["int8"] == n_modules  # every call 8-bit, none stock
+    # The 8-bit error of the whole model: present, and small (a transposed layout would be far off).
+    assert 1e-6 < _rel(after, before) < 5e-3
+    report = ledger.unwind()
+    assert report.errors == [] and report.unfreed == [] and report.undone["attention_processor"] == n_modules
+    assert all(m.processor is stock[n] for n, m in attention_modules(model).items())
+    assert torch.equal(_out(model, arch, inputs), before)  # bit-equal to the float model's output
+
+
+def test_one_call_is_sdpa8_on_the_stock_processors_q_k_v(tiny_model):
+    """FLUX.1's double block: the 8-bit processor's attention output is reference_attention8 of the very q, k, v the
+    stock processor attends over (text + image joint, RoPE applied): captured by running the stock processor with a
+    dispatch that records them."""
+    from lowbit_pipe.attention.processors import Dispatch8, processor_class, processor_for
+
+    model = tiny_model("flux1")
+    attn = model.transformer_blocks[0].attn
+    stock = attn.processor
+    seen = {}
+
+    class Capture(Dispatch8):
+        def __call__(self, query, key, value, *args, **kwargs):
+            seen["qkv"] = [t.transpose(1, 2).clone() for t in (query, key, value)]
+            seen["out"] = super().__call__(query, key, value, *args, **kwargs)
+            return seen["out"]
+
+    from collections import Counter
+
+    cls = processor_class(type(stock), Capture("fp8", type(stock).__call__.__globals__["dispatch_attention_fn"],
+                                               Counter()))
+    attn.set_processor(processor_for(stock, cls))
+    block = model.transformer_blocks[0]
+    gen = torch.Generator().manual_seed(0)
+    hidden, text = torch.randn(1, 16, 256, generator=gen), torch.randn(1, 4, 256, generator=gen)
+    ids = torch.cat([torch.zeros(4, 3), _inputs(model)[1]["img_ids"]])
+    rope = model.pos_embed(ids)
+    with torch.no_grad():
+        attn(hidden_states=hidden, encoder_hidden_states=text, image_rotary_emb=rope)
+    q, k, v = seen["qkv"]
+    assert q.shape == (1, 4, 20, 64)  # joint: 4 text + 16 image tokens, 4 heads of 64
+    expected = reference_attention8(q, k, v, "fp8")
+    assert torch.equal(seen["out"].transpose(1, 2), expected)
+    assert 1e-5 < _rel(expected, exact_attention(q, k, v)) < 0.05
+
+
+def test_masked_calls_run_the_stock_attention(tiny_model):
+    """Krea 2 with a text padding mask: sdpa8 takes no mask, so every masked call (the refiner and the joint blocks)
+    is the stock one, exactly; the layerwise text block attends across text layers with no mask and gets 8-bit."""
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    inputs["encoder_attention_mask"] = torch.tensor([[True, True, True, False]])
+    before = _out(model, arch, inputs)
+    ledger = Ledger()
+    applied = apply_attention(model, "fp8", ledger, ["re:(?!text_fusion\\.layerwise).*"])
+    assert torch.equal(_out(model, arch, inputs), before)
+    assert dict(applied.calls) == {"stock: attention mask": 3}
+    ledger.unwind()
+    applied = apply_attention(model, "fp8", ledger)
+    assert not torch.equal(_out(model, arch, inputs), before)
+    assert dict(applied.calls) == {"stock: attention mask": 3, "fp8": 1}
+    ledger.unwind()
+
+
+def test_layers_restrict_it_and_name_the_rest(tiny_model):
+    model = tiny_model("krea2")
+    ledger = Ledger()
+    applied = apply_attention(model, "int8", ledger, ["transformer_blocks.*"])
+    assert sorted(applied.modules) == ["transformer_blocks.0.attn", "transformer_blocks.1.attn"]
+    assert applied.kept == {"text_fusion.layerwise_blocks.0.attn": "not in attention.layers",
+                            "text_fusion.refiner_blocks.0.attn": "not in attention.layers"}
+    assert apply_attention(model, "bf16", ledger) is None
+    ledger.unwind()
+    with pytest.raises(ValueError, match="attention.format must be one of"):
+        apply_attention(model, "int4", ledger)
+
+
+def test_a_compiled_attention_module_is_one_graph(tiny_model):
+    """torch.compile (fullgraph) traces the 8-bit processor: the custom op is one node, no graph break."""
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model, tokens=16)
+    ledger = Ledger()
+    apply_attention(model, "int8", ledger)
+    block = model.transformer_blocks[0]
+    eager_out = {}
+    handle = block.attn.register_forward_hook(lambda m, a, o: eager_out.setdefault("y", o))
+    kwargs = {}
+    handle2 = block.attn.register_forward_pre_hook(lambda m, a, k: kwargs.update(args=a, kw=k), with_kwargs=True)
+    _out(model, arch, inputs)
+    handle.remove(), handle2.remove()
+    torch._dynamo.reset()
+    compiled = torch.compile(block.attn, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        y = compiled(*kwargs["args"], **kwargs["kw"])
+    assert torch.equal(y, eager_out["y"])
+    torch._dynamo.reset()
+    ledger.unwind()
+
+
+# ------------------------------------------------------------------------------------------------------ a run
+def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    before = _out(model, arch, inputs)
+    stock = {n: m.processor for n, m in attention_modules(model).items()}
+    result = lowbit_pipe.run("default", ["attention.format=int8", "evaluate.samples=1", "evaluate.trajectory_seeds=1",
+                                         "evaluate.steps=2", "evaluate.layers=false",
+                                         "pipeline=[load,detect,quantize,evaluate]"], model=model,
+                             run_dir=tmp_path / "run")
+    report = result.report
+    assert report["attention"]["applied"] and report["attention"]["modules"] == 4
+    ev = report["evaluate"]
+    share = ev["attention"]
+    assert share["format"] == "int8" and share["calls"]["int8"] > 0 and set(share["calls"]) == {"int8"}
+    # the attention's own error is a part of the whole run's (int8 weights + 8-bit attention)
+    assert 0 < share["rel_error"] < ev["rel_error"] and 0 < share["share_of_rel_error"] < 1
+    assert share["trajectory"]["min_cosine"] > 0.999 and share["trajectory"]["diverged"] == 0
+    summary = (result.run_dir / "summary.txt").read_text()
+    assert "attention: int8 on 4 modules (calls: int8 " in summary and "8-bit attention (int8) alone" in summary
+    proof = lowbit_pipe.teardown(result)
+    assert proof["unfreed"] == [] and proof["errors"] == [] and proof["undone"]["attention_processor"] == 4
+    assert all(m.processor is stock[n] for n, m in attention_modules(model).items())
+    assert result.context.attention is None
+    assert torch.equal(_out(model, arch, inputs), before)
+
+
+# ------------------------------------------------------------------------------------------------------ the bench
+@pytest.mark.slow
+def test_the_error_bench_runs_and_writes_its_table(tmp_path):
+    """bench/attention8_error.py --smoke on the tiny FLUX.1: per-layer figures against float64 attention for every
+    joint call, and the trajectory rows (the attention's own share is the float-weights row)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(root / "bench" / "attention8_error.py"), "--smoke", "--archs", "flux1",
+                           "--out", str(tmp_path / "err")], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    payload = json.loads((tmp_path / "err.json").read_text())
+    assert "## Per attention layer" in (tmp_path / "err.md").read_text()
+    layers = {r["layer"]: r for r in payload["layers"]}
+    assert len(layers) == 3 and all(r["calls"] == 2 for r in layers.values())  # 1 seed x 2 steps
+    for r in layers.values():
+        assert r["int8"]["min_cosine"] > 0.999 and r["fp8"]["min_cosine"] > 0.999
+        assert 0 < r["bf16_sdpa"]["max_rel"] < r["int8"]["max_rel"] < 0.05
+        assert r["sageattention"] is None and r["sageattention_note"] == "needs CUDA"
+    rows = {(r["weights"], r["attention"]): r for r in payload["trajectories"]}
+    assert len(rows) == 8 and ("float", "bf16") not in rows
+    assert 0 < rows[("float", "int8")]["mean_rel"] < rows[("int8", "int8")]["mean_rel"]
+    assert rows[("float", "int8")]["calls"] == {"int8": 6}
