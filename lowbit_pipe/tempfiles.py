@@ -234,17 +234,12 @@ def write_error(err: OSError, path: str | Path, *, needed: int | None = None, wr
 
 def atomic_write_text(path: str | Path, text: str) -> None:
     """Write `text` to `path` through a temporary file and a rename; a failure leaves `path` as it was."""
-    path = Path(path)
-    remove_stale(path)
-    tmp = temp_path(path)
-    data = text.encode("utf-8")
+    tmp = write_temp_text(path, text)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        publish(tmp, path)
+        publish(tmp, Path(path))
     except OSError as err:
         _discard(tmp)
-        raise write_error(err, path, needed=len(data)) from err
+        raise write_error(err, path, needed=len(text.encode("utf-8"))) from err
     finally:
         _discard(tmp)  # an exception of any kind (an interrupt too): no temporary file stays
 

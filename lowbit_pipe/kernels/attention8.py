@@ -51,8 +51,9 @@ class Attention8Config:
     warp_specialize: bool = False
 
 
-# Fixed configs, no autotuner in the call path: chosen by bench/attention8_bench.py --sweep on the H200 (the
-# table in bench/results/attention8_h200.md). The interpreter (CPU tests) takes small tiles.
+# Fixed configs, no autotuner in the call path: the fastest of bench/attention8_bench.py --sweep's 24 on an H100 at
+# 1 x 48 x 4608 x 128, both QK formats (bench/results/attention8_h100_sweep.md); head dim 64 takes the same tiles
+# until a sweep of its own. The interpreter (CPU tests) takes small tiles.
 GPU_CONFIGS = {64: Attention8Config(64, 128, 4, 2), 128: Attention8Config(64, 128, 4, 2)}
 INTERPRETER_CONFIG = Attention8Config(32, 32, 4, 1)
 
