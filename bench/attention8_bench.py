@@ -10,6 +10,10 @@ kernels/attention8.py come from that table).
     python3 bench/attention8_bench.py --out bench/results/attention8_h200.json [--sweep]
     python bench/attention8_bench.py --device cpu --small        # smoke run: the reference path only
 
+Masked shapes (diffusers' Krea 2 passes a text key-padding mask to every attention) time only what takes a
+boolean mask: torch SDPA (its default backend picks cuDNN or falls back) and ours; flash and sageattention
+take none.
+
 Inputs: normal q, k, v plus per-channel offsets (keys 2, values 1, as DiT activations carry after norms and
 RoPE), q and k scaled so the softmax is peaky (score std 3). Shapes: Krea 2 / FLUX.1 at 1024² (4096 image +
 512 text tokens, 48 or 24 heads of 128), at 2048² (16384 + 512) and at 512² (1024 + 512), head dim 64.
@@ -43,12 +47,16 @@ class Shape:
     heads: int
     tokens: int
     dim: int
+    text_valid: int = 0  # > 0: a key-padding mask, the first `text` tokens text of which this many attend
+    text: int = 512
 
 
 SHAPES = [Shape("krea2_1024", 1, 48, 4608, 128), Shape("krea2_2048", 1, 48, 16896, 128),
           Shape("flux1_1024", 1, 24, 4608, 128), Shape("krea2_512", 1, 48, 1536, 128),
-          Shape("d64_1024", 1, 48, 4608, 64)]
-SMALL = [Shape("small", 1, 2, 300, 64)]
+          Shape("d64_1024", 1, 48, 4608, 64),
+          # diffusers' Krea 2 always passes its text padding mask: 512 text tokens, here 128 of them a prompt
+          Shape("krea2_1024_masked", 1, 48, 4608, 128, 128)]
+SMALL = [Shape("small", 1, 2, 300, 64), Shape("small_masked", 1, 2, 300, 64, 40, 100)]
 
 
 def inputs(s: Shape, device: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,21 +99,22 @@ def variants(device: str) -> dict:
     """name -> f(q, k, v) for every attention this run times (those whose package is missing left out)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    out = {"sdpa_bf16": lambda q, k, v: F.scaled_dot_product_attention(q, k, v)}
+    out = {"sdpa_bf16": lambda q, k, v, m=None: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=None if m is None else m[:, None, None, :])}
     if device == "cuda":
         def backend(b):
-            def f(q, k, v):
+            def f(q, k, v, m=None):
                 with sdpa_kernel([b]):
                     return F.scaled_dot_product_attention(q, k, v)
             return f
         out["sdpa_flash"] = backend(SDPBackend.FLASH_ATTENTION)
         try:
             from sageattention import sageattn
-            out["sageattention"] = lambda q, k, v: sageattn(q, k, v, tensor_layout="HND", is_causal=False)
+            out["sageattention"] = lambda q, k, v, m=None: sageattn(q, k, v, tensor_layout="HND", is_causal=False)
         except ImportError as exc:
             print(f"sageattention not importable ({exc}): its rows are left out", flush=True)
     for fmt in A.QK_FORMATS:
-        out[f"ours_{fmt}"] = lambda q, k, v, fmt=fmt: A.sdpa8(q, k, v, fmt)
+        out[f"ours_{fmt}"] = lambda q, k, v, m=None, fmt=fmt: A.sdpa8(q, k, v, fmt, key_mask=m)
         if device == "cuda":
             out[f"ours_{fmt}_kernel_only"] = None  # filled per shape: the attention kernel on quantized operands
     return out
@@ -123,29 +132,35 @@ def accuracy(y: torch.Tensor, exact: torch.Tensor, bf16: torch.Tensor) -> dict:
 
 def bench_shape(s: Shape, device: str, rep: int) -> list[dict]:
     q, k, v = inputs(s, device)
+    mask = None
+    if s.text_valid:
+        mask = torch.ones(s.batch, s.tokens, dtype=torch.bool, device=device)
+        mask[:, s.text_valid:s.text] = False
     flops = 4 * s.batch * s.heads * s.tokens ** 2 * s.dim
     heads = slice(0, min(4, s.heads))  # the float64 oracle and the torch reference on a head subset
     qs, ks, vs = q[:, heads], k[:, heads], v[:, heads]
-    exact = A.exact_attention(qs, ks, vs)
-    bf16 = F.scaled_dot_product_attention(qs, ks, vs)
+    exact = A.exact_attention(qs, ks, vs, key_mask=mask)
+    bf16 = variants("cpu")["sdpa_bf16"](qs, ks, vs, mask)
     rows, base = [], None
     for name, fn in variants(device).items():
+        if mask is not None and name in ("sdpa_flash", "sageattention"):
+            continue  # they take no mask
         if name.endswith("_kernel_only"):
             fmt = name.split("_")[1]
-            qkv = A.quantize_qkv(q, k, v, fmt)
+            qkv = A.quantize_qkv(q, k, v, fmt, key_mask=mask)
             o = torch.empty_like(q)
-            fn = lambda q_, k_, v_, qkv=qkv, o=o: A.attention8_quantized(qkv, o)  # noqa: E731
-        ms = time_ms(lambda: fn(q, k, v), device, rep)
+            fn = lambda q_, k_, v_, m_=None, qkv=qkv, o=o: A.attention8_quantized(qkv, o)  # noqa: E731
+        ms = time_ms(lambda: fn(q, k, v, mask), device, rep)
         row = {"shape": s.name, **asdict(s), "variant": name, "ms": ms, "tflops": flops / ms / 1e9}
         if name == "sdpa_bf16":
             base = ms
         row["speedup_vs_sdpa"] = base / ms
         if not name.endswith("_kernel_only"):
-            y = fn(qs, ks, vs)
+            y = fn(qs, ks, vs, mask)
             row.update(accuracy(y, exact, bf16))
             if name.startswith("ours_") and device == "cuda":
                 fmt = name.split("_")[1]
-                ref = A.reference_attention8(qs, ks, vs, fmt, config=A.config_for(s.dim, True))
+                ref = A.reference_attention8(qs, ks, vs, fmt, config=A.config_for(s.dim, True), key_mask=mask)
                 row["rel_vs_reference"] = float((y.double() - ref.double()).norm() / ref.double().norm())
         rows.append(row)
         print(f"{s.name:12s} {name:26s} {ms:8.3f} ms {row['tflops']:7.1f} TFLOPS x{row['speedup_vs_sdpa']:.2f}"

@@ -72,6 +72,19 @@ VARIANTS = (
       "lora.files=[{path: 'example:peft:rank=32:seed=1', name: a}]"], True),
     ("fp8, no compile", "default", ["pipeline=[load,detect,quantize]", "quantize.default.format=fp8"], False),
     ("int8, no compile", "default", ["pipeline=[load,detect,quantize]", "quantize.default.format=int8"], False),
+    # 8-bit attention (attention.format): the joint blocks' attention in the Triton kernel; the text fusion's
+    # (head dim 32) keeps torch's. Weights untouched in the first row: quantize.keep holds every layer.
+    ("bf16 + fp8 attention, compiled", "default",
+     QUANT + ["quantize.keep=['*']", "attention.format=fp8"], True),
+    ("fp8 + fp8 attention, compiled", "default", QUANT + ["quantize.default.format=fp8", "attention.format=fp8"], True),
+    ("int8 + int8 attention, compiled", "default",
+     QUANT + ["quantize.default.format=int8", "attention.format=int8"], True),
+    ("krea2_nvfp4, fp8 compute + fp8 attention, compiled", "krea2_nvfp4",
+     QUANT + ["quantize.nvfp4_compute=fp8", "attention.format=fp8"], True),
+    ("fp8 + fp8 attention, no compile", "default",
+     ["pipeline=[load,detect,quantize]", "quantize.default.format=fp8", "attention.format=fp8"], False),
+    ("int8 + int8 attention, no compile", "default",
+     ["pipeline=[load,detect,quantize]", "quantize.default.format=int8", "attention.format=int8"], False),
 )
 
 
@@ -202,6 +215,57 @@ def torchao_fp8_row(model: torch.nn.Module, forward: Callable[[], torch.Tensor],
     return row
 
 
+class SageDispatch:
+    """`dispatch_attention_fn`'s signature, running sageattention (bench only: the baseline users reach for)."""
+
+    qk_format = "sageattention"
+
+    def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                 dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+                 attention_kwargs: Any = None, *, backend: Any = None, parallel_config: Any = None) -> torch.Tensor:
+        from sageattention import sageattn
+
+        if attn_mask is not None or dropout_p or is_causal:
+            raise ValueError("sageattention takes no mask, dropout or causal flag")
+        return sageattn(query, key, value, tensor_layout="NHD", is_causal=False, sm_scale=scale)
+
+
+def sageattention_rows(model: torch.nn.Module, forward: Callable[[], torch.Tensor], ref: torch.Tensor,
+                       device: torch.device, iters: int, run_dir: Path) -> list[dict[str, Any]]:
+    """sageattention (1.0.6, Triton: INT8 Q·Kᵀ, fp16 P·V) in the joint blocks of the bf16 model, eager and through
+    the compile stage. diffusers' own "sage" backend asks for sageattention >= 2.1.1 (a CUDA build), so it goes in
+    through the swap ours uses (the stock processor code, its attention call rebound); the text fusion (head dim 32,
+    which sageattention refuses) keeps torch's. Processors restored after."""
+    from lowbit_pipe.attention.processors import attention_modules, processor_class, processor_for
+
+    swapped = {}
+    classes: dict[type, type] = {}
+    rows = []
+    try:
+        import sageattention  # noqa: F401
+        for name, module in attention_modules(model).items():
+            if name.startswith("transformer_blocks."):
+                stock = module.processor
+                cls = classes.setdefault(type(stock), processor_class(type(stock), SageDispatch()))
+                module.set_processor(processor_for(stock, cls))
+                swapped[name] = (module, stock)
+        rows.append(measure("bf16 + sageattention, no compile", forward, device, iters, ref, False))
+        result = lowbit_pipe.run("default", ["pipeline=[load,detect,compile]"], model=model, run_dir=run_dir)
+        try:
+            rows.append(measure("bf16 + sageattention, compiled", forward, device, iters, ref, True))
+        finally:
+            lowbit_pipe.teardown(result)
+    except Exception as e:  # noqa: BLE001 -- a baseline that cannot run is reported, not fatal
+        rows.append({"variant": "bf16 + sageattention", "error": f"{type(e).__name__}: {e}"})
+        print(f"  sageattention: {type(e).__name__}: {e}", flush=True)
+    finally:
+        for module, stock in swapped.values():
+            module.set_processor(stock)
+    for r in rows:
+        r["weight_bytes"] = model_bytes(model)
+    return rows
+
+
 def run_variant(label: str, recipe: str, overrides: list[str], compiled: bool, model: torch.nn.Module, arch: Any,
                 forward: Callable[[], torch.Tensor], ref: torch.Tensor, float_bytes: int, device: torch.device,
                 iters: int, run_dir: Path) -> dict[str, Any]:
@@ -231,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--only", nargs="*", help="labels (prefixes) of the variants to run ('torchao' for the torchao baseline); default all")
     p.add_argument("--no-torchao", action="store_true")
+    p.add_argument("--no-sage", action="store_true", help="leave out the sageattention rows")
     p.add_argument("--out", default="bench/results/headline_h200.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -262,6 +327,10 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(torchao_baseline(build, forward_of, device, args.iters, ref))
         write(rows, args, device, params, build_s, quiet=True)
     with tempfile.TemporaryDirectory() as scratch:
+        if not args.no_sage and device.type == "cuda" and (not wanted or any("bf16 + sage".startswith(w) for w in wanted)):
+            rows.extend(sageattention_rows(model, forward, ref, device, args.iters, Path(scratch) / "sage"))
+            torch._dynamo.reset()
+            write(rows, args, device, params, build_s, quiet=True)
         for i, (label, recipe, overrides, compiled) in enumerate(VARIANTS):
             if wanted and not any(label.startswith(w) for w in wanted):
                 continue

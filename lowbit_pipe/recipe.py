@@ -235,7 +235,7 @@ class AttentionConfig:
     # "bf16": the model's own attention, unchanged (whatever its dtype); "int8" / "fp8": the format of Q·Kᵀ.
     format: str = "bf16"
     # Attention modules (diffusers names, e.g. transformer_blocks.*.attn; globs or re:) that get it; the rest keep
-    # their own. Calls sdpa8 cannot serve (a padding mask, cross-attention) run the model's own attention anyway.
+    # their own. Calls sdpa8 cannot serve (a mask other than key padding, cross-attention) run the model's own attention anyway.
     layers: list[str] = field(default_factory=lambda: ["*"])
 
 

@@ -62,7 +62,7 @@ class Dispatch8:
                               scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                               parallel_config=parallel_config)
         self.calls[self.qk_format] += 1
-        return attend8(q, k, v, self.qk_format, scale).transpose(1, 2)
+        return attend8(q, k, v, self.qk_format, scale, attn_mask).transpose(1, 2)
 
 
 def supports(processor: Any) -> str | None:

@@ -1,8 +1,9 @@
 """Which attention calls 8-bit attention serves, and the call itself in [B, H, N, D].
 
-sdpa8 computes softmax(q kᵀ * scale) v with no mask, no dropout, queries and keys of one length and one head
-count. A call outside that (a padding mask, cross-attention of another length, dropout) runs the model's own
-attention instead, and says why (`stock_reason`): nothing is approximated that sdpa8 does not compute. On a
+sdpa8 computes softmax(q kᵀ * scale) v with no dropout, queries and keys of one length and one head count, and
+at most a key-padding mask: a boolean mask that leaves out whole keys, the same for every head and query
+([B, 1, 1, N], [B, 1, N] or [B, N]; diffusers' Krea 2 always passes one for its padded text tokens). A call
+outside that (another mask, cross-attention of another length, dropout) runs the model's own attention instead, and says why (`stock_reason`): nothing is approximated that sdpa8 does not compute. On a
 CUDA device where the Triton kernel does not run (before Hopper, a head dim other than 64 / 128) the call runs
 the model's own attention too: sdpa8's torch reference there is the kernel's oracle, not a fast path. On the CPU
 sdpa8's reference runs (what the error measurements and the tests use).
@@ -27,12 +28,21 @@ def kernel_head_dims(device: torch.device) -> tuple[int, ...]:
     return tuple(GPU_CONFIGS) if torch.cuda.get_device_capability(device) >= (9, 0) else ()
 
 
+def key_padding(mask: Any, batch: int, keys: int) -> torch.Tensor | None:
+    """`mask` as a [batch, keys] boolean key mask (True = attend), or None when it is not a key-padding mask."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or not 2 <= mask.dim() <= 4:
+        return None
+    if mask.shape[-1] != keys or mask.shape[0] not in (1, batch) or any(s != 1 for s in mask.shape[1:-1]):
+        return None
+    return mask.reshape(mask.shape[0], keys).expand(batch, keys)
+
+
 def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, dropout_p: float = 0.0,
                  is_causal: bool = False, head_dims: tuple[int, ...] | None = None) -> str | None:
     """Why this [B, H, N, D] call runs the model's own attention; None when sdpa8 serves it. `head_dims`: what
     `kernel_head_dims` says for q's device, looked up once by a caller that torch.compile traces (None: here)."""
-    if mask is not None:
-        return "attention mask"
+    if mask is not None and (q.dim() != 4 or key_padding(mask, q.shape[0], k.shape[-2]) is None):
+        return "attention mask other than a boolean key-padding mask"
     if dropout_p:
         return "dropout"
     if is_causal:
@@ -46,8 +56,11 @@ def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any
     return None
 
 
-def attend8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, scale: float | None) -> torch.Tensor:
-    """sdpa8 on [B, H, N, D] tensors (any strides): [B, H, N, D] in q's dtype."""
+def attend8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, scale: float | None,
+            mask: torch.Tensor | None = None) -> torch.Tensor:
+    """sdpa8 on [B, H, N, D] tensors (any strides), `mask` a key-padding mask `stock_reason` let through:
+    [B, H, N, D] in q's dtype."""
     from lowbit_pipe.kernels.attention8 import sdpa8
 
-    return sdpa8(q, k, v, qk_format=qk_format, sm_scale=scale)
+    key_mask = key_padding(mask, q.shape[0], k.shape[-2]) if mask is not None else None
+    return sdpa8(q, k, v, qk_format=qk_format, sm_scale=scale, key_mask=key_mask)

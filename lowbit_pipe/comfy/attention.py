@@ -8,7 +8,7 @@ and a clone copies them (dicts and lists deep, other objects shared): set on a c
 that MODEL and every MODEL made from it, never on the MODEL it was cloned from.
 
 `Attention8Override` runs sdpa8 where it serves the call (lowbit_pipe.attention.route) and ComfyUI's own `func`
-elsewhere: a mask, cross-attention of another length, a layer that asks for full precision
+elsewhere: a mask other than a boolean key-padding one, cross-attention of another length, a layer that asks for full precision
 (`low_precision_attention=False`, which ComfyUI's sage attention honours too), a GPU without the kernel.
 Purge drops it: off the MODEL it is given, and marked purged, so any other MODEL still carrying it (ComfyUI's
 cache) refuses to sample, naming the node, rather than silently compute in 16 bits; the node re-runs on the
@@ -51,7 +51,7 @@ class Attention8Override:
             self.calls[f"stock: {why}"] += 1
             return func(q, k, v, heads, *args, **kwargs)
         self.calls[self.qk_format] += 1
-        out = attend8(*qkv, self.qk_format, kwargs.get("scale"))  # [B, H, N, D]
+        out = attend8(*qkv, self.qk_format, kwargs.get("scale"), kwargs.get("mask"))  # [B, H, N, D]
         if kwargs.get("skip_output_reshape", False):
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)

@@ -1,6 +1,7 @@
 """8-bit attention (Triton, Hopper): Q·Kᵀ in FP8 or INT8 with per-block scales, P·V in FP8, fp32 online softmax.
 
-    out = softmax(q kᵀ / sqrt(d)) v          q, k, v: [B, H, N, D], D in (64, 128), no mask (a DiT's joint attention)
+    out = softmax(q kᵀ / sqrt(d) + bias) v   q, k, v: [B, H, N, D], D in (64, 128); bias: 0 or -inf per key
+                                              (an optional key-padding mask, as Krea 2 pads its text tokens)
 
 Quantization, before the attention kernel (`quantize_qkv`, two small kernels plus two torch reductions):
 - K smoothing: k - mean over tokens (per batch, head, channel). q·(k - m) = q·k - q·m, a constant per query row,
@@ -19,7 +20,13 @@ Quantization, before the attention kernel (`quantize_qkv`, two small kernels plu
   unrounded p. Each key block's P·V is its own fp8 dot, added to the fp32 accumulator.
 
 All token counts work: the quantized tensors are padded to whole blocks with zeros, and keys past N are masked
-to -inf. The torch reference (`reference_attention8`) runs the same arithmetic block by block (the kernel's
+to -inf. A key-padding mask ([B, N] booleans, True = attend) becomes a per-key bias row [B, n_pad] of 0 / -inf
+that the kernel adds to each key block's scores (one load of BLOCK_N floats per block); the padding past N is
+-inf in it too. Masked keys are left out of the quantization as well: k's and v's means and v's scale are taken
+over the attended keys, and masked rows of k and v are stored as zeros, so a padded token's values (however
+large) widen no scale. Smoothing stays exact under a mask: a constant per query row still cancels, and each
+row of weights still sums to one over the keys it attends. A query whose keys are all masked gets NaN, as torch's SDPA
+gives. The torch reference (`reference_attention8`) runs the same arithmetic block by block (the kernel's
 oracle, and the path on the CPU); `exact_attention` is the float64 oracle of what 8-bit attention approximates.
 
 Layout: quantize kernels -> attention kernel -> launcher `attention8` (checks, padding, config) -> custom op
@@ -30,6 +37,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import triton
@@ -71,6 +79,7 @@ class QuantizedQKV:
     v8_t: torch.Tensor
     v_scale: torch.Tensor
     v_mean: torch.Tensor
+    key_bias: torch.Tensor | None  # [B, n_pad] fp32, 0 (attend) or -inf; None: every key attends
     n: int
     n_pad: int
     qk_format: str
@@ -95,12 +104,12 @@ def _round_codes(y, INT8: tl.constexpr):
 
 @triton.jit
 def _quant_blocks_kernel(
-    x_ptr, mean_ptr, y_ptr, s_ptr,
+    x_ptr, mean_ptr, kb_ptr, y_ptr, s_ptr,
     H, N, N_PAD, stride_b, stride_h, stride_n, stride_d, scale_mul,
-    D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, INT8: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, HAS_MEAN: tl.constexpr, INT8: tl.constexpr, KEY_MASK: tl.constexpr,
 ):
     # Program (token block, batch*head): the block's amax -> one scale -> codes, written to the padded
-    # [B*H, N_PAD, D] buffer (rows past N are zeros).
+    # [B*H, N_PAD, D] buffer (rows past N, and masked keys, are zeros).
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -108,6 +117,8 @@ def _quant_blocks_kernel(
     rows = blk * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     ok = rows < N
+    if KEY_MASK:
+        ok = ok & (tl.load(kb_ptr + b * N_PAD + rows) == 0.0)
     x = tl.load(x_ptr + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :] * stride_d,
                 mask=ok[:, None], other=0.0).to(tl.float32)
     if HAS_MEAN:
@@ -124,12 +135,12 @@ def _quant_blocks_kernel(
 
 @triton.jit
 def _quant_v_kernel(
-    x_ptr, vs_ptr, vm_ptr, y_ptr,
+    x_ptr, vs_ptr, vm_ptr, kb_ptr, y_ptr,
     H, N, N_PAD, stride_b, stride_h, stride_n, stride_d,
-    D: tl.constexpr, BLOCK: tl.constexpr,
+    D: tl.constexpr, BLOCK: tl.constexpr, KEY_MASK: tl.constexpr,
 ):
     # Program (token block, batch*head): e4m3 codes of (v - v_mean) / v_scale per channel, written transposed
-    # [D, N_PAD] (rows past N are zeros).
+    # [D, N_PAD] (rows past N, and masked keys, are zeros).
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
@@ -137,6 +148,8 @@ def _quant_v_kernel(
     rows = blk * BLOCK + tl.arange(0, BLOCK)
     cols = tl.arange(0, D)
     ok = rows < N
+    if KEY_MASK:
+        ok = ok & (tl.load(kb_ptr + b * N_PAD + rows) == 0.0)
     x = tl.load(x_ptr + b * stride_b + h * stride_h + rows[:, None] * stride_n + cols[None, :] * stride_d,
                 mask=ok[:, None], other=0.0).to(tl.float32)
     x = tl.where(ok[:, None], x - tl.load(vm_ptr + bh * D + cols)[None, :], 0.0)
@@ -152,10 +165,10 @@ def _quant_v_kernel(
 
 @triton.jit
 def _attention8_kernel(
-    q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, vm_ptr, o_ptr,
+    q_desc, k_desc, v_desc, qs_ptr, ks_ptr, vs_ptr, vm_ptr, kb_ptr, o_ptr,
     H, N, N_PAD, stride_ob, stride_oh, stride_on, stride_od,
     D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INT8: tl.constexpr, MASK_TAIL: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    KEY_BIAS: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -174,7 +187,9 @@ def _attention8_kernel(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * (q_scale * tl.load(ks_row + start_n // BLOCK_N))
-        if MASK_TAIL:
+        if KEY_BIAS:  # the padding past N is -inf in it: no tail mask needed
+            s = s + tl.load(kb_ptr + (bh // H) * N_PAD + start_n + offs_n)[None, :]
+        elif MASK_TAIL:
             s = tl.where((start_n + offs_n)[None, :] < N, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         p = tl.math.exp2(s - m_new[:, None])
@@ -198,24 +213,61 @@ def _attention8_kernel(
 # launchers
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str) -> None:
+def _check_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str,
+                key_mask: torch.Tensor | None) -> None:
     if qk_format not in QK_FORMATS:
         raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
         raise ValueError(f"attention8: q, k, v must be [B, H, N, D] of one shape, got {tuple(q.shape)}, "
                          f"{tuple(k.shape)}, {tuple(v.shape)}")
+    if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (q.shape[0], q.shape[2])):
+        raise ValueError(f"attention8: key_mask must be [B, N] = {[q.shape[0], q.shape[2]]} booleans (True = attend), "
+                         f"got {list(key_mask.shape)} {key_mask.dtype}")
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, key_mask: torch.Tensor | None) -> None:
+    _check_args(q, k, v, qk_format, key_mask)
     if q.shape[-1] not in (64, 128):
         raise ValueError(f"attention8: head_dim must be 64 or 128, got {q.shape[-1]}")
+
+
+def key_bias_row(key_mask: torch.Tensor, n_pad: int) -> torch.Tensor:
+    """[B, n_pad] fp32: 0 where key_mask ([B, N] bool) attends, -inf where it does not and past N."""
+    bias = torch.full((key_mask.shape[0], n_pad), float("-inf"), dtype=torch.float32, device=key_mask.device)
+    bias[:, :key_mask.shape[1]].masked_fill_(key_mask, 0.0)
+    return bias
 
 
 def config_for(d: int, on_cuda: bool) -> Attention8Config:
     return GPU_CONFIGS[d] if on_cuda else INTERPRETER_CONFIG
 
 
+def _key_stats(k: torch.Tensor, v: torch.Tensor,
+               key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k's mean, v's mean and amax |v - v's mean| per (batch, head, channel), [B*H, D] fp32, over the attended keys."""
+    b, h, n, d = k.shape
+    if key_mask is None:
+        k_mean = k.mean(dim=2, dtype=torch.float32)
+        v_mean = v.mean(dim=2, dtype=torch.float32)
+        # amax |v - mean| = max(max v - mean, mean - min v): two reductions over v, no smoothed copy of it
+        v_max, v_min = v.amax(dim=2).float(), v.amin(dim=2).float()
+    else:
+        w = key_mask[:, None, :, None]
+        count = key_mask.sum(dim=1).clamp(min=1).float()[:, None, None]
+        k_mean = torch.where(w, k, 0).sum(dim=2, dtype=torch.float32) / count
+        v_mean = torch.where(w, v, 0).sum(dim=2, dtype=torch.float32) / count
+        v_max = torch.where(w, v, float("-inf")).amax(dim=2).float()
+        v_min = torch.where(w, v, float("inf")).amin(dim=2).float()
+    v_amax = torch.maximum(v_max - v_mean, v_mean - v_min).clamp(min=0)  # clamp: a row with no key attended
+    return (k_mean.reshape(b * h, d).contiguous(), v_mean.reshape(b * h, d).contiguous(),
+            v_amax.reshape(b * h, d).contiguous())
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
-                 sm_scale: float | None = None, config: Attention8Config | None = None) -> QuantizedQKV:
+                 sm_scale: float | None = None, config: Attention8Config | None = None,
+                 key_mask: torch.Tensor | None = None) -> QuantizedQKV:
     """The attention kernel's operands (Triton; CPU tensors only under TRITON_INTERPRET)."""
-    _check(q, k, v, qk_format)
+    _check(q, k, v, qk_format, key_mask)
     b, h, n, d = q.shape
     cfg = config or config_for(d, q.is_cuda)
     if cfg.block_m % cfg.block_n and cfg.block_n % cfg.block_m:
@@ -226,11 +278,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: s
     int8 = qk_format == "int8"
     code = torch.int8 if int8 else torch.float8_e4m3fn
     dev = q.device
-    mean = k.mean(dim=2, dtype=torch.float32).reshape(b * h, d).contiguous()
-    v_mean = v.mean(dim=2, dtype=torch.float32).reshape(b * h, d).contiguous()
-    # amax |v - mean| = max(max v - mean, mean - min v): two reductions over v, no smoothed copy of it
-    v_amax = torch.maximum(v.amax(dim=2).float().reshape(b * h, d) - v_mean, v_mean - v.amin(dim=2).float().reshape(b * h, d))
+    mean, v_mean, v_amax = _key_stats(k, v, key_mask)
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax)).contiguous()
+    key_bias = key_bias_row(key_mask, n_pad) if key_mask is not None else None
     q8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
     k8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
     v8_t = torch.empty(b * h, d, n_pad, dtype=torch.float8_e4m3fn, device=dev)
@@ -238,12 +288,15 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: s
     k_scale = torch.empty(b * h, n_pad // cfg.block_n, dtype=torch.float32, device=dev)
     for x, y, s, block, mean_arg, mul in ((q, q8, q_scale, cfg.block_m, None, sm * LOG2E),
                                           (k, k8, k_scale, cfg.block_n, mean, 1.0)):
+        is_key = mean_arg is not None
         _quant_blocks_kernel[(n_pad // block, b * h)](
-            x, mean_arg if mean_arg is not None else v_scale, y, s, h, n, n_pad, *x.stride(), mul,
-            D=d, BLOCK=block, HAS_MEAN=mean_arg is not None, INT8=int8, num_warps=4)
-    _quant_v_kernel[(n_pad // cfg.block_n, b * h)](v, v_scale, v_mean, v8_t, h, n, n_pad, *v.stride(), D=d,
-                                                   BLOCK=cfg.block_n, num_warps=4)
-    return QuantizedQKV(q8, q_scale, k8, k_scale, v8_t, v_scale, v_mean, n, n_pad, qk_format, cfg)
+            x, mean_arg if is_key else v_scale, key_bias if key_bias is not None else v_scale, y, s, h, n, n_pad,
+            *x.stride(), mul, D=d, BLOCK=block, HAS_MEAN=is_key, INT8=int8, KEY_MASK=is_key and key_bias is not None,
+            num_warps=4)
+    _quant_v_kernel[(n_pad // cfg.block_n, b * h)](v, v_scale, v_mean, key_bias if key_bias is not None else v_scale,
+                                                   v8_t, h, n, n_pad, *v.stride(), D=d, BLOCK=cfg.block_n,
+                                                   KEY_MASK=key_bias is not None, num_warps=4)
+    return QuantizedQKV(q8, q_scale, k8, k_scale, v8_t, v_scale, v_mean, key_bias, n, n_pad, qk_format, cfg)
 
 
 def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
@@ -257,18 +310,22 @@ def attention8_quantized(qkv: QuantizedQKV, out: torch.Tensor) -> torch.Tensor:
     k_desc = TensorDescriptor(k2, list(k2.shape), [d, 1], [cfg.block_n, d])
     v_desc = TensorDescriptor(v2, list(v2.shape), [n_pad, 1], [d, cfg.block_n])
     _attention8_kernel[(n_pad // cfg.block_m, bh)](
-        q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_mean, out, out.shape[1], qkv.n, n_pad,
+        q_desc, k_desc, v_desc, qkv.q_scale, qkv.k_scale, qkv.v_scale, qkv.v_mean,
+        qkv.key_bias if qkv.key_bias is not None else qkv.v_mean, out, out.shape[1], qkv.n, n_pad,
         *out.stride(), D=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, INT8=qkv.qk_format == "int8",
-        MASK_TAIL=qkv.n % cfg.block_n != 0, WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
+        MASK_TAIL=qkv.n % cfg.block_n != 0, KEY_BIAS=qkv.key_bias is not None,
+        WARP_SPECIALIZE=cfg.warp_specialize, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return out
 
 
 def attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
-               sm_scale: float | None = None, config: Attention8Config | None = None) -> torch.Tensor:
+               sm_scale: float | None = None, config: Attention8Config | None = None,
+               key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q kᵀ * sm_scale) v with 8-bit operands (Triton): [B, H, N, D] in q's dtype and memory layout (a
-    [B, N, H, D] tensor seen as [B, H, N, D] gives its output in that layout, so transposing back is free)."""
-    qkv = quantize_qkv(q, k, v, qk_format, sm_scale, config)
+    [B, N, H, D] tensor seen as [B, H, N, D] gives its output in that layout, so transposing back is free).
+    key_mask: [B, N] booleans, True where a key is attended (None: all)."""
+    qkv = quantize_qkv(q, k, v, qk_format, sm_scale, config, key_mask)
     return attention8_quantized(qkv, torch.empty_like(q))
 
 
@@ -285,11 +342,11 @@ def _codes(x: torch.Tensor, scale: torch.Tensor, int8: bool) -> torch.Tensor:
 
 
 def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
-                         sm_scale: float | None = None, config: Attention8Config | None = None) -> torch.Tensor:
+                         sm_scale: float | None = None, config: Attention8Config | None = None,
+                         key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton path's arithmetic in torch, block by block (same scales, codes, online softmax and P
     rounding): its oracle, and 8-bit attention where the kernel cannot run (CPU, other head dims)."""
-    if qk_format not in QK_FORMATS:
-        raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
+    _check_args(q, k, v, qk_format, key_mask)
     b, h, n, d = q.shape
     cfg = config or INTERPRETER_CONFIG
     bm, bn = cfg.block_m, cfg.block_n
@@ -297,9 +354,17 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
     grid = INT8_MAX if int8 else FP8_MAX
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qf, kf, vf = q.float(), k.float(), v.float()
-    kf = kf - kf.mean(dim=2, keepdim=True)
-    v_mean = vf.mean(dim=2, keepdim=True)
-    vf = vf - v_mean
+    if key_mask is not None:  # masked keys: out of the means and scales, zeros in k and v (the kernel's rule)
+        w = key_mask[:, None, :, None]
+        count = key_mask.sum(dim=1).clamp(min=1).float()[:, None, None, None]
+        k_mean = torch.where(w, kf, 0).sum(dim=2, keepdim=True) / count
+        v_mean = torch.where(w, vf, 0).sum(dim=2, keepdim=True) / count
+        kf = torch.where(w, kf - k_mean, 0)
+        vf = torch.where(w, vf - v_mean, 0)
+    else:
+        kf = kf - kf.mean(dim=2, keepdim=True)
+        v_mean = vf.mean(dim=2, keepdim=True)
+        vf = vf - v_mean
     v_amax = vf.abs().amax(dim=2, keepdim=True)
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
     v8 = _codes(vf, v_scale, False)
@@ -309,11 +374,13 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
         return torch.clamp(amax, min=1e-12) / grid if int8 else torch.where(amax > 0, amax / grid, torch.ones_like(amax))
 
     out = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
+    bias = (key_bias_row(key_mask, n)[:, None, None, :] if key_mask is not None
+            else torch.zeros(1, 1, 1, n, device=q.device))
     k_blocks = []
     for s0 in range(0, n, bn):
         kb = kf[:, :, s0:s0 + bn]
         ks = block_scale(kb)
-        k_blocks.append((_codes(kb, ks, int8), ks, v8[:, :, s0:s0 + bn]))
+        k_blocks.append((_codes(kb, ks, int8), ks, v8[:, :, s0:s0 + bn], bias[..., s0:s0 + bn]))
     for r0 in range(0, n, bm):
         qb = qf[:, :, r0:r0 + bm]
         qs = block_scale(qb)
@@ -322,8 +389,8 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
         m_i = torch.full(qb.shape[:-1], float("-inf"), device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros_like(qb)
-        for k8, ks, vb in k_blocks:
-            s = (q8 @ k8.transpose(-1, -2)) * (qmul * ks)
+        for k8, ks, vb, kbias in k_blocks:
+            s = (q8 @ k8.transpose(-1, -2)) * (qmul * ks) + kbias
             m_new = torch.maximum(m_i, s.amax(dim=-1))
             p = torch.exp2(s - m_new[..., None])
             alpha = torch.exp2(m_i - m_new)
@@ -335,10 +402,14 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
     return out.to(q.dtype)
 
 
-def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None) -> torch.Tensor:
-    """softmax(q kᵀ * sm_scale) v in float64: what the 8-bit attention approximates."""
+def exact_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None,
+                    key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q kᵀ * sm_scale) v in float64 (keys where key_mask [B, N] is False left out): what the 8-bit
+    attention approximates."""
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     s = (q.double() @ k.double().transpose(-1, -2)) * sm
+    if key_mask is not None:
+        s = s.masked_fill(~key_mask[:, None, None, :], float("-inf"))
     return torch.softmax(s, dim=-1) @ v.double()
 
 
@@ -353,25 +424,23 @@ def kernel_runs(q: torch.Tensor) -> bool:
 
 
 @torch.library.custom_op("lowbit_pipe::attention8", mutates_args=())
-def _attention8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, sm_scale: float) -> torch.Tensor:
+def _attention8_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, sm_scale: float,
+                   key_mask: Optional[torch.Tensor]) -> torch.Tensor:
     if kernel_runs(q):
-        return attention8(q, k, v, qk_format, sm_scale)
-    return torch.empty_like(q).copy_(reference_attention8(q, k, v, qk_format, sm_scale))
+        return attention8(q, k, v, qk_format, sm_scale, key_mask=key_mask)
+    return torch.empty_like(q).copy_(reference_attention8(q, k, v, qk_format, sm_scale, key_mask=key_mask))
 
 
 @_attention8_op.register_fake
-def _(q, k, v, qk_format, sm_scale):
+def _(q, k, v, qk_format, sm_scale, key_mask):
     return torch.empty_like(q)  # q's layout, as both paths return
 
 
 def sdpa8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "int8",
-          sm_scale: float | None = None) -> torch.Tensor:
-    """8-bit softmax(q kᵀ * sm_scale) v for [B, H, N, D] q, k, v (no mask): the Triton kernel on Hopper for head
-    dims 64 / 128, the torch reference (same arithmetic) elsewhere. Output in q's dtype and memory layout."""
-    if qk_format not in QK_FORMATS:
-        raise ValueError(f"attention8: qk_format must be one of {QK_FORMATS}, got {qk_format!r}")
-    if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"attention8: q, k, v must be [B, H, N, D] of one shape, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+          sm_scale: float | None = None, key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """8-bit softmax(q kᵀ * sm_scale) v for [B, H, N, D] q, k, v, keys where key_mask ([B, N] bool) is False
+    left out: the Triton kernel on Hopper for head dims 64 / 128, the torch reference (same arithmetic)
+    elsewhere. Output in q's dtype and memory layout."""
+    _check_args(q, k, v, qk_format, key_mask)
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _attention8_op(q, k, v, qk_format, float(sm))
+    return _attention8_op(q, k, v, qk_format, float(sm), key_mask)
