@@ -10,6 +10,11 @@ import torch
 from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config as tiny_config
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--comfy-soak-cycles", type=int, default=40,
+                     help="cycles of the ComfyUI server soak (slow set; 40 in CI, about 1-2 s each on 2 cores)")
+
+
 def has_module(name: str) -> bool:
     """Whether `name` can be imported; False (not an error) when a parent package is missing, e.g.
     `hydra_plugins.hydra_joblib_launcher` without any Hydra plugin installed."""
