@@ -78,6 +78,13 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
         raise RecipeError(target.key, "is planned by a run (lowbit_pipe.run or the command line), which times the "
                                       "forward on the architecture's example inputs; lowbit_pipe.quantize takes a "
                                       "fixed plan")
+    for key in ("budget_bytes", "budget_ratio"):  # the byte planner needs a run too: never ignore it silently
+        if getattr(config, key) is not None:
+            from lowbit_pipe.errors import RecipeError
+
+            raise RecipeError(f"quantize.{key}", "is planned by a run (lowbit_pipe.run or the command line), which "
+                                                 "measures each layer's sensitivity on the architecture's example "
+                                                 "inputs; lowbit_pipe.quantize takes a fixed plan (default and rules)")
     found = detect_module(module)
     policy = found.arch.policy if found else generic_policy(module)
     plans = plan_layers(linear_shapes(module), config, policy, found.policy_name if found else None)

@@ -148,6 +148,12 @@ def test_recipe_errors_name_the_key(tmp_path):
                         "quantize.target.candidates=[{format: int8}, {format: svdquant_w4a4}]"])
     with pytest.raises(RecipeError, match=r"quantize.target.error.*planned by a run"):
         lowbit_pipe.quantize(torch.nn.Sequential(torch.nn.Linear(64, 64)), {"target": {"error": 0.01}})
+    # the byte budget too: lowbit_pipe.quantize once quantized every layer and ignored it without a word
+    for key, value in (("budget_ratio", 0.4), ("budget_bytes", 10_000)):
+        module = torch.nn.Sequential(torch.nn.Linear(64, 64))
+        with pytest.raises(RecipeError, match=rf"quantize.{key}.*planned by a run"):
+            lowbit_pipe.quantize(module, {key: value})
+        assert type(module[0]) is torch.nn.Linear  # refused before any layer changed
     with pytest.raises(RecipeError, match=r"quantize.target.loads_in"):
         _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.loads_in=comfy"])
 
