@@ -40,8 +40,8 @@ from outputs import save_outputs  # noqa: E402
 # decodes. The rotations' x @ H is a cuBLAS matmul on the GPU: it counts as a GEMM.
 CATEGORIES = (
     ("fused elementwise (Inductor)", r"^triton_(poi|red|per)_"),
-    # 8-bit attention's own operand quantization (_quant_blocks_kernel, _quant_v_kernel) counts as attention
-    ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(sdpa|mha)|_quant_blocks_kernel|_quant_v_kernel"),
+    # 8-bit attention's own operand statistics and quantization (_kv_stats*, _quant_*_kernel) count as attention
+    ("attention", r"flash|fmha|attention|sdpa|_efficient_attention|cudnn.*(sdpa|mha)|_kv_stats|_quant_blocks_kernel|_quant_v_kernel"),
     ("gemm", r"gemm|xmma|nvjet|cutlass|_int8_.*kernel|_fp8_.*kernel|_nvfp4_gemm|aten::(mm|addmm|bmm|matmul|linear|_int_mm|"
              r"_scaled_mm)$|lowbit_pipe::(int8|fp8|nvfp4|float)_gemm"),
     ("quantize / rotate / decode", r"quantize|_quant|_act_kernel|_amax_down|rotate|hadamard|decode|lowbit_pipe::"),

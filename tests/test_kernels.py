@@ -769,6 +769,24 @@ def case_attention8() -> None:
             _close(out, ref, 0.025, f"attention8 {fmt} d={d} vs its reference")
             _close(ref, exact, 0.01, f"reference_attention8 {fmt} d={d} vs float64")
             _close(out, exact, 0.025, f"attention8 {fmt} d={d} vs float64")
+    # The statistics pass (kv_stats): chunked partials over [B, N, H, D] inputs seen as [B, H, N, D], three chunks
+    # with a ragged last one, with and without a key mask, against torch's reductions over the attended keys.
+    from lowbit_pipe.kernels.attention8 import STATS_CHUNK, key_bias_row, kv_stats
+
+    n = 2 * STATS_CHUNK + 77
+    k, v = (torch.randn(2, n, 3, 64, generator=gen).transpose(1, 2) * 3 + 1 for _ in range(2))
+    mask = torch.rand(2, n, generator=gen) > 0.3
+    for key_mask in (None, mask):
+        w = (key_mask if key_mask is not None else torch.ones(2, n, dtype=torch.bool))[:, None, :, None]
+        count = w.sum(dim=2)
+        k_mean = torch.where(w, k, 0).sum(dim=2) / count
+        v_mean = torch.where(w, v, 0).sum(dim=2) / count
+        v_amax = torch.maximum(torch.where(w, v, -torch.inf).amax(dim=2) - v_mean,
+                               v_mean - torch.where(w, v, torch.inf).amin(dim=2))
+        bias = key_bias_row(key_mask, n) if key_mask is not None else None
+        got = kv_stats(k, v, bias, key_mask)
+        for g, want, what in zip(got, (k_mean, v_mean, v_amax / FP8_MAX), ("k mean", "v mean", "v scale")):
+            torch.testing.assert_close(g, want.reshape(6, 64), rtol=1e-5, atol=1e-6, msg=f"kv_stats {what}")
     # A key-padding mask (batch 2, keys masked in the middle and at the end of a block): against the reference and
     # the float64 oracle over the attended keys; masked keys' values (garbage here) change nothing.
     q, k, v = (torch.randn(2, 2, 70, 64, generator=gen) for _ in range(3))

@@ -3,7 +3,8 @@
     out = softmax(q kᵀ / sqrt(d) + bias) v   q, k, v: [B, H, N, D], D in (64, 128); bias: 0 or -inf per key
                                               (an optional key-padding mask, as Krea 2 pads its text tokens)
 
-Quantization, before the attention kernel (`quantize_qkv`, two small kernels plus two torch reductions):
+Quantization, before the attention kernel (`quantize_qkv`: one statistics pass over k and v, then the code
+kernels):
 - K smoothing: k - mean over tokens (per batch, head, channel). q·(k - m) = q·k - q·m, a constant per query row,
   which the softmax cancels exactly; what is left for the 8-bit grid is k's spread without its channel offset
   (DiT keys carry large per-channel means after RoPE and norms).
@@ -159,6 +160,79 @@ def _quant_v_kernel(
     tl.store(y_ptr + (bh * D + cols)[:, None] * N_PAD + rows[None, :], tl.trans(y))
 
 
+STATS_CHUNK = 512  # tokens per statistics program: 9 x 48 programs at Krea 2's 1024² shape, enough for every SM
+STATS_BLOCK = 64
+
+
+@triton.jit
+def _kv_stats_kernel(
+    k_ptr, v_ptr, kb_ptr, part_ptr,
+    H, N, N_PAD, BH, N_CHUNKS,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, KEY_MASK: tl.constexpr,
+):
+    # Program (token chunk, batch*head): per channel, over the chunk's attended keys, sum k, sum v, max v, min v
+    # -> part[4, N_CHUNKS, BH, D] (fp32). One read of k and v in place of torch's four reductions.
+    c = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    cols = tl.arange(0, D)
+    sum_k = tl.zeros([D], dtype=tl.float32)
+    sum_v = tl.zeros([D], dtype=tl.float32)
+    max_v = tl.full([D], float("-inf"), dtype=tl.float32)
+    min_v = tl.full([D], float("inf"), dtype=tl.float32)
+    for start in tl.range(0, CHUNK, BLOCK):
+        rows = c * CHUNK + start + tl.arange(0, BLOCK)
+        ok = rows < N
+        if KEY_MASK:
+            ok = ok & (tl.load(kb_ptr + b * N_PAD + rows, mask=ok, other=float("-inf")) == 0.0)
+        kx = tl.load(k_ptr + b * stride_kb + h * stride_kh + rows[:, None] * stride_kn + cols[None, :] * stride_kd,
+                     mask=ok[:, None], other=0.0).to(tl.float32)
+        vx = tl.load(v_ptr + b * stride_vb + h * stride_vh + rows[:, None] * stride_vn + cols[None, :] * stride_vd,
+                     mask=ok[:, None], other=0.0).to(tl.float32)
+        sum_k += tl.sum(kx, axis=0)
+        sum_v += tl.sum(vx, axis=0)
+        max_v = tl.maximum(max_v, tl.max(tl.where(ok[:, None], vx, float("-inf")), axis=0))
+        min_v = tl.minimum(min_v, tl.min(tl.where(ok[:, None], vx, float("inf")), axis=0))
+    at = part_ptr + (c * BH + bh) * D + cols
+    step = N_CHUNKS * BH * D
+    tl.store(at, sum_k)
+    tl.store(at + step, sum_v)
+    tl.store(at + 2 * step, max_v)
+    tl.store(at + 3 * step, min_v)
+
+
+@triton.jit
+def _kv_stats_finish_kernel(
+    part_ptr, count_ptr, k_mean_ptr, v_mean_ptr, v_scale_ptr, H, N, BH, N_CHUNKS,
+    D: tl.constexpr, HAS_COUNT: tl.constexpr,
+):
+    # Program (batch*head): the chunks' partials -> k's mean, v's mean, v's e4m3 scale (amax |v - mean| / 448).
+    bh = tl.program_id(0)
+    cols = tl.arange(0, D)
+    sum_k = tl.zeros([D], dtype=tl.float32)
+    sum_v = tl.zeros([D], dtype=tl.float32)
+    max_v = tl.full([D], float("-inf"), dtype=tl.float32)
+    min_v = tl.full([D], float("inf"), dtype=tl.float32)
+    step = N_CHUNKS * BH * D
+    for c in range(0, N_CHUNKS):
+        at = part_ptr + (c * BH + bh) * D + cols
+        sum_k += tl.load(at)
+        sum_v += tl.load(at + step)
+        max_v = tl.maximum(max_v, tl.load(at + 2 * step))
+        min_v = tl.minimum(min_v, tl.load(at + 3 * step))
+    if HAS_COUNT:  # attended keys per batch row (a key mask)
+        count = tl.maximum(tl.load(count_ptr + bh // H), 1.0)
+    else:
+        count = N * 1.0
+    v_mean = sum_v / count
+    v_amax = tl.maximum(tl.maximum(max_v - v_mean, v_mean - min_v), 0.0)  # 0 where no key is attended
+    tl.store(k_mean_ptr + bh * D + cols, sum_k / count)
+    tl.store(v_mean_ptr + bh * D + cols, v_mean)
+    tl.store(v_scale_ptr + bh * D + cols, tl.where(v_amax > 0, v_amax / 448.0, 1.0))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # attention kernel
 
@@ -242,25 +316,22 @@ def config_for(d: int, on_cuda: bool) -> Attention8Config:
     return GPU_CONFIGS[d] if on_cuda else INTERPRETER_CONFIG
 
 
-def _key_stats(k: torch.Tensor, v: torch.Tensor,
-               key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """k's mean, v's mean and amax |v - v's mean| per (batch, head, channel), [B*H, D] fp32, over the attended keys."""
+def kv_stats(k: torch.Tensor, v: torch.Tensor, key_bias: torch.Tensor | None,
+             key_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k's mean, v's mean and v's e4m3 scale (amax |v - v's mean| / 448, 1 where that is 0) per (batch, head,
+    channel), [B*H, D] fp32, over the attended keys: two launches (partials per token chunk, then their sum)."""
     b, h, n, d = k.shape
-    if key_mask is None:
-        k_mean = k.mean(dim=2, dtype=torch.float32)
-        v_mean = v.mean(dim=2, dtype=torch.float32)
-        # amax |v - mean| = max(max v - mean, mean - min v): two reductions over v, no smoothed copy of it
-        v_max, v_min = v.amax(dim=2).float(), v.amin(dim=2).float()
-    else:
-        w = key_mask[:, None, :, None]
-        count = key_mask.sum(dim=1).clamp(min=1).float()[:, None, None]
-        k_mean = torch.where(w, k, 0).sum(dim=2, dtype=torch.float32) / count
-        v_mean = torch.where(w, v, 0).sum(dim=2, dtype=torch.float32) / count
-        v_max = torch.where(w, v, float("-inf")).amax(dim=2).float()
-        v_min = torch.where(w, v, float("inf")).amin(dim=2).float()
-    v_amax = torch.maximum(v_max - v_mean, v_mean - v_min).clamp(min=0)  # clamp: a row with no key attended
-    return (k_mean.reshape(b * h, d).contiguous(), v_mean.reshape(b * h, d).contiguous(),
-            v_amax.reshape(b * h, d).contiguous())
+    chunks = triton.cdiv(n, STATS_CHUNK)
+    part = torch.empty(4, chunks, b * h, d, dtype=torch.float32, device=k.device)
+    k_mean, v_mean, v_scale = (torch.empty(b * h, d, dtype=torch.float32, device=k.device) for _ in range(3))
+    count = key_mask.sum(dim=1, dtype=torch.float32) if key_mask is not None else None
+    n_pad = key_bias.shape[1] if key_bias is not None else n
+    _kv_stats_kernel[(chunks, b * h)](
+        k, v, key_bias if key_bias is not None else part, part, h, n, n_pad, b * h, chunks, *k.stride(),
+        *v.stride(), D=d, CHUNK=STATS_CHUNK, BLOCK=STATS_BLOCK, KEY_MASK=key_bias is not None, num_warps=4)
+    _kv_stats_finish_kernel[(b * h,)](part, count if count is not None else part, k_mean, v_mean, v_scale, h, n,
+                                      b * h, chunks, D=d, HAS_COUNT=count is not None, num_warps=4)
+    return k_mean, v_mean, v_scale
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str = "fp8",
@@ -278,9 +349,8 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: s
     int8 = qk_format == "int8"
     code = torch.int8 if int8 else torch.float8_e4m3fn
     dev = q.device
-    mean, v_mean, v_amax = _key_stats(k, v, key_mask)
-    v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax)).contiguous()
     key_bias = key_bias_row(key_mask, n_pad) if key_mask is not None else None
+    mean, v_mean, v_scale = kv_stats(k, v, key_bias, key_mask)
     q8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
     k8 = torch.empty(b * h, n_pad, d, dtype=code, device=dev)
     v8_t = torch.empty(b * h, d, n_pad, dtype=torch.float8_e4m3fn, device=dev)
