@@ -11,6 +11,10 @@ is restored bit for bit before the next). torchao fp8-row (compiled the same way
 second model built from the same seed (it changes weights in place with no undo), which is freed before the
 recipe variants run: a call cut short by its time limit still has the baseline beside what it measured.
 
+8-bit attention rows add `attention.format` to a recipe variant (the joint blocks' attention in the Triton
+kernel); sageattention runs on the bf16 model, eager and through the compile stage (`sageattention_rows`), where
+the package imports (`--no-sage` leaves it out).
+
 Per variant: ms per forward (CUDA events, mean of --iters after warm-up) and the ratio to bf16 with the
 compile stage measured in the same run, weight bytes (the model's parameters and buffers, quantized layers
 at their stored size), peak device memory (float originals are kept by the run for teardown: they are in

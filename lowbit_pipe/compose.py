@@ -30,6 +30,7 @@ CONFIG_NAME = "config"
 # override with '+' (+model.config.num_layers=2), or an entry of a recipe file's mapping.
 FREE_DICTS = ("model.config", "model.tiny_config")
 FILE_RECIPE = "_lowbit_file"  # group option a recipe file or dict is served under
+SCHEMA_NAME = "lowbit_schema"
 
 
 def _yaml(path: Path, source: str) -> dict[str, Any]:
@@ -42,7 +43,7 @@ def _yaml(path: Path, source: str) -> dict[str, Any]:
     return data
 
 
-def _store_recipe(name: str, data: dict[str, Any], source: str) -> None:
+def _store_recipe(name: str, data: dict[str, Any], source: str, provider: str | None = None) -> None:
     """Serve a recipe mapping as the `recipe=<name>` option (package _global_: its keys are top-level)."""
     data = dict(data)
     defaults = list(data.pop("defaults", None) or [])
@@ -53,17 +54,34 @@ def _store_recipe(name: str, data: dict[str, Any], source: str) -> None:
             raise RecipeError(f"{source}: defaults", "entries are another recipe's name or "
                                                      f"'override /<group>: <name>', got {item!r}")
     defaults = [d for d in defaults if d != "_self_"] + ["_self_"]
-    ConfigStore.instance().store(group="recipe", name=name, node={"defaults": defaults, **data}, package="_global_")
+    ConfigStore.instance().store(group="recipe", name=name, node={"defaults": defaults, **data}, package="_global_",
+                                 provider=provider)
 
 
 def register_schema() -> None:
-    """Register the Recipe schema (`lowbit_schema`), the help template and every packaged recipe (idempotent)."""
+    """Register the Recipe schema (`lowbit_schema`), the help template and every packaged recipe (idempotent).
+
+    Each compose calls this. Storing the schema costs ~40 ms (OmegaConf builds it from the dataclass), so what is
+    already in Hydra's store is kept: the schema and help do not change within a process, and a packaged recipe is
+    stored again only when its file changed (size and mtime, e.g. edited while a ComfyUI server runs)."""
     from lowbit_pipe.help import register_help
 
-    ConfigStore.instance().store(name="lowbit_schema", node=Recipe)
-    register_help()
+    store = ConfigStore.instance()
+    if f"{SCHEMA_NAME}.yaml" not in store.repo:
+        store.store(name=SCHEMA_NAME, node=Recipe)
+        register_help()
+    stored = store.repo.get("recipe", {})
     for name, path in packaged_recipes().items():
-        _store_recipe(name, _yaml(path, str(path)), str(path))
+        stat = path.stat()
+        stamp = (stat.st_size, stat.st_mtime_ns)
+        node = stored.get(f"{name}.yaml")
+        if node is None or getattr(node, "provider", None) != _provider(path, stamp):
+            _store_recipe(name, _yaml(path, str(path)), str(path), provider=_provider(path, stamp))
+
+
+def _provider(path: Path, stamp: tuple[int, int]) -> str:
+    """The ConfigStore `provider` a packaged recipe is stored with: its file and that file's size and mtime."""
+    return f"lowbit_pipe:{path}:{stamp[0]}:{stamp[1]}"
 
 
 def register_recipe(data: dict[str, Any], source: str) -> str:

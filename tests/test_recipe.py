@@ -107,3 +107,21 @@ def test_stage_options_are_refused_before_any_work(override, path):
     with pytest.raises(RecipeError) as info:
         compose_recipe("default", ["pipeline=[load,detect,quantize,compile,lora,export]", override])
     assert info.value.path == path
+
+
+def test_a_packaged_recipe_edited_in_a_running_process_is_composed_anew(tmp_path, monkeypatch):
+    """register_schema keeps what Hydra's store holds (the schema costs ~40 ms a compose), but a recipe file that
+    changed since it was stored is stored again: a long-lived process (a ComfyUI server) sees the edit."""
+    import os
+
+    from lowbit_pipe import compose
+
+    path = tmp_path / "zz_edited.yaml"
+    path.write_text("# @package _global_\nquantize:\n  default:\n    format: int8\n")
+    packaged = dict(compose.packaged_recipes())
+    monkeypatch.setattr(compose, "packaged_recipes", lambda: {**packaged, "zz_edited": path})
+    assert compose.compose_recipe("zz_edited").quantize.default.format == "int8"
+    assert compose.compose_recipe("zz_edited").quantize.default.format == "int8"
+    path.write_text("# @package _global_\nquantize:\n  default:\n    format: fp8\n")
+    os.utime(path, ns=(path.stat().st_atime_ns, path.stat().st_mtime_ns + 1_000_000))  # a coarse clock: still newer
+    assert compose.compose_recipe("zz_edited").quantize.default.format == "fp8"

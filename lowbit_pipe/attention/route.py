@@ -3,10 +3,11 @@
 sdpa8 computes softmax(q kᵀ * scale) v with no dropout, queries and keys of one length and one head count, and
 at most a key-padding mask: a boolean mask that leaves out whole keys, the same for every head and query
 ([B, 1, 1, N], [B, 1, N] or [B, N]; diffusers' Krea 2 always passes one for its padded text tokens). A call
-outside that (another mask, cross-attention of another length, dropout) runs the model's own attention instead, and says why (`stock_reason`): nothing is approximated that sdpa8 does not compute. On a
-CUDA device where the Triton kernel does not run (before Hopper, a head dim other than 64 / 128) the call runs
-the model's own attention too: sdpa8's torch reference there is the kernel's oracle, not a fast path. On the CPU
-sdpa8's reference runs (what the error measurements and the tests use).
+outside that (another mask, cross-attention of another length, dropout) runs the model's own attention instead,
+and says why (`stock_reason`): nothing is approximated that sdpa8 does not compute. On a CUDA device where the
+Triton kernel does not run (before Hopper, a head dim other than 64 / 128) the call runs the model's own
+attention too: sdpa8's torch reference there is the kernel's oracle, not a fast path. On the CPU sdpa8's
+reference runs (what the error measurements and the tests use).
 """
 
 from __future__ import annotations

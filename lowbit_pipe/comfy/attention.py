@@ -8,8 +8,8 @@ and a clone copies them (dicts and lists deep, other objects shared): set on a c
 that MODEL and every MODEL made from it, never on the MODEL it was cloned from.
 
 `Attention8Override` runs sdpa8 where it serves the call (lowbit_pipe.attention.route) and ComfyUI's own `func`
-elsewhere: a mask other than a boolean key-padding one, cross-attention of another length, a layer that asks for full precision
-(`low_precision_attention=False`, which ComfyUI's sage attention honours too), a GPU without the kernel.
+elsewhere: a mask other than a boolean key-padding one, cross-attention of another length, a layer that asks for
+full precision (`low_precision_attention=False`, which ComfyUI's sage attention honours too), a GPU without the kernel.
 Purge drops it: off the MODEL it is given, and marked purged, so any other MODEL still carrying it (ComfyUI's
 cache) refuses to sample, naming the node, rather than silently compute in 16 bits; the node re-runs on the
 next queue (its purge count moves).

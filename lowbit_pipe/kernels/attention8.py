@@ -26,8 +26,8 @@ that the kernel adds to each key block's scores (one load of BLOCK_N floats per 
 -inf in it too. Masked keys are left out of the quantization as well: k's and v's means and v's scale are taken
 over the attended keys, and masked rows of k and v are stored as zeros, so a padded token's values (however
 large) widen no scale. Smoothing stays exact under a mask: a constant per query row still cancels, and each
-row of weights still sums to one over the keys it attends. A query whose keys are all masked gets NaN, as torch's SDPA
-gives. The torch reference (`reference_attention8`) runs the same arithmetic block by block (the kernel's
+row of weights still sums to one over the keys it attends. A query whose keys are all masked gets NaN, as torch's
+SDPA gives. The torch reference (`reference_attention8`) runs the same arithmetic block by block (the kernel's
 oracle, and the path on the CPU); `exact_attention` is the float64 oracle of what 8-bit attention approximates.
 
 Layout: quantize kernels -> attention kernel -> launcher `attention8` (checks, padding, config) -> custom op
