@@ -8,6 +8,8 @@
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
 #   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
 #   bash bench/gpu_suite.sh profile "$OUT"   # the full-size forward's device time split: GEMM, attention, quantize, ...
+#   bash bench/gpu_suite.sh attention "$OUT" # 8-bit attention: its GPU tests, the kernel bench (masked shape too)
+#   bash bench/gpu_suite.sh headline_attention "$OUT"  # headline rows with and without 8-bit attention, sageattention
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
 # without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
 # per format; headline: torchao 89, each recipe variant 5-26 (72 for the LoRA one, with its recompile counts) once
@@ -16,7 +18,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq or profile}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, attention or headline_attention}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -54,5 +56,18 @@ case "$part" in
     timeout 560 python3 bench/forward_profile.py --variants bf16 fp8 int8 --out "$out/forward_profile_h200.json" \
       > "$out/forward_profile.log" 2>&1
     tail -8 "$out/forward_profile.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile)"; exit 2 ;;
+  attention)
+    timeout 270 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py tests/test_gpu_attention_recipe.py \
+      -k attention 2>&1 | tail -30 > "$out/pytest_attention.log"
+    tail -3 "$out/pytest_attention.log"
+    timeout 250 python3 bench/attention8_bench.py --shapes krea2_1024 krea2_1024_masked krea2_2048 --profile \
+      --out "$out/attention8_h200.json" > "$out/attention8_bench.log" 2>&1
+    tail -20 "$out/attention8_bench.log" ;;
+  headline_attention)
+    # the baselines and every row with 8-bit attention (about 8 minutes; the other rows: `headline`)
+    timeout 560 python3 bench/headline.py --no-torchao --only "bf16, compile" "fp8, compiled" "int8, compiled" \
+      "krea2_nvfp4, fp8 compute, compiled" "bf16 + " "fp8 + fp8" "int8 + int8" "krea2_nvfp4, fp8 compute +" \
+      "fp8, no compile" "int8, no compile" --out "$out/headline_attention_h200.json" > "$out/headline_attention.log" 2>&1
+    tail -25 "$out/headline_attention.log" ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, attention, headline_attention)"; exit 2 ;;
 esac
