@@ -202,6 +202,33 @@ def test_a_compiled_attention_module_is_one_graph(tiny_model):
     ledger.unwind()
 
 
+def test_compiled_blocks_with_8bit_attention_compile_once(tiny_model):
+    """Every Krea 2 block compiled (regionally, as the compile stage does) with 8-bit attention: repeated forwards
+    reuse one graph. The call counter is updated when the graph is traced, not by the graph: counted inside it,
+    dynamo guarded on its value and recompiled on every call until its limit (8) sent the blocks back to eager."""
+    from lowbit_pipe.stages.compile import dynamo_counters
+
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    ledger = Ledger()
+    applied = apply_attention(model, "fp8", ledger)
+    eager = _out(model, arch, inputs)
+    torch._dynamo.reset()
+    try:
+        for block in model.transformer_blocks:
+            block.compile(backend="eager")
+        before = dynamo_counters()["graphs"]
+        outs = [_out(model, arch, inputs) for _ in range(4)]
+        assert dynamo_counters()["graphs"] - before == 1  # the two blocks share their code: one graph, no recompile
+        assert all(torch.equal(o, eager) for o in outs)
+        assert applied.calls["fp8 (traced)"] == 1 and applied.calls["fp8"] == 4 + 4 * 2  # eager: 4 calls, then the text fusion's 2
+    finally:
+        for block in model.transformer_blocks:
+            block._compiled_call_impl = None
+        torch._dynamo.reset()
+        ledger.unwind()
+
+
 # ------------------------------------------------------------------------------------------------------ a run
 def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
     model = tiny_model("krea2")

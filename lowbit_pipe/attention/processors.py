@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, kernel_head_dims, stock_reason
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, kernel_head_dims, stock_reason
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
 
@@ -57,11 +57,11 @@ class Dispatch8:
         if why is None and parallel_config is not None:
             why = "context parallelism"
         if why is not None:
-            self.calls[f"stock: {why}"] += 1
+            count_call(self.calls, f"stock: {why}")
             return self.stock(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                               parallel_config=parallel_config)
-        self.calls[self.qk_format] += 1
+        count_call(self.calls, self.qk_format)
         return attend8(q, k, v, self.qk_format, scale, attn_mask).transpose(1, 2)
 
 

@@ -12,6 +12,7 @@ reference runs (what the error measurements and the tests use).
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import torch
@@ -55,6 +56,22 @@ def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any
     if q.is_cuda and q.shape[-1] not in (head_dims if head_dims is not None else kernel_head_dims(q.device)):
         return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
     return None
+
+
+@torch._dynamo.assume_constant_result
+def _count_traced(calls: Counter, path: str) -> bool:
+    calls[path] += 1  # runs once, when dynamo traces the call; the graph holds its constant result
+    return True
+
+
+def count_call(calls: Counter, path: str) -> None:
+    """Count one attention call on `path` ("int8", "stock: <why>", ...). Under torch.compile it is counted once,
+    when the graph is traced, as "<path> (traced)": a count the graph updated on every call would make dynamo
+    guard on its value and recompile each time, until its limit sent the model back to eager."""
+    if torch.compiler.is_compiling():
+        _count_traced(calls, f"{path} (traced)")
+    else:
+        calls[path] += 1
 
 
 def attend8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, scale: float | None,

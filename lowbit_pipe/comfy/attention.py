@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, stock_reason
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, stock_reason
 from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -48,9 +48,9 @@ class Attention8Override:
                                    "the workflow again: that node re-runs by itself")
         why, qkv = self._route(q, k, v, heads, args, kwargs)
         if why is not None:
-            self.calls[f"stock: {why}"] += 1
+            count_call(self.calls, f"stock: {why}")
             return func(q, k, v, heads, *args, **kwargs)
-        self.calls[self.qk_format] += 1
+        count_call(self.calls, self.qk_format)
         out = attend8(*qkv, self.qk_format, kwargs.get("scale"), kwargs.get("mask"))  # [B, H, N, D]
         if kwargs.get("skip_output_reshape", False):
             return out
