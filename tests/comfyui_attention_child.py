@@ -53,6 +53,29 @@ def _per_arch(path: str) -> dict[str, Any]:
         out[f"{fmt}_calls"] = dict(override_of(m8).calls)
         out[f"{fmt}_cosine"] = _cos(s8, stock)
         out[f"{fmt}_rel"] = _rel(s8, stock)
+    # What ComfyUI's TorchCompileModel node does, on the fp8 MODEL: its clone, ComfyUI's compile wrapper and the
+    # node's guard filter (skip_torch_compile_dict, restated: its module imports comfy_api.latest, which needs
+    # PyAV); the eager backend (guards and recompiles are Inductor's, without its CPU build time). Two
+    # samplings: the second compiles nothing new, and the result is the eager 8-bit one.
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from torch._dynamo.utils import counters
+
+    def skip_torch_compile_dict(guard_entries: Any) -> list[bool]:
+        return [("transformer_options" not in entry.name) for entry in guard_entries]
+
+    torch._dynamo.reset()
+    compiled = m8.clone(disable_dynamic=True)
+    set_torch_compile_wrapper(model=compiled, backend="eager", options={"guard_filter_fn": skip_torch_compile_dict})
+    graphs = counters["stats"]["unique_graphs"]
+    first = sample(compiled)
+    out["compiled_graphs_first"] = counters["stats"]["unique_graphs"] - graphs
+    graphs = counters["stats"]["unique_graphs"]
+    again = sample(compiled)
+    out["compiled_graphs_again"] = counters["stats"]["unique_graphs"] - graphs
+    out["compiled_max_diff"] = float(max((first - s8).abs().max(), (again - s8).abs().max()))
+    out["compiled_calls"] = dict(override_of(compiled).calls)
+    del compiled
+    torch._dynamo.reset()
     out["clone_is_new"] = m8 is not model
     out["original_has_no_override"] = OVERRIDE_KEY not in model.model_options.get("transformer_options", {})
     out["original_after_max_diff"] = float((sample(model) - stock).abs().max())
