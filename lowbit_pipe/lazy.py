@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.checkpoint import read_header
+from lowbit_pipe.checkpoint import read_header, read_tensor
 from lowbit_pipe.errors import CheckpointError
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -90,12 +90,7 @@ class SafetensorsFiles:
         f = self._handles.get(path)
         if f is None:
             f = self._handles[path] = self._stack.enter_context(open(path, "rb"))
-        begin, end = info.offsets
-        buf = torch.empty(end - begin, dtype=torch.uint8)
-        f.seek(start + begin)
-        if end > begin and f.readinto(buf.numpy()) != end - begin:
-            raise CheckpointError(path, "truncated while reading", key)
-        return buf.view(DTYPES[info.dtype]).reshape(info.shape)
+        return read_tensor(f, path, start, info, key)
 
     def tensors(self) -> dict[str, LazyTensor]:
         out = {}
