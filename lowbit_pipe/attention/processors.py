@@ -25,7 +25,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, kernel_head_dims, stock_reason
+from lowbit_pipe.attention.route import (ATTENTION_FORMATS, STOCK, attend8, count_call, kernel_head_dims, stock_reason,
+                                         traced_counting)
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
 
@@ -42,6 +43,7 @@ class Dispatch8:
         self.stock = stock
         self.calls = calls
         self.head_dims = head_dims  # what the kernel serves on the model's GPU, looked up once (not in traced code)
+        traced_counting()
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,

@@ -58,16 +58,25 @@ def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any
     return None
 
 
-@torch._dynamo.assume_constant_result
 def _count_traced(calls: Counter, path: str) -> bool:
-    calls[path] += 1  # runs once, when dynamo traces the call; the graph holds its constant result
+    calls[path] += 1  # runs once, when dynamo traces the call (assume_constant_result): the graph holds True
     return True
+
+
+def traced_counting() -> None:
+    """Mark `_count_traced` for dynamo (torch._dynamo.assume_constant_result: called at trace time, its result
+    a constant). Called by whatever will count calls (the 8-bit dispatch, ComfyUI's override), not at import:
+    importing torch._dynamo costs ~1 s, which a run without 8-bit attention should not pay."""
+    import torch._dynamo
+
+    torch._dynamo.assume_constant_result(_count_traced)
 
 
 def count_call(calls: Counter, path: str) -> None:
     """Count one attention call on `path` ("int8", "stock: <why>", ...). Under torch.compile it is counted once,
     when the graph is traced, as "<path> (traced)": a count the graph updated on every call would make dynamo
-    guard on its value and recompile each time, until its limit sent the model back to eager."""
+    guard on its value and recompile each time, until its limit sent the model back to eager (`traced_counting`
+    must have run first)."""
     if torch.compiler.is_compiling():
         _count_traced(calls, f"{path} (traced)")
     else:

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, stock_reason
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, stock_reason, traced_counting
 from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -40,6 +40,7 @@ class Attention8Override:
         self.node_id = node_id
         self.calls: Counter = Counter()
         self.purged: str | None = None
+        traced_counting()
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *args: Any, **kwargs: Any) -> torch.Tensor:
