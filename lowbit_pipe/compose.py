@@ -73,15 +73,9 @@ def register_schema() -> None:
     stored = store.repo.get("recipe", {})
     for name, path in packaged_recipes().items():
         stat = path.stat()
-        stamp = (stat.st_size, stat.st_mtime_ns)
-        node = stored.get(f"{name}.yaml")
-        if node is None or getattr(node, "provider", None) != _provider(path, stamp):
-            _store_recipe(name, _yaml(path, str(path)), str(path), provider=_provider(path, stamp))
-
-
-def _provider(path: Path, stamp: tuple[int, int]) -> str:
-    """The ConfigStore `provider` a packaged recipe is stored with: its file and that file's size and mtime."""
-    return f"lowbit_pipe:{path}:{stamp[0]}:{stamp[1]}"
+        provider = f"lowbit_pipe:{path}:{stat.st_size}:{stat.st_mtime_ns}"  # the file as it was when stored
+        if getattr(stored.get(f"{name}.yaml"), "provider", None) != provider:
+            _store_recipe(name, _yaml(path, str(path)), str(path), provider=provider)
 
 
 def register_recipe(data: dict[str, Any], source: str) -> str:

@@ -486,11 +486,13 @@ class Ledger:
         A full collection walks every object of the process (~0.25 s beside torch, diffusers and Hydra): it runs
         only where it can change the verdict, when a watched object is still alive (a reference cycle may be all
         that holds it) or device memory is checked (cyclic garbage the ledger does not know may hold some)."""
-        device_check = torch.cuda.is_available() and torch.cuda.is_initialized()
-        if device_check or any(w.ref() is not None for w in self._watch):
+        def any_alive() -> bool:
+            return any(w.ref() is not None for w in self._watch)
+
+        if (torch.cuda.is_available() and torch.cuda.is_initialized()) or any_alive():
             gc.collect()
-        if any(w.ref() is not None for w in self._watch):
-            gc.collect()  # a second pass frees what the first pass's finalizers released
+            if any_alive():
+                gc.collect()  # a second pass frees what the first pass's finalizers released
         alive = [w for w in self._watch if w.ref() is not None]
         dead = [w for w in self._watch if w.ref() is None]
         alive_keys: set[tuple[str, int]] = set()

@@ -133,7 +133,10 @@ def test_key_padding_masks_are_served_and_honoured(tiny_model):
 
 def test_masks_other_than_key_padding_run_the_stock_attention():
     """A float (additive) mask, or one that differs per query, is not a key-padding mask: stock, with the reason."""
-    from lowbit_pipe.attention.route import key_padding, stock_reason
+    from lowbit_pipe.attention.route import key_padding, route_call
+
+    def stock_reason(q, k, v, mask):
+        return route_call(q, k, v, mask=mask)[0]
 
     q = torch.randn(2, 4, 8, 64)
     reason = "attention mask other than a boolean key-padding mask"

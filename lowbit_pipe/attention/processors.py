@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.route import (ATTENTION_FORMATS, STOCK, attend8, count_call, kernel_head_dims, stock_reason,
+from lowbit_pipe.attention.route import (ATTENTION_FORMATS, STOCK, attend8, count_call, kernel_head_dims, route_call,
                                          traced_counting)
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
@@ -53,7 +53,8 @@ class Dispatch8:
         if enable_gqa and k.dim() == 4 and q.shape[1] != k.shape[1] and q.shape[1] % k.shape[1] == 0:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        why = stock_reason(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, head_dims=self.head_dims)
+        why, key_mask = route_call(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                   head_dims=self.head_dims)
         if why is None and attention_kwargs:
             why = "backend-specific attention_kwargs"
         if why is None and parallel_config is not None:
@@ -64,7 +65,7 @@ class Dispatch8:
                               scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                               parallel_config=parallel_config)
         count_call(self.calls, self.qk_format)
-        return attend8(q, k, v, self.qk_format, scale, attn_mask).transpose(1, 2)
+        return attend8(q, k, v, self.qk_format, scale, key_mask).transpose(1, 2)
 
 
 def supports(processor: Any) -> str | None:

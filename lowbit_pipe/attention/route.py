@@ -4,7 +4,7 @@ sdpa8 computes softmax(q kᵀ * scale) v with no dropout, queries and keys of on
 at most a key-padding mask: a boolean mask that leaves out whole keys, the same for every head and query
 ([B, 1, 1, N], [B, 1, N] or [B, N]; diffusers' Krea 2 always passes one for its padded text tokens). A call
 outside that (another mask, cross-attention of another length, dropout) runs the model's own attention instead,
-and says why (`stock_reason`): nothing is approximated that sdpa8 does not compute. On a CUDA device where the
+and says why (`route_call`): nothing is approximated that sdpa8 does not compute. On a CUDA device where the
 Triton kernel does not run (before Hopper, a head dim other than 64 / 128) the call runs the model's own
 attention too: sdpa8's torch reference there is the kernel's oracle, not a fast path. On the CPU sdpa8's
 reference runs (what the error measurements and the tests use).
@@ -39,23 +39,29 @@ def key_padding(mask: Any, batch: int, keys: int) -> torch.Tensor | None:
     return mask.reshape(mask.shape[0], keys).expand(batch, keys)
 
 
-def stock_reason(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, dropout_p: float = 0.0,
-                 is_causal: bool = False, head_dims: tuple[int, ...] | None = None) -> str | None:
-    """Why this [B, H, N, D] call runs the model's own attention; None when sdpa8 serves it. `head_dims`: what
-    `kernel_head_dims` says for q's device, looked up once by a caller that torch.compile traces (None: here)."""
-    if mask is not None and (q.dim() != 4 or key_padding(mask, q.shape[0], k.shape[-2]) is None):
-        return "attention mask other than a boolean key-padding mask"
+def route_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, dropout_p: float = 0.0,
+               is_causal: bool = False, head_dims: tuple[int, ...] | None = None
+               ) -> tuple[str | None, torch.Tensor | None]:
+    """(why this [B, H, N, D] call runs the model's own attention, None when sdpa8 serves it; `mask` as the
+    [B, N] key mask sdpa8 takes, or None). `head_dims`: what `kernel_head_dims` says for q's device, looked up
+    once by a caller that torch.compile traces (None: here)."""
+    key_mask = None
+    if mask is not None:
+        key_mask = key_padding(mask, q.shape[0], k.shape[-2]) if q.dim() == 4 else None
+        if key_mask is None:
+            return "attention mask other than a boolean key-padding mask", None
     if dropout_p:
-        return "dropout"
+        return "dropout", None
     if is_causal:
-        return "causal mask"
+        return "causal mask", None
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        return "q, k, v of different shapes (cross-attention or grouped heads)"
+        return "q, k, v of different shapes (cross-attention or grouped heads)", None
     if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
-        return "q, k, v of different dtypes"
+        return "q, k, v of different dtypes", None
     if q.is_cuda and q.shape[-1] not in (head_dims if head_dims is not None else kernel_head_dims(q.device)):
-        return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
-    return None
+        return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)", None
+    return None, key_mask
+
 
 
 def _count_traced(calls: Counter, path: str) -> bool:
@@ -84,10 +90,9 @@ def count_call(calls: Counter, path: str) -> None:
 
 
 def attend8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_format: str, scale: float | None,
-            mask: torch.Tensor | None = None) -> torch.Tensor:
-    """sdpa8 on [B, H, N, D] tensors (any strides), `mask` a key-padding mask `stock_reason` let through:
-    [B, H, N, D] in q's dtype."""
+            key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """sdpa8 on [B, H, N, D] tensors (any strides), `key_mask` [B, N] as `route_call` gives it: [B, H, N, D] in
+    q's dtype."""
     from lowbit_pipe.kernels.attention8 import sdpa8
 
-    key_mask = key_padding(mask, q.shape[0], k.shape[-2]) if mask is not None else None
     return sdpa8(q, k, v, qk_format=qk_format, sm_scale=scale, key_mask=key_mask)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, stock_reason, traced_counting
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, route_call, traced_counting
 from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -47,36 +47,37 @@ class Attention8Override:
         if self.purged is not None:
             raise PurgedModelError(f"this MODEL carries the 8-bit attention of {self.made_by}, {self.purged}. Queue "
                                    "the workflow again: that node re-runs by itself")
-        why, qkv = self._route(q, k, v, heads, args, kwargs)
+        why, qkv, key_mask = self._route(q, k, v, heads, args, kwargs)
         if why is not None:
             count_call(self.calls, f"stock: {why}")
             return func(q, k, v, heads, *args, **kwargs)
         count_call(self.calls, self.qk_format)
-        out = attend8(*qkv, self.qk_format, kwargs.get("scale"), kwargs.get("mask"))  # [B, H, N, D]
+        out = attend8(*qkv, self.qk_format, kwargs.get("scale"), key_mask)  # [B, H, N, D]
         if kwargs.get("skip_output_reshape", False):
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
     @staticmethod
     def _route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, args: tuple,
-               kwargs: dict[str, Any]) -> tuple[str | None, tuple[torch.Tensor, ...]]:
-        """(why ComfyUI's own function runs this call, or None; q, k, v as [B, H, N, D])."""
+               kwargs: dict[str, Any]) -> tuple[str | None, tuple[torch.Tensor, ...], torch.Tensor | None]:
+        """(why ComfyUI's own function runs this call, or None; q, k, v as [B, H, N, D]; the key mask sdpa8 takes)."""
         if args:
-            return "positional arguments past heads", ()
+            return "positional arguments past heads", (), None
         if kwargs.get("low_precision_attention", True) is False:
-            return "the layer asks for full precision", ()
+            return "the layer asks for full precision", (), None
         if kwargs.get("skip_reshape", False):  # [B, H, N, D]
             if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-                return "q, k, v not [B, H, N, D]", ()
+                return "q, k, v not [B, H, N, D]", (), None
             if kwargs.get("enable_gqa", False) and 0 < k.shape[1] != q.shape[1] and q.shape[1] % k.shape[1] == 0:
                 k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
                 v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         else:  # [B, N, H * D]
             if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] % heads:
-                return "q, k, v of different shapes (cross-attention)", ()
+                return "q, k, v of different shapes (cross-attention)", (), None
             b, n, width = q.shape
             q, k, v = (t.reshape(b, n, heads, width // heads).transpose(1, 2) for t in (q, k, v))
-        return stock_reason(q, k, v, mask=kwargs.get("mask")), (q, k, v)
+        why, key_mask = route_call(q, k, v, mask=kwargs.get("mask"))
+        return why, (q, k, v), key_mask
 
     def purge(self, when: str) -> None:
         self.purged = f"purged by Purge (lowbit_pipe) at {when}"

@@ -424,17 +424,15 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
     grid = INT8_MAX if int8 else FP8_MAX
     sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(d)
     qf, kf, vf = q.float(), k.float(), v.float()
-    if key_mask is not None:  # masked keys: out of the means and scales, zeros in k and v (the kernel's rule)
-        w = key_mask[:, None, :, None]
-        count = key_mask.sum(dim=1).clamp(min=1).float()[:, None, None, None]
-        k_mean = torch.where(w, kf, 0).sum(dim=2, keepdim=True) / count
-        v_mean = torch.where(w, vf, 0).sum(dim=2, keepdim=True) / count
-        kf = torch.where(w, kf - k_mean, 0)
-        vf = torch.where(w, vf - v_mean, 0)
-    else:
-        kf = kf - kf.mean(dim=2, keepdim=True)
-        v_mean = vf.mean(dim=2, keepdim=True)
-        vf = vf - v_mean
+    if key_mask is None:
+        key_mask = torch.ones(b, n, dtype=torch.bool, device=q.device)
+    # masked keys: out of the means and scales, zeros in k and v (the kernel's rule)
+    w = key_mask[:, None, :, None]
+    count = key_mask.sum(dim=1).clamp(min=1).float()[:, None, None, None]
+    k_mean = torch.where(w, kf, 0).sum(dim=2, keepdim=True) / count
+    v_mean = torch.where(w, vf, 0).sum(dim=2, keepdim=True) / count
+    kf = torch.where(w, kf - k_mean, 0)
+    vf = torch.where(w, vf - v_mean, 0)
     v_amax = vf.abs().amax(dim=2, keepdim=True)
     v_scale = torch.where(v_amax > 0, v_amax / FP8_MAX, torch.ones_like(v_amax))
     v8 = _codes(vf, v_scale, False)
@@ -444,8 +442,7 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
         return torch.clamp(amax, min=1e-12) / grid if int8 else torch.where(amax > 0, amax / grid, torch.ones_like(amax))
 
     out = torch.empty(b, h, n, d, dtype=torch.float32, device=q.device)
-    bias = (key_bias_row(key_mask, n)[:, None, None, :] if key_mask is not None
-            else torch.zeros(1, 1, 1, n, device=q.device))
+    bias = key_bias_row(key_mask, n)[:, None, None, :]
     k_blocks = []
     for s0 in range(0, n, bn):
         kb = kf[:, :, s0:s0 + bn]
