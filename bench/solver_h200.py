@@ -112,6 +112,8 @@ def table(payload: dict[str, Any]) -> str:
         t = r.get("target") or {}
         fc = t.get("forward_check") or {}
         layers = " ".join(f"{k}:{v}" for k, v in (t.get("layers") or {}).items())
+        if (t.get("attention") or {}).get("chosen", "bf16") != "bf16":
+            layers += f" attention:{t['attention']['chosen']}"
         lines.append(f"| {r['variant']} | {r['ms']:.2f} | {r.get('speedup', 1.0):.3f} | "
                      f"{t['predicted']['speedup']:.3f}" if t else f"| {r['variant']} | {r['ms']:.2f} | {r.get('speedup', 1.0):.3f} | -")
         lines[-1] += (f" | {fc['off']:+.1%}" if fc else " | -") + \
@@ -151,6 +153,9 @@ def tiny_phase(source: dict[str, Any]) -> list[dict[str, Any]]:
                 by_role.setdefault(role(name), Counter())[label] += 1
             rules = ", ".join(label_rule(r, c.most_common(1)[0][0]) for r, c in sorted(by_role.items()))
             recipe, overrides = "default", [f"quantize.rules=[{rules}]"]
+            attention = ((row.get("target") or {}).get("attention") or {}).get("chosen", "bf16")
+            if attention != "bf16":  # the solver's attention choice goes along with its layer plan
+                overrides.append(f"attention.format={attention}")
         else:
             recipe = row["recipe"]
             overrides = [o for o in row["overrides"] if o.startswith("quantize.") and "speed_cache" not in o]

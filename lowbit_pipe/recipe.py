@@ -109,6 +109,10 @@ class TargetConfig:
     error: Optional[float] = None  # relative output error on the calibration inputs
     candidates: list[FormatChoice] = field(default_factory=_target_candidates)  # a rotation is a candidate of its own
     allow_float: bool = True  # float is a candidate (the most sensitive or the fastest-in-float layers stay float)
+    # Attention formats the solver may choose, one for the whole model (the `attention:` section's formats; its
+    # `layers` still say which modules): each is applied for one timed forward, which also measures its output error,
+    # and the plan is solved once per format. ["bf16"]: the model's own attention, as before.
+    attention: list[str] = field(default_factory=lambda: ["bf16"])
     # What must load the export: "lowbit_pipe" (every format), "comfyui_pack" (ComfyUI with lowbit_pipe's node pack:
     # every format), "comfyui" (stock ComfyUI: the kinds its own loader knows). Candidates it cannot load are refused.
     loads_in: str = "lowbit_pipe"

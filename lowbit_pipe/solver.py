@@ -41,8 +41,13 @@ class Problem:
     fixed_bytes: int  # bytes outside the free layers
     float_ms: float  # the float model's forward time (speedup = float_ms / predicted time)
     float_bytes: int  # the float transformer's bytes (ratio = bytes / float_bytes)
-    error_scale: float  # predicted output error = error_scale * sqrt(fixed_err2 + sum err2)
+    error_scale: float  # predicted output error = sqrt(error_scale^2 * (fixed_err2 + sum err2) + output_err2)
     fixed_err2: float = 0.0  # squared errors of the layers the recipe fixes (a rule's format)
+    output_err2: float = 0.0  # squared output error measured as such, not per layer (the attention format's)
+
+    def error(self, layer_err2: float) -> float:
+        """Predicted relative output error for a plan whose free layers' squared errors sum to `layer_err2`."""
+        return float(np.sqrt(self.error_scale ** 2 * (self.fixed_err2 + layer_err2) + self.output_err2))
 
 
 @dataclass(frozen=True)
@@ -93,7 +98,7 @@ def predict(problem: Problem, choice: np.ndarray | tuple[int, ...], m: Matrices 
     idx = np.asarray(choice, dtype=int)
     time = problem.fixed_ms + float(m.time[rows, idx].sum())
     nbytes = problem.fixed_bytes + int(m.nbytes[rows, idx].sum())
-    error = problem.error_scale * float(np.sqrt(problem.fixed_err2 + m.err2[rows, idx].sum()))
+    error = problem.error(float(m.err2[rows, idx].sum()))
     return Prediction(time, nbytes, error, problem.float_ms / time if time > 0 else float("inf"),
                       nbytes / problem.float_bytes)
 
@@ -156,9 +161,9 @@ def solve(problem: Problem, target: Target) -> Solution:
     t, b, e = (_normalised(a, m.valid) for a in (m.time, m.nbytes, m.err2))
     if target.kind == "error":
         if problem.error_scale <= 0:
-            cap_raw = np.inf
+            cap_raw = np.inf if target.value ** 2 >= problem.output_err2 else -1.0
         else:
-            cap_raw = (target.value / problem.error_scale) ** 2 - problem.fixed_err2
+            cap_raw = (target.value ** 2 - problem.output_err2) / problem.error_scale ** 2 - problem.fixed_err2
         top = float(m.err2[m.valid].max()) or 1.0
         f, g, cap = t + _TIE * e, e, cap_raw / top
     elif target.kind == "speedup":
@@ -171,15 +176,26 @@ def solve(problem: Problem, target: Target) -> Solution:
     f, g = np.where(m.valid, f, 0.0), np.where(m.valid, g, 0.0)  # finite (0 * inf is nan); `valid` masks them
     choice = mckp(f, g, cap * (1 + 1e-12), m.valid)
     if choice is None:
-        best = np.argmin(np.where(m.valid, g, np.inf), axis=1)
-        pred = predict(problem, best, m)
-        reach = {"speedup": f"{pred.speedup:.3f}x", "bytes": f"{pred.nbytes} bytes", "ratio": f"{pred.ratio:.4f}",
-                 "error": f"{pred.error:.5f}"}[target.kind]
-        raise RecipeError(target.key, f"{target.value:g} cannot be met with these candidates: the best plan they allow "
-                                      f"is predicted at {reach} (add faster / smaller / more accurate candidates under "
-                                      "quantize.target.candidates, or relax the target)")
+        refuse(target, reach(problem, target, m))
     pred = predict(problem, choice, m)
     return Solution(tuple(int(c) for c in choice), pred, target, _met(pred, target))
+
+
+def reach(problem: Problem, target: Target, m: Matrices | None = None) -> Prediction:
+    """The plan that goes furthest toward the target's bound: each layer's fastest option (speedup), smallest
+    (bytes, ratio) or most accurate (error)."""
+    m = m or matrices(problem)
+    g = {"speedup": m.time, "bytes": m.nbytes, "ratio": m.nbytes, "error": m.err2}[target.kind]
+    return predict(problem, np.argmin(np.where(m.valid, g, np.inf), axis=1), m)
+
+
+def refuse(target: Target, best: Prediction, where: str = "") -> None:
+    """Raise the RecipeError of an unmet target, naming its key and `best` (what `reach` gives) as reachable."""
+    value = {"speedup": f"{best.speedup:.3f}x", "bytes": f"{best.nbytes} bytes", "ratio": f"{best.ratio:.4f}",
+             "error": f"{best.error:.5f}"}[target.kind]
+    raise RecipeError(target.key, f"{target.value:g} cannot be met with these candidates: the best plan they allow "
+                                  f"is predicted at {value}{where} (add faster / smaller / more accurate candidates "
+                                  "under quantize.target.candidates, or relax the target)")
 
 
 def _met(pred: Prediction, target: Target) -> bool:
@@ -215,17 +231,19 @@ def frontier(problem: Problem, points: int = 16) -> list[FrontierPoint]:
         if choice not in seen:
             seen[choice] = predict(problem, choice, m)
     items = list(seen.items())
-    figures = np.array([[p.time_ms, p.nbytes, p.error] for _, p in items])
-    keep = []
-    for i in range(len(items)):
-        dominated = np.all(figures <= figures[i], axis=1) & np.any(figures < figures[i], axis=1)
-        if not dominated.any():
-            keep.append(i)
     out = []
-    for i in sorted(keep, key=lambda k: figures[k][0]):
+    for i in non_dominated([p for _, p in items]):
         choice, pred = items[i]
         counts: dict[str, int] = {}
         for layer, j in zip(problem.layers, choice):
             counts[layer.labels[j]] = counts.get(layer.labels[j], 0) + 1
         out.append(FrontierPoint(pred, choice, dict(sorted(counts.items()))))
     return out
+
+
+def non_dominated(predictions: list[Prediction]) -> list[int]:
+    """Indices of the predictions no other beats on all of (time, bytes, error), by time."""
+    figures = np.array([[p.time_ms, p.nbytes, p.error] for p in predictions]).reshape(-1, 3)
+    keep = [i for i in range(len(figures))
+            if not (np.all(figures <= figures[i], axis=1) & np.any(figures < figures[i], axis=1)).any()]
+    return sorted(keep, key=lambda k: figures[k][0])

@@ -48,11 +48,19 @@ def target_lines(t: dict[str, Any] | None) -> list[str]:
         lines.append(f"target check: measured {fc['measured_ms']:.4g} ms = {fc['measured_speedup']:.3f}x (prediction off by "
                      f"{fc['off']:+.1%}), output error {fc['measured_error']:.5f}")
     lines += table(["plan (target)", "layers"], [[k, v] for k, v in t["layers"].items()])
+    att = t.get("attention") or {}
+    if len(att.get("options", {})) > 1 or att.get("chosen", "bf16") != "bf16":
+        lines.append(f"attention (target): {att['chosen']}, among")
+        lines += table(["attention", "float forward ms", "output error", "best plan"], [
+            [fmt, f"{o['forward_ms']:.4g}", f"{o['error']:.5f}",
+             f"{o['predicted']['speedup']:.3f}x, error {o['predicted']['error']:.5f}" + ("" if o["met"] else " (not met)")
+             if o["predicted"] else "target not reachable"] for fmt, o in att["options"].items()])
     rows = [[f"{f['speedup']:.3f}x", f"{f['time_ms']:.4g}", fmt_bytes(f["bytes"]), f"{f['error']:.5f}",
-             " ".join(f"{k}:{v}" for k, v in f["layers"].items())] for f in t.get("frontier", [])]
+             f.get("attention", "bf16"), " ".join(f"{k}:{v}" for k, v in f["layers"].items())]
+            for f in t.get("frontier", [])]
     if rows:
         lines.append(f"frontier the solver saw ({len(rows)} plans, predicted; report.json quantize.target.frontier):")
-        lines += table(["speedup", "ms", "bytes", "error", "layers"], rows)
+        lines += table(["speedup", "ms", "bytes", "error", "attention", "layers"], rows)
     return lines
 
 

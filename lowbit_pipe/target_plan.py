@@ -9,7 +9,13 @@
    fixed part of every prediction.
 4. The error scale: one forward with every free layer at its least accurate option maps the sum of squared
    layer errors to the model's output error.
-5. The solver's plan and the frontier; after quantization, `check` times the forward once more.
+5. The attention formats it may choose (quantize.target.attention; the recipe's attention.format when that is
+   set, a constraint): each applied for one timed forward of the float layers, on a scratch ledger undone at once.
+   Its time moves the fixed part; its output error against the stock attention's is added in quadrature. The
+   attention's cost is measured in place, in the whole forward (its masks, layout changes and routing included),
+   not summed from a per-shape table: one forward per format, as the float baseline is.
+6. The solver's plan and the frontier per attention format; the best met plan wins (least error; for an error
+   target, least time). After quantization, with the chosen attention applied, `check` times the forward once more.
 """
 
 from __future__ import annotations
@@ -29,12 +35,15 @@ from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options, q
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.forward_timing import ExampleForward, ForwardCheck, time_forward
 from lowbit_pipe.formats import FormatSpec, get_format
-from lowbit_pipe.ledger import tensor_bytes
+from lowbit_pipe.ledger import Ledger, tensor_bytes
 from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan, _spec
-from lowbit_pipe.solver import LayerCosts, Problem, Solution, frontier, solve
+from lowbit_pipe.solver import LayerCosts, Problem, Solution, frontier, non_dominated, reach, refuse, solve
 from lowbit_pipe.targets import Target
 from lowbit_pipe.timing import TimingSettings
+
+
+STOCK_ATTENTION = "bf16"  # lowbit_pipe.attention.route.STOCK (not imported: that pulls in the attention package)
 
 
 @dataclass
@@ -45,6 +54,39 @@ class TargetPlan:
     reference: torch.Tensor  # the float output on the example
     float_ms: float
     solution: Solution
+    attention: str = STOCK_ATTENTION  # the attention format the plan was solved with (apply it before `check`)
+
+
+@dataclass(frozen=True)
+class AttentionOption:
+    """One attention format as measured in the float model's forward on the example inputs."""
+
+    format: str
+    forward_ms: float  # the float layers' forward with this attention
+    error: float  # its output's relative error against the stock attention's (the float reference)
+    calls: dict[str, int]  # attention calls per path (format, or "stock: <why>"), as the dispatch counted them
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"forward_ms": round(self.forward_ms, 6), "error": round(self.error, 8), "calls": self.calls}
+
+
+def measure_attention(ctx, example: ExampleForward, attention_format: str, reference: torch.Tensor,  # noqa: ANN001
+                      timing: TimingSettings) -> AttentionOption:
+    """Apply `attention_format` to the model on a scratch ledger, time the example forward and measure its error,
+    then undo the swaps."""
+    from lowbit_pipe.attention import apply_attention
+
+    scratch = Ledger()
+    try:
+        applied = apply_attention(example.module, attention_format, scratch, list(ctx.recipe.attention.layers))
+        ms, out = time_forward(example, ctx.device, timing)
+        calls = dict(sorted(applied.calls.items())) if applied is not None else {}
+    finally:
+        report = scratch.undo_all()
+    if report.errors or report.unfreed:
+        raise RuntimeError(f"quantize.target.attention: undoing the timed {attention_format} attention failed: "
+                           f"{report.errors + report.unfreed}")
+    return AttentionOption(attention_format, ms, rel_error(reference, out), calls)
 
 
 def free_layers(plans: list[LayerPlan]) -> list[str]:
@@ -152,13 +194,20 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
         sum(layer_ms(n, Candidate(spec)) for n, spec in fixed_specs.items())
     fixed_bytes = float_bytes - sum(tensor_bytes(model.get_submodule(n)) for n in [*names, *fixed_specs]) + \
         sum(quantized_bytes(model.get_submodule(n), spec) for n, spec in fixed_specs.items())
-    problem = Problem(layers, fixed_ms=fixed_ms, fixed_bytes=fixed_bytes,
-                      float_ms=float_ms, float_bytes=float_bytes, error_scale=scale["scale"],
-                      fixed_err2=sum(o.rel_error ** 2 for o in fixed_options.values()))
+    base = Problem(layers, fixed_ms=fixed_ms, fixed_bytes=fixed_bytes,
+                   float_ms=float_ms, float_bytes=float_bytes, error_scale=scale["scale"],
+                   fixed_err2=sum(o.rel_error ** 2 for o in fixed_options.values()))
+    attention = {fmt: (AttentionOption(fmt, float_ms, 0.0, {}) if fmt == STOCK_ATTENTION else
+                       measure_attention(ctx, example, fmt, reference, timing)) for fmt in attention_formats(ctx)}
+    # Each format moves the fixed part by its forward's difference from the stock one and adds its output error.
+    problems = {fmt: replace(base, fixed_ms=base.fixed_ms + a.forward_ms - float_ms, output_err2=a.error ** 2)
+                for fmt, a in attention.items()}
     started = time.perf_counter()
-    solution = solve(problem, target)
-    front = frontier(problem, t.frontier_points)
+    chosen_attention, solution, solved = solve_per_attention(problems, target)
+    fronts = [(fmt, point) for fmt, problem in problems.items() for point in frontier(problem, t.frontier_points)]
+    front = [fronts[i] for i in non_dominated([p.prediction for _, p in fronts])]
     solver_seconds = time.perf_counter() - started
+    problem = problems[chosen_attention]
     chosen = {layer.name: options[layer.name][j] for layer, j in zip(layers, solution.choice)}
     new_plans = []
     for p in plans:
@@ -177,14 +226,49 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
         "predicted": solution.prediction.as_dict(), "layers": dict(sorted(counts.items())),
         "candidates": [c.label for c in candidates], "free_layers": len(names),
         "float_ms": round(float_ms, 6), "fixed_ms": round(problem.fixed_ms, 6), "error_scale": scale,
-        "frontier": [p.as_dict() for p in front],
+        "frontier": [{**p.as_dict(), "attention": fmt} for fmt, p in front],
+        "attention": {"chosen": chosen_attention, "options": {
+            fmt: {**a.as_dict(), "predicted": solved[fmt].prediction.as_dict() if fmt in solved else None,
+                  "met": fmt in solved and solved[fmt].met} for fmt, a in attention.items()}},
         "speed_table": {"path": str(table.path), "device": table.key.device, "entries": len(needed),
                         "measured": table.measured, "reused": len(set(e.key() for _, e in needed)) - table.measured,
                         "seconds": round(table_seconds, 3)},
         "solver_seconds": round(solver_seconds, 4),
         "sensitivity": {n: {o.candidate.label: round(o.rel_error, 6) for o in options[n]} for n in names},
     }
-    return TargetPlan(new_plans, report, example, reference, float_ms, solution)
+    return TargetPlan(new_plans, report, example, reference, float_ms, solution, chosen_attention)
+
+
+def attention_formats(ctx) -> list[str]:  # noqa: ANN001 - Context
+    """The attention formats the solver weighs: the recipe's attention.format when it sets one (validate refuses
+    both), else quantize.target.attention."""
+    fixed = ctx.recipe.attention.format
+    return [fixed] if fixed != STOCK_ATTENTION else list(dict.fromkeys(ctx.recipe.quantize.target.attention))
+
+
+def solve_per_attention(problems: dict[str, Problem], target: Target) -> tuple[str, Solution, dict[str, Solution]]:
+    """(attention format, its solution, every format's solution) for the best plan over the formats: among those
+    that meet the target, the least predicted error (an error target: the least time). When none meets it, the
+    RecipeError names what the format that comes closest reaches."""
+    solved: dict[str, Solution] = {}
+    for fmt, problem in problems.items():
+        try:
+            solved[fmt] = solve(problem, target)
+        except RecipeError:
+            continue
+    met = {fmt: s for fmt, s in solved.items() if s.met}
+    if not met:
+        order = {"speedup": lambda p: -p.speedup, "bytes": lambda p: p.nbytes, "ratio": lambda p: p.ratio,
+                 "error": lambda p: p.error}[target.kind]
+        reaches = {fmt: reach(problem, target) for fmt, problem in problems.items()}
+        best = min(reaches, key=lambda fmt: order(reaches[fmt]))
+        where = "" if list(problems) == [STOCK_ATTENTION] else \
+            f" (attention {best}" + (f", the closest of {list(problems)})" if len(problems) > 1 else ")")
+        refuse(target, reaches[best], where)
+    rank = (lambda s: (s.prediction.time_ms, s.prediction.error)) if target.kind == "error" else \
+        (lambda s: (s.prediction.error, s.prediction.time_ms))
+    fmt = min(met, key=lambda f: rank(met[f]))
+    return fmt, met[fmt], solved
 
 
 def check(tp: TargetPlan, device: torch.device, timing: TimingSettings | None = None) -> ForwardCheck:

@@ -134,6 +134,25 @@ def _check_attention(recipe: Recipe) -> None:
         if not isinstance(pattern, str) or not pattern:
             raise RecipeError(f"attention.layers[{i}]", f"must be a non-empty glob or re: pattern, got {pattern!r}")
         check_pattern(f"attention.layers[{i}]", pattern)
+    chosen = list(recipe.quantize.target.attention)
+    for i, fmt in enumerate(chosen):
+        if fmt not in ATTENTION_FORMATS:
+            raise RecipeError(f"quantize.target.attention[{i}]", f"must be one of {', '.join(ATTENTION_FORMATS)}, "
+                                                                 f"got '{fmt}'")
+    if not chosen:
+        raise RecipeError("quantize.target.attention", f"lists the attention formats the solver may choose: at least "
+                                                       f"one ('{STOCK}': the model's own)")
+    if chosen != [STOCK]:
+        from lowbit_pipe.targets import resolve_target
+
+        if resolve_target(recipe.quantize) is None:
+            raise RecipeError("quantize.target.attention", f"{chosen} is chosen among by the solver, which runs for a "
+                                                           "quantize.target (speedup, bytes, ratio or error): set one, or "
+                                                           "set attention.format yourself")
+        if a.format != STOCK:
+            raise RecipeError("quantize.target.attention", f"attention.format is '{a.format}' already (the recipe's "
+                                                           "word, which the solver keeps): leave quantize.target.attention "
+                                                           f"['{STOCK}'], or attention.format '{STOCK}' for the solver to choose")
     if a.format != STOCK and "quantize" not in recipe.pipeline:
         raise RecipeError("attention.format", f"'{a.format}' is applied by the quantize stage, which the pipeline "
                                               f"{list(recipe.pipeline)} lacks: add 'quantize', or leave attention.format "

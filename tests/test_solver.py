@@ -70,6 +70,46 @@ def test_infeasible_target_names_the_key_and_the_reachable_value():
         solve(problem, Target("bytes", 10.0, "quantize.target.bytes"))
 
 
+def test_output_error_adds_in_quadrature_and_bounds_an_error_target():
+    """An error measured on the output (the attention format's) adds to the scaled layer sum in quadrature; an
+    error target below it alone is refused, one above it is met counting it."""
+    from dataclasses import replace
+
+    problem = _problem(6, 3, 2)
+    with_att = replace(problem, output_err2=0.004 ** 2)
+    choice = (0,) * len(problem.layers)
+    plain, added = predict(problem, choice), predict(with_att, choice)
+    assert added.error == pytest.approx(math.hypot(plain.error, 0.004))
+    assert added.time_ms == plain.time_ms and added.nbytes == plain.nbytes
+    with pytest.raises(RecipeError, match=r"quantize.target.error.*predicted at 0.004"):
+        solve(replace(with_att, error_scale=0.0), Target("error", 0.0039, "quantize.target.error"))
+    bound = math.hypot(0.004, problem.error_scale * math.sqrt(sum(np.mean(l.err2) for l in problem.layers)))
+    sol = solve(with_att, Target("error", bound, "quantize.target.error"))
+    assert sol.met and sol.prediction.error <= bound * (1 + 1e-9)
+    assert sol.prediction.error == pytest.approx(predict(with_att, sol.choice).error)
+
+
+def test_solving_per_attention_format_takes_the_best_met_plan():
+    """A faster attention with some error: a speed target only it can meet picks it; a byte target (both meet it)
+    picks the format with less error; one neither meets names the closest format and what it reaches."""
+    from dataclasses import replace
+
+    from lowbit_pipe.target_plan import solve_per_attention
+
+    problem = _problem(8, 3, 4)
+    fastest = problem.fixed_ms + sum(min(l.time_ms) for l in problem.layers)
+    problems = {"bf16": problem, "fp8": replace(problem, fixed_ms=problem.fixed_ms - 0.5, output_err2=1e-6)}
+    speed = Target("speedup", problem.float_ms / (fastest - 0.25), "quantize.target.speedup")
+    fmt, sol, solved = solve_per_attention(problems, speed)
+    assert fmt == "fp8" and sol.met and "bf16" not in solved
+    ratio = Target("ratio", 1.0, "quantize.target.ratio")
+    fmt, sol, solved = solve_per_attention(problems, ratio)
+    assert fmt == "bf16" and solved["fp8"].met and sol.prediction.error < solved["fp8"].prediction.error
+    with pytest.raises(RecipeError, match=r"quantize.target.speedup.*predicted at [\d.]+x \(attention fp8, the "
+                                          r"closest of \['bf16', 'fp8'\]\)"):
+        solve_per_attention(problems, Target("speedup", 100.0, "quantize.target.speedup"))
+
+
 def test_frontier_is_non_dominated_and_spans_the_extremes():
     problem = _problem(40, 5, 3)
     front = frontier(problem, 12)
@@ -138,6 +178,39 @@ def test_error_target_without_float_is_met_by_the_measured_error(tmp_path, speed
     assert t["forward_check"]["measured_error"] < 0.004 * 1.5
 
 
+def test_attention_formats_are_measured_and_the_chosen_one_is_applied_before_the_check(tmp_path, speed_cache):
+    """quantize.target.attention: each format is timed in the forward and its output error measured; the report
+    lists both. A byte target picks the stock attention (same bytes, no error); a format the recipe leaves as the
+    only choice is applied before the whole-forward check, whose measured error then counts it, and teardown
+    gives the stock processors back."""
+    from lowbit_pipe.attention.processors import attention_modules
+
+    r = _run(tmp_path, ["quantize.target.ratio=0.6", "quantize.target.attention=[bf16,int8]"], speed_cache, "both")
+    att = r.report["quantize"]["target"]["attention"]
+    assert att["chosen"] == "bf16" and set(att["options"]) == {"bf16", "int8"}
+    int8 = att["options"]["int8"]
+    assert 1e-5 < int8["error"] < 0.05 and int8["forward_ms"] > 0 and int8["calls"].get("int8", 0) >= 4
+    assert att["options"]["bf16"]["error"] == 0 and int8["met"]
+    assert int8["predicted"]["error"] > att["options"]["bf16"]["predicted"]["error"]
+    assert r.report["attention"] == {"format": "bf16", "chosen_by": "quantize.target"}
+    assert {p["attention"] for p in r.report["quantize"]["target"]["frontier"]} <= {"bf16", "int8"}
+
+    r = _run(tmp_path, ["quantize.target.ratio=0.6", "quantize.target.attention=[int8]"], speed_cache, "int8")
+    t = r.report["quantize"]["target"]
+    assert t["attention"]["chosen"] == "int8"
+    assert r.report["attention"]["format"] == "int8" and r.report["attention"]["applied"]
+    assert r.report["attention"]["chosen_by"] == "quantize.target"
+    fc = t["forward_check"]
+    # the attention's own error is in both the prediction and the measured check
+    assert fc["predicted_error"] >= t["attention"]["options"]["int8"]["error"]
+    assert 0.5 < fc["measured_error"] / fc["predicted_error"] < 2.0
+    model = r.model
+    assert all(type(m.processor).__name__.endswith("8bit") for m in attention_modules(model).values())
+    torn = lowbit_pipe.teardown(r)
+    assert torn["errors"] == [] and torn["undone"].get("attention_processor") == 4
+    assert not any(type(m.processor).__name__.endswith("8bit") for m in attention_modules(model).values())
+
+
 def test_recipe_errors_name_the_key(tmp_path):
     with pytest.raises(RecipeError, match=r"quantize.target.ratio.*set one target, got speedup, ratio"):
         _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.speedup=1.2"])
@@ -156,6 +229,12 @@ def test_recipe_errors_name_the_key(tmp_path):
         assert type(module[0]) is torch.nn.Linear  # refused before any layer changed
     with pytest.raises(RecipeError, match=r"quantize.target.loads_in"):
         _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.loads_in=comfy"])
+    with pytest.raises(RecipeError, match=r"quantize.target.attention\[1\].*bf16, int8, fp8.*'int4'"):
+        _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.attention=[bf16,int4]"])
+    with pytest.raises(RecipeError, match=r"quantize.target.attention.*attention.format is 'fp8' already"):
+        _run(tmp_path, ["quantize.target.ratio=0.5", "quantize.target.attention=[bf16,int8]", "attention.format=fp8"])
+    with pytest.raises(RecipeError, match=r"quantize.target.attention.*set one"):
+        _run(tmp_path, ["quantize.target.attention=[int8]"])
 
 
 def test_a_target_needs_the_model_loaded():

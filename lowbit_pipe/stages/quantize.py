@@ -335,30 +335,33 @@ def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, 
     return out
 
 
-def apply_recipe_attention(ctx: Context) -> dict[str, Any]:
+def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str, Any]:
     """The recipe's `attention:` on the loaded transformer (8-bit attention through its diffusers processors,
-    every swap in the ledger): report.json's `attention`."""
+    every swap in the ledger): report.json's `attention`. `chosen`: the format quantize.target's solver picked
+    (validate lets it choose only where attention.format is the stock one)."""
     from lowbit_pipe.attention import STOCK, apply_attention
 
     cfg = ctx.recipe.attention
-    if cfg.format == STOCK:
-        return {"format": STOCK}
+    fmt = chosen if chosen is not None else cfg.format
+    by = {"chosen_by": "quantize.target"} if chosen is not None and cfg.format == STOCK else {}
+    if fmt == STOCK:
+        return {"format": STOCK, **by}
     if ctx.stream is not None:
-        return {"format": cfg.format, "applied": False,
+        return {"format": fmt, "applied": False,
                 "note": "a streamed run has no model in memory; the attention format is run time only (exports never "
                         "carry it)"}
     if ctx.native:
-        return {"format": cfg.format, "applied": False,
+        return {"format": fmt, "applied": False,
                 "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
-    applied = apply_attention(ctx.transformer, cfg.format, ctx.ledger, list(cfg.layers))
+    applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers))
     ctx.attention = applied
     ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
                       check=lambda: True if ctx.attention is None else "still set")
     if not applied.modules:
         why = next(iter(applied.kept.values()), "no diffusers attention module (a ComfyUI model takes the 8-bit "
                                                 "attention node's override instead)")
-        warnings.warn(f"attention.format={cfg.format}: no attention module got 8-bit attention ({why})", stacklevel=2)
-    return {**applied.as_dict(), "applied": bool(applied.modules)}
+        warnings.warn(f"attention.format={fmt}: no attention module got 8-bit attention ({why})", stacklevel=2)
+    return {**applied.as_dict(), "applied": bool(applied.modules), **by}
 
 
 def compute_device(name: str | None) -> torch.device | None:
@@ -517,6 +520,8 @@ class Quantize(Stage):
         if budget is not None:
             budget["model_bytes"] = tensor_bytes(ctx.transformer)
             result["budget"] = budget
+        # The attention goes on before the target's check: the plan's predicted time and error include it.
+        attention = apply_recipe_attention(ctx, target_plan.attention if target_plan is not None else None)
         if target_plan is not None:
             result["target"] = target_plan.report
             figures_target = _check_target(ctx, target_plan)
@@ -525,7 +530,7 @@ class Quantize(Stage):
                 "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
-        ctx.report["attention"] = apply_recipe_attention(ctx)
+        ctx.report["attention"] = attention
         figures = {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
                    "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
         if target_plan is not None:
