@@ -1,14 +1,18 @@
 """Where a Krea 2 forward's time goes: GEMMs, attention, activation quantization, fused elementwise work, other.
 
     python bench/forward_profile.py --variants bf16 fp8 int8 --out bench/results/forward_profile_h200.json   # H200
+    python bench/forward_profile.py --eager --variants bf16 fp8 int8 --out bench/results/forward_profile_eager_h200.json
     python bench/forward_profile.py --device cpu --small --out /tmp/forward_profile.json                     # smoke run
 
 The model and inputs are bench/headline.py's (diffusers' default Krea 2, seeded random weights, bf16, 4096 image + 512
 text tokens; --small: the tiny config). Each variant runs the recipe with the compile stage (`pipeline=[load, detect,
-quantize, compile]`; bf16: no quantize), is warmed up, then --iters forwards run under torch.profiler. Every
+quantize, compile]`; bf16: no quantize; --eager: no compile stage, as ComfyUI runs a model without a compile node),
+is warmed up, then --iters forwards run under torch.profiler. Every
 device kernel (CPU: every operator's own time) is put in one category by its name (`category`), and the table gives
 each category's ms per forward and share. It answers how much of a forward the quantized GEMMs can still speed up,
-and how much sits in work no weight format touches (attention).
+and how much sits in work no weight format touches (attention). On a GPU each variant's wall time per forward is
+measured too (CUDA events, outside the profiler): wall - kernel time is how long the GPU waited on the host, the
+launch cost an eager forward pays and a compiled one mostly does not.
 """
 
 from __future__ import annotations
@@ -45,14 +49,22 @@ CATEGORIES = (
     ("gemm", r"gemm|xmma|nvjet|cutlass|_int8_.*kernel|_fp8_.*kernel|_nvfp4_gemm|aten::(mm|addmm|bmm|matmul|linear|_int_mm|"
              r"_scaled_mm)$|lowbit_pipe::(int8|fp8|nvfp4|float)_gemm"),
     ("quantize / rotate / decode", r"quantize|_quant|_act_kernel|_amax_down|rotate|hadamard|decode|lowbit_pipe::"),
+    # aten's own kernels: what Inductor fuses under compile runs as one kernel per op in eager (norms, modulation,
+    # RoPE, gelu, residual adds, layout copies)
+    ("elementwise (aten, eager)", r"elementwise|reduce_kernel|norm|CatArray|copy|index|gelu|silu|softmax"),
 )
-VARIANTS = {
-    "bf16": ("default", ["pipeline=[load,detect,compile]"]),
-    "fp8": ("default", ["pipeline=[load,detect,quantize,compile]", "quantize.default.format=fp8"]),
-    "int8": ("default", ["pipeline=[load,detect,quantize,compile]", "quantize.default.format=int8"]),
-    "nvfp4": ("default", ["pipeline=[load,detect,quantize,compile]", "quantize.default.format=nvfp4",
-                          "quantize.default.activations=none"]),
+VARIANTS = {  # recipe, overrides, whether it quantizes
+    "bf16": ("default", [], False),
+    "fp8": ("default", ["quantize.default.format=fp8"], True),
+    "int8": ("default", ["quantize.default.format=int8"], True),
+    "nvfp4": ("default", ["quantize.default.format=nvfp4", "quantize.default.activations=none"], True),
 }
+
+
+def variant_overrides(name: str, eager: bool) -> tuple[str, list[str]]:
+    recipe, overrides, quantizes = VARIANTS[name]
+    stages = ["load", "detect"] + (["quantize"] if quantizes else []) + ([] if eager else ["compile"])
+    return recipe, [f"pipeline=[{','.join(stages)}]", *overrides]
 
 
 def category(name: str) -> str:
@@ -101,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="the tiny config (a smoke run)")
     p.add_argument("--variants", nargs="+", default=["bf16", "fp8", "int8"], choices=list(VARIANTS))
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--eager", action="store_true", help="no compile stage (the uncompiled path)")
     p.add_argument("--out", default="bench/results/forward_profile_h200.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -117,19 +130,27 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for name in args.variants:
-            recipe, overrides = VARIANTS[name]
+            recipe, overrides = variant_overrides(name, args.eager)
             result = lowbit_pipe.run(recipe, overrides, model=model, run_dir=Path(scratch) / name)
             try:
                 for _ in range(2):  # compile, then a steady call
                     forward()
+                wall = None
                 if on_device:
                     torch.cuda.synchronize(device)
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    for _ in range(args.iters):
+                        forward()
+                    end.record()
+                    torch.cuda.synchronize(device)
+                    wall = start.elapsed_time(end) / args.iters
                 with torch.profiler.profile(activities=activities) as prof:
                     for _ in range(args.iters):
                         forward()
                     if on_device:
                         torch.cuda.synchronize(device)
-                rows.append({"variant": name, **split(prof, on_device, args.iters)})
+                rows.append({"variant": name, **split(prof, on_device, args.iters), "wall_ms": wall})
             finally:
                 lowbit_pipe.teardown(result)
                 torch._dynamo.reset()
@@ -145,11 +166,17 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
     labels = [c for c, _ in CATEGORIES] + ["other"]
     time_kind = "device kernel time" if device.type == "cuda" else "CPU operator self time"
     lines = [f"`{cmd}`", "", f"device: {name} | torch {torch.__version__} | Krea 2 {'tiny' if args.small else 'full size'}, "
-             f"bf16, compiled | {time_kind} per forward, mean of {args.iters}", "",
-             "| variant | total ms | " + " | ".join(labels) + " |", "|---|---|" + "---|" * len(labels)]
+             f"bf16, {'eager (no compile)' if args.eager else 'compiled'} | {time_kind} per forward, mean of "
+             f"{args.iters}; wall: CUDA events around {args.iters} forwards outside the profiler, GPU idle = wall - "
+             "kernel total", "",
+             "| variant | wall ms | kernel total ms | GPU idle ms | " + " | ".join(labels) + " |",
+             "|---|---|---|---|" + "---|" * len(labels)]
     for r in rows:
         cells = [f"{r['ms'].get(c, 0.0):.2f} ({100 * r['ms'].get(c, 0.0) / r['total_ms']:.0f} %)" for c in labels]
-        lines.append(f"| {r['variant']} | {r['total_ms']:.2f} | " + " | ".join(cells) + " |")
+        wall = r.get("wall_ms")
+        walls = f"{wall:.2f} | {r['total_ms']:.2f} | {max(wall - r['total_ms'], 0.0):.2f}" if wall else \
+            f"- | {r['total_ms']:.2f} | -"
+        lines.append(f"| {r['variant']} | {walls} | " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     print(table)
     save_outputs(args.out, table, {"command": cmd, "device": name, "torch": torch.__version__, "rows": rows})

@@ -8,6 +8,7 @@
 #   bash bench/gpu_suite.sh pipeline "$OUT"  # LoRA overhead, teardown proof, recipes on the GPU, CPU tests there
 #   bash bench/gpu_suite.sh gptq "$OUT"      # GPTQ through the recipe on the full-size Krea 2 (int8, nvfp4)
 #   bash bench/gpu_suite.sh profile "$OUT"   # the full-size forward's device time split: GEMM, attention, quantize, ...
+#   bash bench/gpu_suite.sh profile_eager "$OUT"  # the same split uncompiled, with wall time (GPU idle on the host)
 #   bash bench/gpu_suite.sh attention "$OUT" # 8-bit attention: its GPU tests, the kernel bench (masked shape too)
 #   bash bench/gpu_suite.sh headline_attention "$OUT"  # headline rows with and without 8-bit attention, sageattention
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
@@ -18,7 +19,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, attention or headline_attention}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention or headline_attention}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -56,6 +57,10 @@ case "$part" in
     timeout 560 python3 bench/forward_profile.py --variants bf16 fp8 int8 --out "$out/forward_profile_h200.json" \
       > "$out/forward_profile.log" 2>&1
     tail -8 "$out/forward_profile.log" ;;
+  profile_eager)
+    timeout 400 python3 bench/forward_profile.py --eager --variants bf16 fp8 int8 --out "$out/forward_profile_eager_h200.json" \
+      > "$out/forward_profile_eager.log" 2>&1
+    tail -8 "$out/forward_profile_eager.log" ;;
   attention)
     timeout 270 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py tests/test_gpu_attention_recipe.py \
       -k attention 2>&1 | tail -30 > "$out/pytest_attention.log"
@@ -69,5 +74,5 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "bf16 + " "fp8 + fp8" "int8 + int8" "krea2_nvfp4, fp8 compute +" \
       "fp8, no compile" "int8, no compile" --out "$out/headline_attention_h200.json" > "$out/headline_attention.log" 2>&1
     tail -25 "$out/headline_attention.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, attention, headline_attention)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention)"; exit 2 ;;
 esac

@@ -36,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     ("_mxfp8_act_kernel", "quantize / rotate / decode"),
     ("_int4_group_decode_kernel", "quantize / rotate / decode"),
     ("lowbit_pipe::float_gemm", "gemm"),
-    ("aten::copy_", "other"),
+    # eager: aten's own kernels, one per op (H200 names)
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>",
+     "elementwise (aten, eager)"),
+    ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<c10::BFloat16, float>",
+     "elementwise (aten, eager)"),
+    ("void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float>>", "elementwise (aten, eager)"),
+    ("aten::copy_", "elementwise (aten, eager)"),
+    ("aten::empty", "other"),
 ])
 def test_kernel_names_fall_in_their_category(name, expected):
     from forward_profile import category
@@ -48,8 +55,10 @@ def test_cpu_smoke_run_splits_the_whole_forward(tmp_path):
     from forward_profile import main
 
     out = tmp_path / "profile.json"
-    assert main(["--device", "cpu", "--small", "--variants", "bf16", "--iters", "2", "--out", str(out)]) == 0
+    assert main(["--device", "cpu", "--small", "--variants", "bf16", "--iters", "2", "--eager", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
+    assert row["wall_ms"] is None  # CUDA events only
+    assert "eager (no compile)" in out.with_suffix(".md").read_text()
     assert row["variant"] == "bf16" and row["total_ms"] > 0
     assert row["ms"]["gemm"] > 0 and row["ms"]["attention"] > 0
     assert sum(row["ms"].values()) == pytest.approx(row["total_ms"])
