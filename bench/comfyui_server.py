@@ -39,19 +39,35 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _fixture(name: str) -> Path:
-    """A fixture of ../shared beside the checkout; for a git worktree elsewhere, beside the main checkout."""
-    here = ROOT.parent / "shared" / name
-    if here.exists():
-        return here
+ARCHIVE_NAME = "comfyui-0.29.0.tar.xz"
+
+
+def archive_candidates(name: str = ARCHIVE_NAME) -> list[Path]:
+    """Where the ComfyUI source archive is looked for, in order: LOWBIT_COMFYUI_ARCHIVE (a copy elsewhere), a
+    `shared/` folder beside the checkout, beside the main checkout (for a git worktree elsewhere), inside it."""
+    env = os.environ.get("LOWBIT_COMFYUI_ARCHIVE")
+    out = [Path(env)] if env else []
+    out.append(ROOT.parent / "shared" / name)
     proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
                           capture_output=True, text=True)
-    common = Path(proc.stdout.strip()) if proc.returncode == 0 else None
-    main_checkout = common.parent.parent / "shared" / name if common is not None else here
-    return main_checkout if main_checkout.exists() else here
+    if proc.returncode == 0:
+        out.append(Path(proc.stdout.strip()).parent.parent / "shared" / name)
+    out.append(ROOT / "shared" / name)
+    return list(dict.fromkeys(out))
 
 
-ARCHIVE = _fixture("comfyui-0.29.0.tar.xz")
+def find_archive(name: str = ARCHIVE_NAME) -> Path:
+    """The ComfyUI source archive; FileNotFoundError naming every place looked at."""
+    candidates = archive_candidates(name)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(f"no ComfyUI source archive at {[str(p) for p in candidates]} (CI keeps it in a "
+                            "shared/ folder beside the checkout; set LOWBIT_COMFYUI_ARCHIVE to another copy)")
+
+
+# The archive as found, or (when there is none) the first place looked at: callers check is_file() to skip.
+ARCHIVE = next((p for p in archive_candidates() if p.is_file()), archive_candidates()[0])
 
 
 # ============================================================================ torchvision / torchaudio stand-ins

@@ -18,18 +18,14 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-ARCHIVE = "comfyui-0.29.0.tar.xz"
+sys.path.insert(0, str(ROOT / "bench"))
+
+from comfyui_server import find_archive  # noqa: E402 - the one lookup of the archive, shared with the benches
 
 
 def archive_path() -> Path:
-    """The ComfyUI source archive; FileNotFoundError naming every place looked at."""
-    env = os.environ.get("LOWBIT_COMFYUI_ARCHIVE")
-    candidates = ([Path(env)] if env else []) + [ROOT.parent / "shared" / ARCHIVE, ROOT / "shared" / ARCHIVE]
-    for path in candidates:
-        if path.is_file():
-            return path
-    raise FileNotFoundError(f"no ComfyUI source archive at {[str(p) for p in candidates]} (CI keeps it in "
-                            "../shared/; set LOWBIT_COMFYUI_ARCHIVE to another copy)")
+    """The ComfyUI source archive; FileNotFoundError naming every place looked at (comfyui_server.find_archive)."""
+    return find_archive()
 
 
 def unpack(dest: Path) -> Path:
