@@ -259,6 +259,34 @@ def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
     assert torch.equal(_out(model, arch, inputs), before)
 
 
+def test_the_pipelines_empty_negative_prompt_stays_finite():
+    """diffusers' Krea2Pipeline pads each prompt to 512 text tokens and, with guidance, also encodes the empty
+    negative prompt: its text is whole blocks of padding before the few suffix tokens, so the first key blocks of
+    every attention are all masked. The online softmax must treat them as nothing (they made the image NaN), and the
+    8-bit image stays close to the stock attention's."""
+    from test_calibration_prompts import tiny_krea2_pipeline
+
+    pipe = tiny_krea2_pipeline()
+
+    def latents() -> torch.Tensor:
+        with torch.no_grad():
+            return pipe(prompt="a red cat on the mat", num_inference_steps=2, output_type="latent", height=64,
+                        width=64, generator=torch.Generator().manual_seed(1)).images
+
+    stock = latents()
+    for fmt in ("int8", "fp8"):
+        ledger = Ledger()
+        applied = apply_attention(pipe.transformer, fmt, ledger)
+        try:
+            out = latents()
+        finally:
+            ledger.undo_all()
+        assert applied.calls[fmt] > 0 and not any(k.startswith("stock") for k in applied.calls), applied.calls
+        assert torch.isfinite(out).all(), fmt
+        assert _rel(out, stock) < 0.05, (fmt, _rel(out, stock))
+    assert torch.equal(latents(), stock)
+
+
 # ------------------------------------------------------------------------------------------------------ the bench
 @pytest.mark.slow
 def test_the_error_bench_runs_and_writes_its_table(tmp_path):

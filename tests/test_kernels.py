@@ -789,15 +789,16 @@ def case_attention8() -> None:
             torch.testing.assert_close(g, want.reshape(6, 64), rtol=1e-5, atol=1e-6, msg=f"kv_stats {what}")
     # A key-padding mask (batch 2, keys masked in the middle and at the end of a block): against the reference and
     # the float64 oracle over the attended keys; masked keys' values (garbage here) change nothing.
-    q, k, v = (torch.randn(2, 2, 70, 64, generator=gen) for _ in range(3))
-    k = k + torch.randn(2, 2, 1, 64, generator=gen) * 4
-    v = v + torch.randn(2, 2, 1, 64, generator=gen) * 2
-    mask = torch.ones(2, 70, dtype=torch.bool)
+    q, k, v = (torch.randn(3, 2, 70, 64, generator=gen) for _ in range(3))
+    k = k + torch.randn(3, 2, 1, 64, generator=gen) * 4
+    v = v + torch.randn(3, 2, 1, 64, generator=gen) * 2
+    mask = torch.ones(3, 70, dtype=torch.bool)
     mask[0, 50:] = False
     mask[1, 3:20] = False
+    mask[2, :66] = False  # whole key blocks masked before any attended key (Krea 2's empty negative prompt)
     k2, v2 = k.clone(), v.clone()
-    k2[~mask[:, None, :].expand(2, 2, 70)] = 1e4
-    v2[~mask[:, None, :].expand(2, 2, 70)] = -1e4
+    k2[~mask[:, None, :].expand(3, 2, 70)] = 1e4
+    v2[~mask[:, None, :].expand(3, 2, 70)] = -1e4
     for fmt in ("int8", "fp8"):
         out = attention8(q, k2, v2, fmt, key_mask=mask)
         ref = reference_attention8(q, k2, v2, fmt, config=cfg, key_mask=mask)

@@ -266,8 +266,11 @@ def _attention8_kernel(
         elif MASK_TAIL:
             s = tl.where((start_n + offs_n)[None, :] < N, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.math.exp2(s - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_sub = m_new
+        if KEY_BIAS:  # masked keys before any attended one: -inf - -inf would be NaN; against 0, p and alpha are 0
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v = v_desc.load([bh * D, start_n])
         pv = tl.dot((p * 448.0).to(tl.float8e4nv), tl.trans(v))
@@ -459,8 +462,9 @@ def reference_attention8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_f
         for k8, ks, vb, kbias in k_blocks:
             s = (q8 @ k8.transpose(-1, -2)) * (qmul * ks) + kbias
             m_new = torch.maximum(m_i, s.amax(dim=-1))
-            p = torch.exp2(s - m_new[..., None])
-            alpha = torch.exp2(m_i - m_new)
+            m_sub = torch.where(m_new == float("-inf"), 0.0, m_new)  # masked keys before any attended one (the kernel's)
+            p = torch.exp2(s - m_sub[..., None])
+            alpha = torch.exp2(m_i - m_sub)
             l_i = l_i * alpha + p.sum(dim=-1)
             p8 = (p * FP8_MAX).to(torch.float8_e4m3fn).float()
             acc = acc * alpha[..., None] + p8 @ vb
