@@ -106,7 +106,7 @@ def split(prof: torch.profiler.profile, on_device: bool, iters: int) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
-    from headline import build_krea2, krea2_inputs
+    from headline import build_krea2, krea2_inputs, timed_ms
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
@@ -135,16 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for _ in range(2):  # compile, then a steady call
                     forward()
-                wall = None
-                if on_device:
-                    torch.cuda.synchronize(device)
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    for _ in range(args.iters):
-                        forward()
-                    end.record()
-                    torch.cuda.synchronize(device)
-                    wall = start.elapsed_time(end) / args.iters
+                wall = timed_ms(forward, device, args.iters) if on_device else None
                 with torch.profiler.profile(activities=activities) as prof:
                     for _ in range(args.iters):
                         forward()
