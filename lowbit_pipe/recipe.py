@@ -241,6 +241,9 @@ class AttentionConfig:
     # Attention modules (diffusers names, e.g. transformer_blocks.*.attn; globs or re:) that get it; the rest keep
     # their own. Calls sdpa8 cannot serve (a mask other than key padding, cross-attention) run the model's own attention anyway.
     layers: list[str] = field(default_factory=lambda: ["*"])
+    # The architecture's own list of attention modules that keep the model's attention (Krea 2: the text fusion,
+    # short sequences where 8-bit attention costs accuracy and saves no time); false: `layers` alone decides.
+    arch_keep: bool = True
 
 
 @dataclass

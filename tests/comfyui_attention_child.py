@@ -53,6 +53,9 @@ def _per_arch(path: str) -> dict[str, Any]:
         out[f"{fmt}_calls"] = dict(override_of(m8).calls)
         out[f"{fmt}_cosine"] = _cos(s8, stock)
         out[f"{fmt}_rel"] = _rel(s8, stock)
+    (every,) = LowbitAttention8().apply(model, "int8", blocks_only=False, unique_id="a_every")
+    sample(every)
+    out["every_call_calls"] = dict(override_of(every).calls)
     # What ComfyUI's TorchCompileModel node does, on the fp8 MODEL: its clone, ComfyUI's compile wrapper and the
     # node's guard filter (skip_torch_compile_dict, restated: its module imports comfy_api.latest, which needs
     # PyAV); the eager backend (guards and recompiles are Inductor's, without its CPU build time). Two

@@ -243,7 +243,10 @@ def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
                                          "pipeline=[load,detect,quantize,evaluate]"], model=model,
                              run_dir=tmp_path / "run")
     report = result.report
-    assert report["attention"]["applied"] and report["attention"]["modules"] == 4
+    # the joint blocks' two; the text fusion's two keep the model's attention (Krea 2's attention_keep)
+    assert report["attention"]["applied"] and report["attention"]["modules"] == 2
+    assert set(report["attention"]["kept"]) == {"text_fusion.layerwise_blocks.0.attn", "text_fusion.refiner_blocks.0.attn"}
+    assert all("attention.arch_keep" in why for why in report["attention"]["kept"].values())
     ev = report["evaluate"]
     share = ev["attention"]
     assert share["format"] == "int8" and share["calls"]["int8"] > 0 and set(share["calls"]) == {"int8"}
@@ -251,12 +254,20 @@ def test_a_run_applies_reports_and_tears_down(tiny_model, tmp_path):
     assert 0 < share["rel_error"] < ev["rel_error"] and 0 < share["share_of_rel_error"] < 1
     assert share["trajectory"]["min_cosine"] > 0.999 and share["trajectory"]["diverged"] == 0
     summary = (result.run_dir / "summary.txt").read_text()
-    assert "attention: int8 on 4 modules (calls: int8 " in summary and "8-bit attention (int8) alone" in summary
+    assert "attention: int8 on 2 modules (calls: int8 " in summary and "8-bit attention (int8) alone" in summary
     proof = lowbit_pipe.teardown(result)
-    assert proof["unfreed"] == [] and proof["errors"] == [] and proof["undone"]["attention_processor"] == 4
+    assert proof["unfreed"] == [] and proof["errors"] == [] and proof["undone"]["attention_processor"] == 2
     assert all(m.processor is stock[n] for n, m in attention_modules(model).items())
     assert result.context.attention is None
     assert torch.equal(_out(model, arch, inputs), before)
+
+
+def test_arch_keep_off_gives_every_module_8bit_attention(tiny_model, tmp_path):
+    result = lowbit_pipe.run("default", ["attention.format=fp8", "attention.arch_keep=false",
+                                         "pipeline=[load,detect,quantize]"], model=tiny_model("krea2"),
+                             run_dir=tmp_path / "run")
+    assert result.report["attention"]["modules"] == 4 and result.report["attention"]["kept"] == {}
+    lowbit_pipe.teardown(result)
 
 
 def test_the_pipelines_empty_negative_prompt_stays_finite():

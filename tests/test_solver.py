@@ -189,7 +189,7 @@ def test_attention_formats_are_measured_and_the_chosen_one_is_applied_before_the
     att = r.report["quantize"]["target"]["attention"]
     assert att["chosen"] == "bf16" and set(att["options"]) == {"bf16", "int8"}
     int8 = att["options"]["int8"]
-    assert 1e-5 < int8["error"] < 0.05 and int8["forward_ms"] > 0 and int8["calls"].get("int8", 0) >= 4
+    assert 1e-5 < int8["error"] < 0.05 and int8["forward_ms"] > 0 and int8["calls"].get("int8", 0) >= 2
     assert att["options"]["bf16"]["error"] == 0 and int8["met"]
     assert int8["predicted"]["error"] > att["options"]["bf16"]["predicted"]["error"]
     assert r.report["attention"] == {"format": "bf16", "chosen_by": "quantize.target"}
@@ -205,9 +205,10 @@ def test_attention_formats_are_measured_and_the_chosen_one_is_applied_before_the
     assert fc["predicted_error"] >= t["attention"]["options"]["int8"]["error"]
     assert 0.5 < fc["measured_error"] / fc["predicted_error"] < 2.0
     model = r.model
-    assert all(type(m.processor).__name__.endswith("8bit") for m in attention_modules(model).values())
+    eight = {n for n, m in attention_modules(model).items() if type(m.processor).__name__.endswith("8bit")}
+    assert eight == {"transformer_blocks.0.attn", "transformer_blocks.1.attn"}  # the text fusion's: arch_keep
     torn = lowbit_pipe.teardown(r)
-    assert torn["errors"] == [] and torn["undone"].get("attention_processor") == 4
+    assert torn["errors"] == [] and torn["undone"].get("attention_processor") == 2  # the joint blocks' (arch_keep)
     assert not any(type(m.processor).__name__.endswith("8bit") for m in attention_modules(model).values())
 
 

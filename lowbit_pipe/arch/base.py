@@ -76,6 +76,9 @@ class LayerPolicy:
     keep_float: tuple[str, ...] = ()
     sensitive: tuple[str, ...] = ()
     block_paths: tuple[str, ...] = ()  # attribute paths of the repeated-block ModuleLists
+    # Attention modules that keep the model's own attention under 8-bit attention (recipe attention.arch_keep):
+    # where it measurably costs accuracy and gains no time.
+    attention_keep: tuple[str, ...] = ()
 
 
 class Arch(ABC):

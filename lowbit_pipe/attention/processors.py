@@ -138,9 +138,10 @@ def attention_modules(root: nn.Module) -> dict[str, nn.Module]:
 
 
 def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, layers: list[str] | tuple[str, ...] = ("*",),
-                    path: str = "attention") -> AppliedAttention | None:
-    """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) an 8-bit
-    processor, each swap recorded in `ledger`. "bf16" changes nothing (None). `path`: the recipe key, in errors."""
+                    path: str = "attention", keep: tuple[str, ...] = ()) -> AppliedAttention | None:
+    """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) and not `keep`
+    (the arch's attention_keep) an 8-bit processor, each swap recorded in `ledger`. "bf16" changes nothing (None).
+    `path`: the recipe key, in errors."""
     if attention_format not in ATTENTION_FORMATS:
         raise ValueError(f"{path}.format must be one of {list(ATTENTION_FORMATS)}, got {attention_format!r}")
     if attention_format == STOCK:
@@ -156,6 +157,9 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
     for name, module in attention_modules(root).items():
         if not any(matches(p, name) for p in layers):
             applied.kept[name] = f"not in {path}.layers"
+            continue
+        if any(matches(p, name) for p in keep):
+            applied.kept[name] = f"the architecture keeps its own attention here ({path}.arch_keep)"
             continue
         stock = module.processor
         why = supports(stock)

@@ -9,7 +9,10 @@ that MODEL and every MODEL made from it, never on the MODEL it was cloned from.
 
 `Attention8Override` runs sdpa8 where it serves the call (lowbit_pipe.attention.route) and ComfyUI's own `func`
 elsewhere: a mask other than a boolean key-padding one, cross-attention of another length, a layer that asks for
-full precision (`low_precision_attention=False`, which ComfyUI's sage attention honours too), a GPU without the kernel.
+full precision (`low_precision_attention=False`, which ComfyUI's sage attention honours too), a GPU without the kernel,
+and (`blocks_only`, the recipe's attention.arch_keep) calls outside the model's repeated blocks: ComfyUI puts
+`block_index` in the transformer_options of every block's attention call, and Krea 2's text fusion, which the
+diffusers side keeps by module name, calls without it.
 Purge drops it: off the MODEL it is given, and marked purged, so any other MODEL still carrying it (ComfyUI's
 cache) refuses to sample, naming the node, rather than silently compute in 16 bits; the node re-runs on the
 next queue (its purge count moves).
@@ -31,13 +34,14 @@ OVERRIDE_KEY = "optimized_attention_override"
 class Attention8Override:
     """ComfyUI's `optimized_attention_override` callable: sdpa8 in `qk_format`, or ComfyUI's function."""
 
-    def __init__(self, qk_format: str, made_by: str, node_id: str | None = None) -> None:
+    def __init__(self, qk_format: str, made_by: str, node_id: str | None = None, blocks_only: bool = True) -> None:
         if qk_format not in ATTENTION_FORMATS or qk_format == STOCK:
             raise ValueError(f"{made_by}: 8-bit attention takes {[f for f in ATTENTION_FORMATS if f != STOCK]}, "
                              f"got {qk_format!r}")
         self.qk_format = qk_format
         self.made_by = made_by
         self.node_id = node_id
+        self.blocks_only = blocks_only
         self.calls: Counter = Counter()
         self.purged: str | None = None
         traced_counting()
@@ -57,12 +61,13 @@ class Attention8Override:
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
 
-    @staticmethod
-    def _route(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, args: tuple,
+    def _route(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, args: tuple,
                kwargs: dict[str, Any]) -> tuple[str | None, tuple[torch.Tensor, ...], torch.Tensor | None]:
         """(why ComfyUI's own function runs this call, or None; q, k, v as [B, H, N, D]; the key mask sdpa8 takes)."""
         if args:
             return "positional arguments past heads", (), None
+        if self.blocks_only and "block_index" not in (kwargs.get("transformer_options") or {}):
+            return "outside the model's blocks (attention.arch_keep: Krea 2's text fusion)", (), None
         if kwargs.get("low_precision_attention", True) is False:
             return "the layer asks for full precision", (), None
         if kwargs.get("skip_reshape", False):  # [B, H, N, D]
@@ -90,9 +95,11 @@ def override_of(model: Any) -> Attention8Override | None:
     return found if isinstance(found, Attention8Override) else None
 
 
-def with_attention8(model: Any, qk_format: str, made_by: str, node_id: str | None = None) -> Any:
+def with_attention8(model: Any, qk_format: str, made_by: str, node_id: str | None = None,
+                    blocks_only: bool = True) -> Any:
     """A clone of `model` carrying 8-bit attention ("bf16": a plain clone, without ours). The MODEL given is
-    untouched; another attention override already on it (a pack's) is refused rather than silently replaced."""
+    untouched; another attention override already on it (a pack's) is refused rather than silently replaced.
+    `blocks_only`: calls outside the model's repeated blocks keep ComfyUI's attention (Attention8Override)."""
     current = getattr(model, "model_options", {}).get("transformer_options", {}).get(OVERRIDE_KEY)
     if current is not None and not isinstance(current, Attention8Override):
         raise ValueError(f"{made_by}: this MODEL already carries an attention override ({current!r}, another node "
@@ -101,7 +108,7 @@ def with_attention8(model: Any, qk_format: str, made_by: str, node_id: str | Non
     options = out.model_options.setdefault("transformer_options", {})
     options.pop(OVERRIDE_KEY, None)
     if qk_format != STOCK:
-        options[OVERRIDE_KEY] = Attention8Override(qk_format, made_by, node_id)
+        options[OVERRIDE_KEY] = Attention8Override(qk_format, made_by, node_id, blocks_only)
     return out
 
 

@@ -202,7 +202,7 @@ class LowbitQuantize:
         if attention != "bf16":  # the recipe's attention: ComfyUI's override on this MODEL, dropped by Purge
             from lowbit_pipe.comfy.attention import drop_attention8, with_attention8
 
-            out = with_attention8(out, attention, made_by, unique_id)
+            out = with_attention8(out, attention, made_by, unique_id, result.context.recipe.attention.arch_keep)
             run.ledger.record("comfy_attention", f"8-bit attention ({attention}) override on the MODEL",
                               lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
             summary += f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override"
@@ -468,18 +468,23 @@ class LowbitAttention8:
             "model": ("MODEL", {"tooltip": "any diffusion model (float or quantized)"}),
             "format": (["int8", "fp8", "bf16"], {"default": "int8", "tooltip": (
                 "the format of Q·Kᵀ (P·V is FP8 in both); bf16: ComfyUI's own attention (removes this pack's)")}),
+        }, "optional": {
+            "blocks_only": ("BOOLEAN", {"default": True, "tooltip": (
+                "only the attention of the model's repeated blocks; off: every call, Krea 2's text fusion too "
+                "(short sequences: no time saved, more error)")}),
         }, "hidden": {"unique_id": "UNIQUE_ID"}}
 
     @classmethod
     def IS_CHANGED(cls, unique_id: str | None = None, **_: Any) -> str:  # noqa: N802
         return f"purges={PURGES.of(unique_id)}"
 
-    def apply(self, model: Any, format: str, unique_id: str | None = None) -> tuple[Any]:  # noqa: A002 - the input's name
+    def apply(self, model: Any, format: str, blocks_only: bool = True,  # noqa: A002 - the input's name
+              unique_id: str | None = None) -> tuple[Any]:
         from lowbit_pipe.comfy.attention import with_attention8
 
         made_by = f"8-bit attention (lowbit_pipe) node {unique_id}" if unique_id else "8-bit attention (lowbit_pipe)"
         node_runs.check_usable(_tree(model), made_by)
-        return (with_attention8(model, format, made_by, unique_id),)
+        return (with_attention8(model, format, made_by, unique_id, blocks_only),)
 
 
 # ============================================================================================== example inputs
