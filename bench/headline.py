@@ -76,8 +76,8 @@ VARIANTS = (
       "lora.files=[{path: 'example:peft:rank=32:seed=1', name: a}]"], True),
     ("fp8, no compile", "default", ["pipeline=[load,detect,quantize]", "quantize.default.format=fp8"], False),
     ("int8, no compile", "default", ["pipeline=[load,detect,quantize]", "quantize.default.format=int8"], False),
-    # 8-bit attention (attention.format): the joint blocks' attention in the Triton kernel; the text fusion's
-    # (head dim 32) keeps torch's. Weights untouched in the first row: quantize.keep holds every layer.
+    # 8-bit attention (attention.format): the joint blocks' attention in the Triton kernel; the text fusion keeps
+    # torch's (attention.arch_keep). Weights untouched in the first row: quantize.keep holds every layer.
     ("bf16 + fp8 attention, compiled", "default",
      QUANT + ["quantize.keep=['*']", "attention.format=fp8"], True),
     ("fp8 + fp8 attention, compiled", "default", QUANT + ["quantize.default.format=fp8", "attention.format=fp8"], True),
