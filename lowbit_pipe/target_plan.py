@@ -75,12 +75,12 @@ def measure_attention(ctx, example: ExampleForward, attention_format: str, refer
     """Apply `attention_format` to the model on a scratch ledger, time the example forward and measure its error,
     then undo the swaps."""
     from lowbit_pipe.attention import apply_attention
-    from lowbit_pipe.stages.quantize import attention_keep
+    from lowbit_pipe.attention.processors import arch_keep
 
     scratch = Ledger()
     try:
         applied = apply_attention(example.module, attention_format, scratch, list(ctx.recipe.attention.layers),
-                                  keep=attention_keep(ctx))
+                                  keep=arch_keep(ctx.arch, ctx.recipe.attention.arch_keep))
         ms, out = time_forward(example, ctx.device, timing)
         calls = dict(sorted(applied.calls.items())) if applied is not None else {}
     finally:

@@ -137,6 +137,12 @@ def attention_modules(root: nn.Module) -> dict[str, nn.Module]:
     return {name: m for name, m in root.named_modules() if hasattr(m, "set_processor") and hasattr(m, "processor")}
 
 
+def arch_keep(arch: Any, enabled: bool) -> tuple[str, ...]:
+    """The architecture's attention modules that keep the model's own attention (its policy's attention_keep),
+    when the recipe's attention.arch_keep is on; () without a known architecture."""
+    return tuple(arch.policy.attention_keep) if enabled and arch is not None else ()
+
+
 def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, layers: list[str] | tuple[str, ...] = ("*",),
                     path: str = "attention", keep: tuple[str, ...] = ()) -> AppliedAttention | None:
     """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) and not `keep`

@@ -340,6 +340,7 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
     every swap in the ledger): report.json's `attention`. `chosen`: the format quantize.target's solver picked
     (validate lets it choose only where attention.format is the stock one)."""
     from lowbit_pipe.attention import STOCK, apply_attention
+    from lowbit_pipe.attention.processors import arch_keep
 
     cfg = ctx.recipe.attention
     fmt = chosen if chosen is not None else cfg.format
@@ -353,7 +354,7 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
     if ctx.native:
         return {"format": fmt, "applied": False,
                 "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
-    applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=attention_keep(ctx))
+    applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep))
     ctx.attention = applied
     ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
                       check=lambda: True if ctx.attention is None else "still set")
@@ -362,13 +363,6 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
                                                 "attention node's override instead)")
         warnings.warn(f"attention.format={fmt}: no attention module got 8-bit attention ({why})", stacklevel=2)
     return {**applied.as_dict(), "applied": bool(applied.modules), **by}
-
-
-def attention_keep(ctx: Context) -> tuple[str, ...]:
-    """The arch's attention modules that keep the model's own attention (attention.arch_keep)."""
-    if not ctx.recipe.attention.arch_keep or ctx.arch is None:
-        return ()
-    return ctx.arch.policy.attention_keep
 
 
 def compute_device(name: str | None) -> torch.device | None:
