@@ -43,7 +43,7 @@ class Dispatch8:
         self.stock = stock
         self.calls = calls
         self.head_dims = head_dims  # what the kernel serves on the model's GPU, looked up once (not in traced code)
-        traced_counting()
+        self.count_key = traced_counting(calls)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
@@ -60,11 +60,11 @@ class Dispatch8:
         if why is None and parallel_config is not None:
             why = "context parallelism"
         if why is not None:
-            count_call(self.calls, f"stock: {why}")
+            count_call(self.calls, f"stock: {why}", self.count_key)
             return self.stock(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                               parallel_config=parallel_config)
-        count_call(self.calls, self.qk_format)
+        count_call(self.calls, self.qk_format, self.count_key)
         return attend8(q, k, v, self.qk_format, scale, key_mask).transpose(1, 2)
 
 

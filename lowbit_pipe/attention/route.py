@@ -12,6 +12,7 @@ reference runs (what the error measurements and the tests use).
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
@@ -64,27 +65,38 @@ def route_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any =
 
 
 
-def _count_traced(calls: Counter, path: str) -> bool:
-    calls[path] += 1  # runs once, when dynamo traces the call (assume_constant_result): the graph holds True
+# Counters a traced call counts into, by key: dynamo's constant results (assume_constant_result) take constant
+# arguments only, which an int and a str are and a Counter is not (torch 2.11 refuses it while tracing). Weak
+# values: a counter goes when its dispatch or override does.
+_TRACED_COUNTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _count_traced(key: int, path: str) -> bool:
+    calls = _TRACED_COUNTERS.get(key)  # runs once, when dynamo traces the call: the graph holds the constant True
+    if calls is not None:
+        calls[path] += 1
     return True
 
 
-def traced_counting() -> None:
-    """Mark `_count_traced` for dynamo (torch._dynamo.assume_constant_result: called at trace time, its result
-    a constant). Called by whatever will count calls (the 8-bit dispatch, ComfyUI's override), not at import:
-    importing torch._dynamo costs ~1 s, which a run without 8-bit attention should not pay."""
+def traced_counting(calls: Counter) -> int:
+    """Mark `_count_traced` for dynamo (torch._dynamo.assume_constant_result: called at trace time, its result a
+    constant) and register `calls`; returns the key `count_call` takes. Called by whatever will count calls (the
+    8-bit dispatch, ComfyUI's override), not at import: importing torch._dynamo costs ~1 s, which a run without
+    8-bit attention should not pay."""
     import torch._dynamo
 
     torch._dynamo.assume_constant_result(_count_traced)
+    _TRACED_COUNTERS[id(calls)] = calls
+    return id(calls)
 
 
-def count_call(calls: Counter, path: str) -> None:
+def count_call(calls: Counter, path: str, key: int) -> None:
     """Count one attention call on `path` ("int8", "stock: <why>", ...). Under torch.compile it is counted once,
     when the graph is traced, as "<path> (traced)": a count the graph updated on every call would make dynamo
-    guard on its value and recompile each time, until its limit sent the model back to eager (`traced_counting`
-    must have run first)."""
+    guard on its value and recompile each time, until its limit sent the model back to eager. `key`: what
+    `traced_counting(calls)` returned."""
     if torch.compiler.is_compiling():
-        _count_traced(calls, f"{path} (traced)")
+        _count_traced(key, f"{path} (traced)")
     else:
         calls[path] += 1
 

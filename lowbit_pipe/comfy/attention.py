@@ -44,7 +44,7 @@ class Attention8Override:
         self.blocks_only = blocks_only
         self.calls: Counter = Counter()
         self.purged: str | None = None
-        traced_counting()
+        self.count_key = traced_counting(self.calls)
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -53,9 +53,9 @@ class Attention8Override:
                                    "the workflow again: that node re-runs by itself")
         why, qkv, key_mask = self._route(q, k, v, heads, args, kwargs)
         if why is not None:
-            count_call(self.calls, f"stock: {why}")
+            count_call(self.calls, f"stock: {why}", self.count_key)
             return func(q, k, v, heads, *args, **kwargs)
-        count_call(self.calls, self.qk_format)
+        count_call(self.calls, self.qk_format, self.count_key)
         out = attend8(*qkv, self.qk_format, kwargs.get("scale"), key_mask)  # [B, H, N, D]
         if kwargs.get("skip_output_reshape", False):
             return out
