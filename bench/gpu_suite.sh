@@ -11,6 +11,7 @@
 #   bash bench/gpu_suite.sh profile_eager "$OUT"  # the same split uncompiled, with wall time (GPU idle on the host)
 #   bash bench/gpu_suite.sh attention "$OUT" # 8-bit attention: its GPU tests, the kernel bench (masked shape too)
 #   bash bench/gpu_suite.sh headline_attention "$OUT"  # headline rows with and without 8-bit attention, sageattention
+#   bash bench/gpu_suite.sh headline_mask "$OUT"  # the 8-bit attention rows with the pipeline's text padding mask
 #   bash bench/gpu_suite.sh pipeline_steps "$OUT"  # whole 28-step 1024x1024 images through diffusers' Krea2Pipeline
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
 # without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
@@ -20,7 +21,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention or pipeline_steps}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_mask or pipeline_steps}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -75,11 +76,18 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "bf16 + " "fp8 + fp8" "int8 + int8" "krea2_nvfp4, fp8 compute +" \
       "fp8, no compile" "int8, no compile" --out "$out/headline_attention_h200.json" > "$out/headline_attention.log" 2>&1
     tail -25 "$out/headline_attention.log" ;;
+  headline_mask)
+    # the attention rows with the text padding mask diffusers' Krea2Pipeline always passes (~500 of 512 padded for a
+    # short prompt; 77 valid here as in the GPU mask test)
+    timeout 560 python3 bench/headline.py --no-torchao --no-sage --iters 5 --text-valid 77 --only "bf16, compile" \
+      "fp8, compiled" "bf16 + fp8" "fp8 + fp8 attention, compiled" "int8, compiled" "int8 + int8 attention, compiled" \
+      --out "$out/headline_mask_h200.json" > "$out/headline_mask.log" 2>&1
+    tail -14 "$out/headline_mask.log" ;;
   pipeline_steps)
     # bf16 eager and compiled always; the rows issue 26 asks the whole image for
     timeout 560 python3 bench/pipeline_steps.py --iters 1 --only "fp8, compiled" "fp8 + fp8 attention, compiled" "int8, compiled" \
       "krea2_nvfp4, fp8 compute, compiled" "fp8, no compile" --headline bench/results/headline_h200.json \
       --out "$out/pipeline_steps_h200.json" > "$out/pipeline_steps.log" 2>&1
     tail -14 "$out/pipeline_steps.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, pipeline_steps)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_mask, pipeline_steps)"; exit 2 ;;
 esac
