@@ -71,9 +71,9 @@ def build_pipeline(device: torch.device, small: bool) -> Any:
         vae_config = dict(base_dim=16, z_dim=z, dim_mult=[1, 1, 1, 1], num_res_blocks=1, latents_mean=[0.0] * z,
                           latents_std=[1.0] * z) if small else {}
         vae = AutoencoderKLQwenImage(**vae_config).to(torch.bfloat16).eval()
-    layers = text["num_hidden_layers"]
-    select = tuple(range(1, layers + 1)) if small else tuple(range(2, layers, 3))
-    select = select[:SMALL_CONFIG["num_text_layers"]] if small else select
+    # the text-encoder layers the transformer taps: Krea 2's 12 (every third from 2), or the tiny config's first ones
+    select = tuple(range(1, SMALL_CONFIG["num_text_layers"] + 1)) if small else \
+        tuple(range(2, text["num_hidden_layers"], 3))
     pipe = Krea2Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=encoder,
                          tokenizer=tokenizer, transformer=transformer, text_encoder_select_layers=select)
     # the chat template's token counts for this tokenizer (the pipeline's constants are the Qwen tokenizer's)
