@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe import speed_table
+from lowbit_pipe.attention.route import STOCK as STOCK_ATTENTION
 from lowbit_pipe.candidates import Candidate
 from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
 from lowbit_pipe.errors import RecipeError
@@ -41,9 +42,6 @@ from lowbit_pipe.policy import LayerPlan, _spec
 from lowbit_pipe.solver import LayerCosts, Problem, Solution, frontier, non_dominated, reach, refuse, solve
 from lowbit_pipe.targets import Target
 from lowbit_pipe.timing import TimingSettings
-
-
-STOCK_ATTENTION = "bf16"  # lowbit_pipe.attention.route.STOCK (not imported: that pulls in the attention package)
 
 
 @dataclass
