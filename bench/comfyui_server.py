@@ -67,7 +67,8 @@ def find_archive(name: str = ARCHIVE_NAME) -> Path:
 
 
 # The archive as found, or (when there is none) the first place looked at: callers check is_file() to skip.
-ARCHIVE = next((p for p in archive_candidates() if p.is_file()), archive_candidates()[0])
+_CANDIDATES = archive_candidates()  # one git call at import, not two
+ARCHIVE = next((p for p in _CANDIDATES if p.is_file()), _CANDIDATES[0])
 
 
 # ============================================================================ torchvision / torchaudio stand-ins

@@ -23,18 +23,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 from comfyui_server import find_archive  # noqa: E402 - the one lookup of the archive, shared with the benches
 
 
-def archive_path() -> Path:
-    """The ComfyUI source archive; FileNotFoundError naming every place looked at (comfyui_server.find_archive)."""
-    return find_archive()
-
-
 def unpack(dest: Path) -> Path:
     """Unpack the archive into `dest`; the ComfyUI folder (the one holding `comfy/`)."""
-    with tarfile.open(archive_path()) as tar:
+    archive = find_archive()
+    with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
     found = [p.parent for p in dest.glob("*/comfy") if p.is_dir()] + ([dest] if (dest / "comfy").is_dir() else [])
     if not found:
-        raise FileNotFoundError(f"{archive_path()} holds no ComfyUI folder (no comfy/ under {dest})")
+        raise FileNotFoundError(f"{archive} holds no ComfyUI folder (no comfy/ under {dest})")
     return found[0]
 
 
