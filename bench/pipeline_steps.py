@@ -39,6 +39,10 @@ from outputs import save_outputs  # noqa: E402
 
 PROMPT = "a red fox sitting in tall autumn grass at sunrise, soft light, film photograph"
 BASELINES = (("bf16, eager", "default", ["pipeline=[load,detect]"], False),)
+# Run first in every call, in this order: the ratios' bases (eager, compiled) and the error's reference (eager).
+ALWAYS = ("bf16, eager", "bf16, compile stage (regional)")
+# headline rows whose figures are per forward (LoRA recompile counts, Blackwell emulation): not run here
+FORWARD_ONLY = ("LoRA", "NVFP4 activations emulated")
 # The text model Krea 2 taps (Qwen3-VL 4B's shape) and a tiny one for the smoke run.
 TEXT_FULL = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
                  num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=5e6,
@@ -90,16 +94,15 @@ def image(pipe: Any, device: torch.device, steps: int, resolution: int) -> torch
 
 
 def rows_to_run(only: list[str] | None) -> list[tuple[str, str, list[str], bool]]:
-    every = list(BASELINES) + list(VARIANTS)
-    if not only:
-        return every
-    return [v for v in every if any(v[0].startswith(o) for o in only)]
+    """The ALWAYS rows, then those `only` names by label prefix (every row when it names none)."""
+    every = [v for v in (*BASELINES, *VARIANTS) if not any(w in v[0] for w in FORWARD_ONLY)]
+    first = sorted((v for v in every if v[0] in ALWAYS), key=lambda v: ALWAYS.index(v[0]))
+    return first + [v for v in every if v[0] not in ALWAYS and (not only or any(v[0].startswith(o) for o in only))]
 
 
 def table(payload: dict[str, Any]) -> str:
     rows = payload["rows"]
-    base = {compiled: next((r["s"] for r in rows if r["label"].startswith("bf16, ") and r["compiled"] == compiled
-                            and "attention" not in r["label"]), None) for compiled in (True, False)}
+    base = {r["compiled"]: r["s"] for r in rows if r["label"] in ALWAYS}
     forward = payload.get("forward_ratios", {})
     lines = [f"`{payload['command']}`", "", f"device: {payload['device']} | torch {payload['torch']} | "
              f"{payload['steps']} steps at {payload['resolution']}x{payload['resolution']}, text encoder + transformer "
@@ -107,7 +110,7 @@ def table(payload: dict[str, Any]) -> str:
              "| variant | s per image | x bf16 (same kind) | x bf16 per forward (headline) | image rel err vs bf16 eager |",
              "|---|---|---|---|---|"]
     for r in rows:
-        b = base[r["compiled"]]
+        b = base.get(r["compiled"])
         ratio = f"{b / r['s']:.3f}" if b else "-"
         fwd = forward.get(r["label"])
         lines.append(f"| {r['label']} | {r['s']:.3f} | {ratio} | {f'{fwd:.3f}' if fwd else '-'} | "
@@ -122,14 +125,11 @@ def headline_ratios(path: str | None) -> dict[str, float]:
     import json
 
     rows = json.loads(Path(path).read_text()).get("rows", [])
-    ms = {r["variant"]: r["ms"] for r in rows if r.get("ms")}
-    compiled_base, eager_base = ms.get("bf16, compile stage (regional)"), ms.get("bf16 eager")
-    out = {"bf16, eager": 1.0} if eager_base else {}
-    for label, value in ms.items():
-        base = eager_base if "no compile" in label else compiled_base
-        if base and label != "bf16 eager":
-            out[label] = base / value
-    return out
+    # headline names its eager baseline "bf16 eager"
+    ms = {ALWAYS[0] if r["variant"] == "bf16 eager" else r["variant"]: r["ms"] for r in rows if r.get("ms")}
+    eager_base, compiled_base = ms.get(ALWAYS[0]), ms.get(ALWAYS[1])
+    bases = {label: eager_base if label == ALWAYS[0] or "no compile" in label else compiled_base for label in ms}
+    return {label: bases[label] / value for label, value in ms.items() if bases[label]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,13 +152,9 @@ def main(argv: list[str] | None = None) -> int:
                                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                                "torch": torch.__version__, "steps": args.steps, "resolution": args.resolution,
                                "iters": args.iters, "rows": [], "forward_ratios": headline_ratios(args.headline)}
-    wanted = rows_to_run(args.only)
-    must = [v for v in list(BASELINES) + list(VARIANTS) if v[0] in ("bf16, eager", "bf16, compile stage (regional)")]
     reference = None
     with tempfile.TemporaryDirectory() as scratch:
-        for label, recipe, overrides, compiled in must + [v for v in wanted if v not in must]:
-            if "LoRA" in label or "NVFP4 activations emulated" in label:
-                continue  # the headline's LoRA recompile counts and Blackwell emulation are forward figures
+        for label, recipe, overrides, compiled in rows_to_run(args.only):
             result = lowbit_pipe.run(recipe, overrides, model=pipe, run_dir=Path(scratch) / str(len(payload["rows"])))
             try:
                 image(pipe, device, 2 if not args.small else args.steps, args.resolution)  # warm-up: compiles
