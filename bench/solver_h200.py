@@ -14,7 +14,8 @@ Smoke run on a CPU (tiny config; the speedup phase asks for target.ratio 0.45 th
 than float on a CPU):  python bench/solver_h200.py --small --device cpu --only speed --out /tmp/solver_smoke.json
 
 The model: bench/headline.py's (diffusers' Krea2Transformer2DModel, the released 12.8B shape, seeded random
-weights, bf16, 4096 image + 512 text tokens). Each variant is one `lowbit_pipe.run(recipe, overrides, model=m)`
+weights, bf16, 4096 image + 512 text tokens, the first 77 attended under the text padding mask Krea2Pipeline
+passes). Each variant is one `lowbit_pipe.run(recipe, overrides, model=m)`
 (pipeline load, detect, quantize; evaluate's token counts set to the forward's), measured eager by
 bench/headline.measure (CUDA events, mean of --iters) against bf16 measured in the same call, and torn down.
 A target variant also keeps the solver's report: the plan, the prediction, the whole-forward check, the frontier.
@@ -56,9 +57,9 @@ SINGLES = {  # label -> overrides of recipe `default` (the Krea 2 keep-float lis
 
 
 def base_overrides(small: bool, device: torch.device) -> list[str]:
-    image, text = (64, 8) if small else (4096, 512)
+    image, text, valid = (64, 8, 3) if small else (4096, 512, 77)
     return ["pipeline=[load,detect,quantize]", "model.dtype=bfloat16", f"model.device={device.type}",
-            f"evaluate.image_tokens={image}", f"evaluate.text_tokens={text}"]
+            f"evaluate.image_tokens={image}", f"evaluate.text_tokens={text}", f"evaluate.text_valid={valid}"]
 
 
 def variants(phase: str, small: bool, cache: Path, ratio: float) -> list[tuple[str, str, list[str]]]:
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     device = torch.device(args.device)
     model = build_krea2(device, args.small)
-    inputs = krea2_inputs(model, device, args.small)
+    inputs = krea2_inputs(model, device, args.small, 3 if args.small else 77)  # base_overrides' text mask
     arch = get_arch("krea2")
 
     def forward() -> torch.Tensor:

@@ -59,6 +59,20 @@ class Context:
             return self.arch.from_native_name(name, self.arch_config)[0][0]
         return name
 
+    def example_inputs(self, seed: int, batch: int | None = None) -> dict[str, Any]:
+        """The arch's seeded example forward at evaluate's token counts (and its text padding mask, with
+        evaluate.text_valid): what calibration, evaluate and the target solver run the model on."""
+        ev = self.recipe.evaluate
+        if self.arch is None:
+            raise RuntimeError("no architecture detected: the pipeline must run the 'detect' stage first")
+        inputs = self.arch.example_inputs(self.model_config, batch=ev.batch if batch is None else batch,
+                                          image_tokens=ev.image_tokens, text_tokens=ev.text_tokens,
+                                          generator=torch.Generator().manual_seed(seed), dtype=self.dtype,
+                                          device=self.device)
+        if ev.text_valid is None:
+            return inputs
+        return self.arch.padded_text_inputs(inputs, text_tokens=ev.text_tokens, text_valid=ev.text_valid)
+
     @property
     def device(self) -> torch.device:
         p = next(self.transformer.parameters(), None)

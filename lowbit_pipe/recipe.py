@@ -213,6 +213,9 @@ class EvaluateConfig:
     batch: int = 1
     image_tokens: int = 64
     text_tokens: int = 8
+    # Of text_tokens, how many are attended: the rest is padding under the text mask pipelines pass when they pad
+    # prompts to a fixed length (Krea2Pipeline: 512 always). It changes attention's work and error. None: no mask.
+    text_valid: Optional[int] = None
     layers: bool = True  # per-layer SQNR (forward hooks during the float pass)
     trajectory_seeds: int = 2  # Euler sampling trajectories (float vs quantized); 0 = off
     steps: int = 4  # Euler steps per trajectory

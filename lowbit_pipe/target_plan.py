@@ -133,10 +133,7 @@ def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
     if ctx.arch is None or ctx.native:
         raise RecipeError("quantize.target", "times and measures the forward on a known architecture's example inputs "
                                              "(model.arch, diffusers names); this model has none")
-    cfg, ev = ctx.recipe.quantize, ctx.recipe.evaluate
-    inputs = ctx.arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=ev.image_tokens,
-                                     text_tokens=ev.text_tokens, generator=torch.Generator().manual_seed(cfg.calibration_seed),
-                                     dtype=ctx.dtype, device=ctx.device)
+    inputs = ctx.example_inputs(ctx.recipe.quantize.calibration_seed)
     return ExampleForward(ctx.transformer, inputs, ctx.arch.output_tensor, compiled, ctx.recipe.compile.backend)
 
 

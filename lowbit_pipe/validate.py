@@ -81,6 +81,9 @@ def check_evaluate(cfg: EvaluateConfig) -> None:
     for key in ("samples", "batch", "image_tokens", "text_tokens", "steps", "latency_iters"):
         if getattr(cfg, key) < 1:
             raise RecipeError(f"evaluate.{key}", "must be >= 1")
+    if cfg.text_valid is not None and not 1 <= cfg.text_valid <= cfg.text_tokens:
+        raise RecipeError("evaluate.text_valid", f"must be in [1, evaluate.text_tokens={cfg.text_tokens}] (the "
+                                                 f"attended text tokens; null: no padding mask), got {cfg.text_valid}")
     if cfg.trajectory_seeds < 0:
         raise RecipeError("evaluate.trajectory_seeds", "must be >= 0")
     if cfg.images and cfg.trajectory_seeds < 1:

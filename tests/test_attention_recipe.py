@@ -11,7 +11,7 @@ from lowbit_pipe.arch import detect_model
 from lowbit_pipe.attention import apply_attention
 from lowbit_pipe.attention.processors import attention_modules
 from lowbit_pipe.compose import compose_recipe
-from lowbit_pipe.errors import RecipeError
+from lowbit_pipe.errors import RecipeError, StageError
 from lowbit_pipe.kernels.attention8 import exact_attention, reference_attention8
 from lowbit_pipe.ledger import Ledger
 
@@ -326,3 +326,42 @@ def test_the_error_bench_runs_and_writes_its_table(tmp_path):
     assert len(rows) == 8 and ("float", "bf16") not in rows
     assert 0 < rows[("float", "int8")]["mean_rel"] < rows[("int8", "int8")]["mean_rel"]
     assert rows[("float", "int8")]["calls"] == {"int8": 6}
+
+
+# ------------------------------------------------------------------------------------------------ text padding
+def test_evaluate_text_valid_runs_the_pipelines_text_padding_mask(tiny_model, tmp_path):
+    """evaluate.text_valid: every forward the recipe runs carries the text padding mask diffusers' Krea2Pipeline
+    always passes, the padded text states are ignored by the model, and 8-bit attention serves those calls."""
+    model = tiny_model("krea2")
+    masks = []
+    hook = model.register_forward_pre_hook(lambda m, a, k: masks.append(k.get("encoder_attention_mask")),
+                                           with_kwargs=True)
+    try:
+        result = lowbit_pipe.run("default", ["attention.format=int8", "evaluate.samples=1", "evaluate.text_tokens=8",
+                                             "evaluate.text_valid=3", "evaluate.trajectory_seeds=1", "evaluate.steps=2",
+                                             "evaluate.layers=false", "pipeline=[load,detect,quantize,evaluate]"],
+                                 model=model, run_dir=tmp_path / "run")
+    finally:
+        hook.remove()
+    assert masks and all(m is not None and m.shape == (1, 8) and m[0, :3].all() and not m[0, 3:].any() for m in masks)
+    assert result.report["evaluate"]["attention"]["calls"]["int8"] > 0  # the key-padding path serves them
+    inputs = result.context.example_inputs(seed=5)
+    lowbit_pipe.teardown(result)
+    arch = detect_model(model)
+    padded = dict(inputs, encoder_hidden_states=inputs["encoder_hidden_states"].clone())
+    padded["encoder_hidden_states"][:, 3:] = 100.0  # what padding holds must not matter
+    assert torch.allclose(_out(model, arch, padded), _out(model, arch, inputs), atol=1e-5)
+    unmasked = {k: v for k, v in inputs.items() if k != "encoder_attention_mask"}
+    assert _rel(_out(model, arch, unmasked), _out(model, arch, inputs)) > 1e-3  # the mask is not a no-op
+
+
+@pytest.mark.parametrize("arch_id, overrides, words", [
+    ("krea2", ["evaluate.text_tokens=8", "evaluate.text_valid=9"], "must be in [1, evaluate.text_tokens=8]"),
+    ("flux1", ["evaluate.text_valid=2"], "takes no text padding mask"),
+])
+def test_text_valid_refusals_name_the_key(tiny_model, tmp_path, arch_id, overrides, words):
+    with pytest.raises((RecipeError, StageError)) as info:
+        lowbit_pipe.run("default", overrides + ["pipeline=[load,detect,quantize,evaluate]", "evaluate.samples=1",
+                                                "evaluate.trajectory_seeds=0"], model=tiny_model(arch_id),
+                        run_dir=tmp_path / "run")
+    assert "evaluate.text_valid" in str(info.value) and words in str(info.value)

@@ -89,6 +89,8 @@ class Arch(ABC):
     policy: ClassVar[LayerPolicy]
     keymap: ClassVar[KeyMap | None] = None  # diffusers <-> native rules; None: native == diffusers names
     native_markers: ClassVar[tuple[str, ...]] = ()  # native-only keys (no prefix) that identify the arch
+    # The forward's text padding mask argument (bool, True = attended); None: the class takes none.
+    text_mask_key: ClassVar[str | None] = None
 
     def model_class(self) -> type[nn.Module]:
         import diffusers
@@ -182,6 +184,17 @@ class Arch(ABC):
     def example_inputs(self, model_config: dict[str, Any], *, batch: int, image_tokens: int, text_tokens: int,
                        generator: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:
         """Seeded forward kwargs (noisy latents, text states, timestep, ...) for `model(**inputs)`."""
+
+    def padded_text_inputs(self, inputs: dict[str, Any], *, text_tokens: int, text_valid: int) -> dict[str, Any]:
+        """`inputs` plus the text padding mask a pipeline passes when it pads prompts to a fixed length: the first
+        `text_valid` of `text_tokens` attended, the rest padding. It changes what attention sees (whole key blocks
+        masked), so timing and error measured with it are the pipeline's."""
+        assert self.text_mask_key is not None, f"{self.id} takes no text padding mask"
+        batch = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 1)
+        device = inputs["encoder_hidden_states"].device
+        mask = torch.zeros(batch, text_tokens, dtype=torch.bool, device=device)
+        mask[:, :text_valid] = True
+        return {**inputs, self.text_mask_key: mask}
 
     def output_tensor(self, output: Any) -> torch.Tensor:
         """The prediction tensor out of a forward's return value."""

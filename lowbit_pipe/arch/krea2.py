@@ -40,6 +40,7 @@ class Krea2(Arch):
     diffusers_class = "Krea2Transformer2DModel"
     keymap = KEYMAP
     native_markers = ("txtfusion.projector.weight",)
+    text_mask_key = "encoder_attention_mask"  # Krea2Pipeline pads prompts to 512 tokens and always passes it
     # ComfyUI names first/last/tmlp/tproj/txtfusion/txtmlp are diffusers'
     # img_in/final_layer/time_embed/time_mod_proj/text_fusion/txt_in.
     policy = LayerPolicy(

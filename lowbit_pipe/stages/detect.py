@@ -10,6 +10,7 @@ from torch import nn
 
 from lowbit_pipe.arch import Generic, ModuleArch, detect_module, generic_policy, get_arch
 from lowbit_pipe.context import Context
+from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import get_format
 from lowbit_pipe.policy import LayerPlan, plan_layers
 from lowbit_pipe.stages.registry import register
@@ -51,6 +52,9 @@ class Detect(Stage):
         else:
             ctx.arch, ctx.arch_config, ctx.native, ctx.policy = found.arch, found.config, found.native, found.arch.policy
         arch = ctx.arch
+        if ctx.recipe.evaluate.text_valid is not None and (arch is None or arch.text_mask_key is None):
+            raise RecipeError("evaluate.text_valid", f"the {arch.id if arch else 'generic'} model's forward takes no "
+                                                     "text padding mask; leave it null")
         plans = plan_layers(linear_shapes(ctx.transformer), ctx.recipe.quantize, ctx.policy, ctx.policy_name)
         counts = Counter(p.spec.format if p.spec else "float" for p in plans)
         before, after = plan_bytes(plans, ctx.dtype.itemsize)

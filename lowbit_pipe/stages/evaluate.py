@@ -130,10 +130,7 @@ class Evaluate(Stage):
         return result
 
     def _inputs(self, ctx: Context, seed: int, batch: int) -> dict[str, Any]:
-        cfg = ctx.recipe.evaluate
-        return ctx.arch.example_inputs(ctx.model_config, batch=batch, image_tokens=cfg.image_tokens,
-                                       text_tokens=cfg.text_tokens, generator=torch.Generator().manual_seed(seed),
-                                       dtype=ctx.dtype, device=ctx.device)
+        return ctx.example_inputs(seed, batch)
 
     def _forward(self, ctx: Context) -> Callable[[dict[str, Any]], torch.Tensor]:
         model, arch = ctx.transformer, ctx.arch

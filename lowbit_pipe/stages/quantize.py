@@ -405,9 +405,7 @@ def example_runner(ctx: Context, what: str) -> Callable[[], None]:
 
     def run() -> None:
         for i in range(cfg.calibration_samples):
-            gen = torch.Generator().manual_seed(cfg.calibration_seed + i)
-            inputs = arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=ev.image_tokens,
-                                         text_tokens=ev.text_tokens, generator=gen, dtype=ctx.dtype, device=ctx.device)
+            inputs = ctx.example_inputs(cfg.calibration_seed + i)
             if cfg.calibration_steps:
                 sampler.euler_sample(forward, inputs, cfg.calibration_steps, sampler.TIME_SCALE.get(arch.id, 1.0))
             else:
