@@ -11,6 +11,7 @@
 #   bash bench/gpu_suite.sh profile_eager "$OUT"  # the same split uncompiled, with wall time (GPU idle on the host)
 #   bash bench/gpu_suite.sh attention "$OUT" # 8-bit attention: its GPU tests, the kernel bench (masked shape too)
 #   bash bench/gpu_suite.sh headline_attention "$OUT"  # headline rows with and without 8-bit attention, sageattention
+#   bash bench/gpu_suite.sh headline_all "$OUT" [--text-valid 77]  # issue 26's item 4: every row in one process
 #   bash bench/gpu_suite.sh headline_mask "$OUT"  # the 8-bit attention rows with the pipeline's text padding mask
 #   bash bench/gpu_suite.sh pipeline_steps "$OUT"  # whole 28-step 1024x1024 images through diffusers' Krea2Pipeline
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
@@ -21,7 +22,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_mask or pipeline_steps}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, headline_mask or pipeline_steps}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -76,6 +77,13 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "bf16 + " "fp8 + fp8" "int8 + int8" "krea2_nvfp4, fp8 compute +" \
       "fp8, no compile" "int8, no compile" --out "$out/headline_attention_h200.json" > "$out/headline_attention.log" 2>&1
     tail -25 "$out/headline_attention.log" ;;
+  headline_all)
+    # issue 26's item 4 in one process: bf16 eager and compiled, torchao fp8-row, sageattention on bf16, and fp8 /
+    # int8 / krea2_nvfp4 (fp8 compute), each with and without 8-bit attention, compiled and not. $3: --text-valid N
+    timeout 570 python3 bench/headline.py --iters 5 ${3:-} --only "bf16, compile" "torchao" "bf16 + sage" \
+      "fp8, compiled" "int8, compiled" "krea2_nvfp4, fp8 compute" "fp8, no compile" "int8, no compile" "bf16 + fp8" \
+      "fp8 + fp8" "int8 + int8" --out "$out/headline_all_h200${3:+_masked}.json" > "$out/headline_all.log" 2>&1
+    tail -25 "$out/headline_all.log" ;;
   headline_mask)
     # the attention rows with the text padding mask diffusers' Krea2Pipeline always passes (~500 of 512 padded for a
     # short prompt; 77 valid here as in the GPU mask test)
@@ -89,5 +97,5 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "fp8, no compile" --headline bench/results/headline_h200.json \
       --out "$out/pipeline_steps_h200.json" > "$out/pipeline_steps.log" 2>&1
     tail -14 "$out/pipeline_steps.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_mask, pipeline_steps)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, headline_mask, pipeline_steps)"; exit 2 ;;
 esac

@@ -89,6 +89,10 @@ VARIANTS = (
      ["pipeline=[load,detect,quantize]", "quantize.default.format=fp8", "attention.format=fp8"], False),
     ("int8 + int8 attention, no compile", "default",
      ["pipeline=[load,detect,quantize]", "quantize.default.format=int8", "attention.format=int8"], False),
+    ("krea2_nvfp4, fp8 compute, no compile", "krea2_nvfp4",
+     ["pipeline=[load,detect,quantize]", "quantize.nvfp4_compute=fp8"], False),
+    ("krea2_nvfp4, fp8 compute + fp8 attention, no compile", "krea2_nvfp4",
+     ["pipeline=[load,detect,quantize]", "quantize.nvfp4_compute=fp8", "attention.format=fp8"], False),
 )
 
 
