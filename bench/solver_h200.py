@@ -180,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="the tiny config (a smoke run)")
     p.add_argument("--only", required=True, choices=["speed", "ratio", "targets", "singles", "tiny"])
+    p.add_argument("--variants", nargs="+", help="only the phase's variants whose label starts with one of these")
     p.add_argument("--from", dest="source", help="--only tiny: the JSON the device phases wrote")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--ratio", type=float, default=0.3, help="--only ratio: quantize.target.ratio (small: 0.6)")
@@ -210,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                               "weight_bytes": model_bytes(model)}]
     cache = Path(args.cache)
     for label, recipe, overrides in variants(args.only, args.small, cache, 0.6 if args.small else args.ratio):
+        if args.variants and not any(label.startswith(v) for v in args.variants):
+            continue
         try:
             row = run_one(label, recipe, base_overrides(args.small, device) + overrides, model, forward, ref, device,
                           args.iters, Path("/tmp/solver_runs") / re.sub(r"\W+", "_", label), base["ms"])
