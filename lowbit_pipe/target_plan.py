@@ -7,8 +7,8 @@
    and the speed table's times for those shapes on this device (measured once, cached).
 3. The float forward's time on those inputs: the speedup's baseline; what is not a free layer's time is the
    fixed part of every prediction.
-4. The error scales: per candidate, one forward with every layer that can take it at it maps the sum of squared
-   layer errors to the model's output error (`error_scales`).
+4. How each layer's error reaches the output (OutputErrorModel): a gain per layer (a probe forward with it alone at
+   its least accurate option) and a scale per candidate (a probe with every layer that can take it at it).
 5. The attention formats it may choose (quantize.target.attention; the recipe's attention.format when that is
    set, a constraint): each applied for one timed forward of the float layers, on a scratch ledger undone at once.
    Its time moves the fixed part; its output error against the stock attention's is added in quadrature. The
@@ -111,38 +111,71 @@ def _probe(model: nn.Module, specs: dict[str, FormatSpec]) -> Iterator[None]:
             h.remove()
 
 
-def error_scales(example: ExampleForward, reference: torch.Tensor, options: dict[str, list[LayerOption]]
-                 ) -> dict[str, dict[str, Any]]:
-    """Per candidate label: output error over sqrt(sum of squared layer errors), measured by one forward with every
-    layer that can take that candidate at it. One scale per candidate, not one for all: the output error does not
-    grow in proportion to the layers' own (H100, full-size Krea 2: per-layer errors of 4-bit W4A4 are ~20x INT8's,
-    the output's 3.7x), so one probe at the least accurate candidate under-predicted an INT8 / FP8 mix 4x. A uniform
-    plan's prediction is then its measured error; a mix adds the candidates' shares in quadrature. Static
-    activations have no probe (no static scale yet): their label takes the largest measured scale."""
+@dataclass(frozen=True)
+class OutputErrorModel:
+    """How a layer's own error reaches the model's output, measured by probe forwards on the example input.
+
+    A layer's share of the output error is gain[layer] * its own error * scale[candidate]; shares add in
+    quadrature. The gain is per layer because layers of the same own error move the output very differently (on the
+    tiny Krea 2, 10x between an attention gate and an MLP gate): one probe per layer, alone at its least accurate
+    option. The scale is per candidate because the output does not follow the layers' own errors alike across
+    formats: one probe per candidate with every layer that can take it at it, so a uniform plan's prediction is its
+    measured error. On the tiny Krea 2 this predicted a krea2_nvfp4-sized solver plan and krea2_nvfp4 within 2 %
+    (and ranked them right); one scale for all, probed at the least accurate candidate, put the solver's plan 30 %
+    low and picked it over krea2_nvfp4, which was better."""
+
+    gains: dict[str, float]  # layer -> output error per unit of its own error (alone, at its least accurate option)
+    scales: dict[str, dict[str, Any]]  # candidate label -> {"scale", probe figures} (or "from" when not probed)
+
+    def share(self, name: str, option: LayerOption) -> float:
+        """The layer's share of the output error at `option`."""
+        if option.rel_error <= 0:
+            return 0.0
+        return self.gains[name] * option.rel_error * self.scales[option.candidate.label]["scale"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"scales": self.scales, "gains": {n: round(g, 6) for n, g in self.gains.items()},
+                "probes": len(self.gains) + sum("probe_output_error" in v for v in self.scales.values())}
+
+
+def _probe_error(example: ExampleForward, reference: torch.Tensor, specs: dict[str, FormatSpec]) -> float:
+    with _probe(example.module, specs), torch.no_grad():
+        out = ExampleForward(example.module, example.inputs, example.output).runner()()  # eager: hooks
+    return rel_error(reference, out)
+
+
+def measure_output_error(example: ExampleForward, reference: torch.Tensor, options: dict[str, list[LayerOption]]
+                         ) -> OutputErrorModel:
+    """The layers' gains and the candidates' scales (OutputErrorModel), from one probe forward per layer and one per
+    candidate. Static activations have no probe (no static scale yet): a layer's gain comes from its least accurate
+    dynamic or weight-only option, a static candidate takes the largest measured scale."""
+    def probed(o: LayerOption) -> bool:
+        return o.candidate.spec is not None and o.rel_error > 0 and o.candidate.spec.activations != "static"
+
+    gains: dict[str, float] = {}
+    for name, opts in options.items():
+        worst = max((o for o in opts if probed(o)), key=lambda o: o.rel_error, default=None)
+        if worst is not None:
+            gains[name] = _probe_error(example, reference, {name: worst.candidate.spec}) / worst.rel_error
+        elif any(o.rel_error > 0 for o in opts):
+            gains[name] = 1.0  # only static options: unmeasured, counted at its own error
     by_label: dict[str, dict[str, LayerOption]] = {}
     for name, opts in options.items():
         for o in opts:
             if o.candidate.spec is not None and o.rel_error > 0:
                 by_label.setdefault(o.candidate.label, {})[name] = o
     scales: dict[str, dict[str, Any]] = {}
-    for label, probe in by_label.items():
-        if any(o.candidate.spec.activations == "static" for o in probe.values()):
+    for label, layers in by_label.items():
+        if not all(probed(o) for o in layers.values()):
             continue
-        layer_sum = math.sqrt(sum(o.rel_error ** 2 for o in probe.values()))
-        with _probe(example.module, {n: o.candidate.spec for n, o in probe.items()}), torch.no_grad():
-            out = ExampleForward(example.module, example.inputs, example.output).runner()()  # eager: hooks
-        measured = rel_error(reference, out)
-        scales[label] = {"scale": measured / layer_sum, "probe_output_error": measured,
-                         "probe_layer_error": layer_sum, "layers": len(probe)}
+        summed = math.sqrt(sum((gains[n] * o.rel_error) ** 2 for n, o in layers.items()))
+        measured = _probe_error(example, reference, {n: o.candidate.spec for n, o in layers.items()})
+        scales[label] = {"scale": measured / summed if summed > 0 else 1.0, "probe_output_error": measured,
+                         "layers": len(layers)}
     largest = max((v["scale"] for v in scales.values()), default=1.0)
     for label in by_label.keys() - scales.keys():
         scales[label] = {"scale": largest, "from": "the largest measured scale (static activations: no probe)"}
-    return scales
-
-
-def scaled_error(option: LayerOption, scales: dict[str, dict[str, Any]]) -> float:
-    """The layer's error as its share of the output's: its own error times its candidate's scale."""
-    return option.rel_error * scales[option.candidate.label]["scale"] if option.rel_error > 0 else 0.0
+    return OutputErrorModel(gains, scales)
 
 
 def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
@@ -192,14 +225,14 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     table = speed_table.ensure(table, needed, device, dtype, compile_backend=ctx.recipe.compile.backend, timing=timing)
     table_seconds = time.perf_counter() - started
     float_ms, reference = time_forward(example, device, timing)
-    scales = error_scales(example, reference, {**options, **{n: [o] for n, o in fixed_options.items()}})
+    errors = measure_output_error(example, reference, {**options, **{n: [o] for n, o in fixed_options.items()}})
 
     def layer_ms(name: str, cand: Candidate) -> float:
         return sum(table.get(e) for e in entries(name, cand))
 
     layers = [LayerCosts(n, tuple(o.candidate.label for o in options[n]),
                          tuple(layer_ms(n, o.candidate) for o in options[n]),
-                         tuple(o.nbytes for o in options[n]), tuple(scaled_error(o, scales) ** 2 for o in options[n]))
+                         tuple(o.nbytes for o in options[n]), tuple(errors.share(n, o) ** 2 for o in options[n]))
               for n in names]
     float_bytes = tensor_bytes(model)
     # Fixed: all but the free layers, the rules' layers as quantized (their float time and bytes swapped out).
@@ -208,8 +241,8 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     fixed_bytes = float_bytes - sum(tensor_bytes(model.get_submodule(n)) for n in [*names, *fixed_specs]) + \
         sum(quantized_bytes(model.get_submodule(n), spec) for n, spec in fixed_specs.items())
     base = Problem(layers, fixed_ms=fixed_ms, fixed_bytes=fixed_bytes,
-                   float_ms=float_ms, float_bytes=float_bytes, error_scale=1.0,  # each candidate's scale is in err2
-                   fixed_err2=sum(scaled_error(o, scales) ** 2 for o in fixed_options.values()))
+                   float_ms=float_ms, float_bytes=float_bytes, error_scale=1.0,  # the shares are output errors
+                   fixed_err2=sum(errors.share(n, o) ** 2 for n, o in fixed_options.items()))
     attention = {fmt: (AttentionOption(fmt, float_ms, 0.0, {}) if fmt == STOCK_ATTENTION else
                        measure_attention(ctx, example, fmt, reference, timing)) for fmt in attention_formats(ctx)}
     # Each format moves the fixed part by its forward's difference from the stock one and adds its output error.
@@ -238,7 +271,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
         "target": target.as_dict(), "loads_in": t.loads_in, "compiled": compiled, "met": solution.met,
         "predicted": solution.prediction.as_dict(), "layers": dict(sorted(counts.items())),
         "candidates": [c.label for c in candidates], "free_layers": len(names),
-        "float_ms": round(float_ms, 6), "fixed_ms": round(problem.fixed_ms, 6), "error_scales": scales,
+        "float_ms": round(float_ms, 6), "fixed_ms": round(problem.fixed_ms, 6), "error_model": errors.as_dict(),
         "frontier": [{**p.as_dict(), "attention": fmt} for fmt, p in front],
         "attention": {"chosen": chosen_attention, "options": {
             fmt: {**a.as_dict(), "predicted": solved[fmt].prediction.as_dict() if fmt in solved else None,
@@ -291,4 +324,4 @@ def check(tp: TargetPlan, device: torch.device, timing: TimingSettings | None = 
     return ForwardCheck(tp.float_ms, pred.time_ms, measured_ms, pred.error, rel_error(tp.reference, out))
 
 
-__all__ = ["TargetPlan", "check", "error_scales", "free_layers", "plan_for_target"]
+__all__ = ["OutputErrorModel", "TargetPlan", "check", "measure_output_error", "free_layers", "plan_for_target"]
