@@ -121,8 +121,8 @@ class OutputErrorModel:
     option. The scale is per candidate because the output does not follow the layers' own errors alike across
     formats: one probe per candidate with every layer that can take it at it, so a uniform plan's prediction is its
     measured error. On the tiny Krea 2 this predicted a krea2_nvfp4-sized solver plan and krea2_nvfp4 within 2 %
-    (and ranked them right); one scale for all, probed at the least accurate candidate, put the solver's plan 30 %
-    low and picked it over krea2_nvfp4, which was better."""
+    (and ranked them right); the candidates' scales without the layers' gains put the solver's plan 30 % low and
+    picked it over krea2_nvfp4, which was better."""
 
     gains: dict[str, float]  # layer -> output error per unit of its own error (alone, at its least accurate option)
     scales: dict[str, dict[str, Any]]  # candidate label -> {"scale", probe figures} (or "from" when not probed)

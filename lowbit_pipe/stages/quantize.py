@@ -381,7 +381,7 @@ def example_runner(ctx: Context, what: str) -> Callable[[], None]:
     every timestep's input is seen."""
     from lowbit_pipe import sampler
 
-    cfg, ev = ctx.recipe.quantize, ctx.recipe.evaluate
+    cfg = ctx.recipe.quantize
     if ctx.calibrate is not None:
         return ctx.calibrate
     if cfg.calibration_prompts:
