@@ -26,6 +26,9 @@ part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, prof
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
+# Output names carry the card that ran them (h100, h200; "gpu" for another): the device may lend either.
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'H[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
+card=${card:-gpu}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
 case "$part" in
   kernels)
@@ -33,20 +36,20 @@ case "$part" in
     timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py 2>&1 | tail -40 > "$out/pytest_gpu.log"
     tail -3 "$out/pytest_gpu.log" ;;
   linear)
-    timeout 420 python3 bench/linear_speed.py --compiled --rep-ms 40 --out "$out/linear_speed_h200.json" > "$out/linear_speed.log" 2>&1
+    timeout 420 python3 bench/linear_speed.py --compiled --rep-ms 40 --out "$out/linear_speed_${card}.json" > "$out/linear_speed.log" 2>&1
     tail -3 "$out/linear_speed.log"
-    timeout 90 python3 bench/host_cost.py --profile --out "$out/host_cost_h200.json" > "$out/host_cost.log" 2>&1
+    timeout 90 python3 bench/host_cost.py --profile --out "$out/host_cost_${card}.json" > "$out/host_cost.log" 2>&1
     tail -3 "$out/host_cost.log" ;;
   headline)
-    timeout 560 python3 bench/headline.py --out "$out/headline_h200.json" > "$out/headline.log" 2>&1
+    timeout 560 python3 bench/headline.py --out "$out/headline_${card}.json" > "$out/headline.log" 2>&1
     tail -25 "$out/headline.log" ;;
   stream)
     timeout 560 python3 bench/stream_bench.py --device cuda --formats int8 fp8 nvfp4 --scratch /tmp/stream \
-      --out "$out/stream_h200" > "$out/stream.log" 2>&1
+      --out "$out/stream_${card}" > "$out/stream.log" 2>&1
     tail -12 "$out/stream.log"; rm -rf /tmp/stream ;;
   pipeline)
-    timeout 150 python3 bench/lora_overhead.py --device cuda --out "$out/lora_overhead_h200.json" > "$out/lora_overhead.log" 2>&1
-    timeout 240 python3 bench/teardown_gpu.py --out "$out/teardown_gpu_h200.json" > "$out/teardown_gpu.log" 2>&1
+    timeout 150 python3 bench/lora_overhead.py --device cuda --out "$out/lora_overhead_${card}.json" > "$out/lora_overhead.log" 2>&1
+    timeout 240 python3 bench/teardown_gpu.py --out "$out/teardown_gpu_${card}.json" > "$out/teardown_gpu.log" 2>&1
     for r in krea2_nvfp4 flux1_fp8 default; do
       timeout 60 python3 -m lowbit_pipe recipe=$r model.device=cuda model.dtype=bfloat16 hydra.run.dir=/tmp/gpu_runs/$r 2>&1 | tail -14
     done > "$out/pipeline_gpu.log"
@@ -54,14 +57,14 @@ case "$part" in
       tests/test_export_load.py 2>&1 | tail -5 > "$out/pytest.log"
     tail -3 "$out/pytest.log" ;;
   gptq)
-    timeout 560 python3 bench/gptq_full.py --formats int8 nvfp4 --out "$out/gptq_full_h200.json" > "$out/gptq_full.log" 2>&1
+    timeout 560 python3 bench/gptq_full.py --formats int8 nvfp4 --out "$out/gptq_full_${card}.json" > "$out/gptq_full.log" 2>&1
     tail -8 "$out/gptq_full.log" ;;
   profile)
-    timeout 560 python3 bench/forward_profile.py --variants bf16 fp8 int8 --out "$out/forward_profile_h200.json" \
+    timeout 560 python3 bench/forward_profile.py --variants bf16 fp8 int8 --out "$out/forward_profile_${card}.json" \
       > "$out/forward_profile.log" 2>&1
     tail -8 "$out/forward_profile.log" ;;
   profile_eager)
-    timeout 400 python3 bench/forward_profile.py --eager --variants bf16 fp8 int8 --out "$out/forward_profile_eager_h200.json" \
+    timeout 400 python3 bench/forward_profile.py --eager --variants bf16 fp8 int8 --out "$out/forward_profile_eager_${card}.json" \
       > "$out/forward_profile_eager.log" 2>&1
     tail -8 "$out/forward_profile_eager.log" ;;
   attention)
@@ -69,33 +72,33 @@ case "$part" in
       -k attention 2>&1 | tail -30 > "$out/pytest_attention.log"
     tail -3 "$out/pytest_attention.log"
     timeout 250 python3 bench/attention8_bench.py --shapes krea2_1024 krea2_1024_masked krea2_2048 --profile \
-      --out "$out/attention8_h200.json" > "$out/attention8_bench.log" 2>&1
+      --out "$out/attention8_${card}.json" > "$out/attention8_bench.log" 2>&1
     tail -20 "$out/attention8_bench.log" ;;
   headline_attention)
     # the baselines and every row with 8-bit attention (about 8 minutes; the other rows: `headline`)
     timeout 560 python3 bench/headline.py --no-torchao --only "bf16, compile" "fp8, compiled" "int8, compiled" \
       "krea2_nvfp4, fp8 compute, compiled" "bf16 + " "fp8 + fp8" "int8 + int8" "krea2_nvfp4, fp8 compute +" \
-      "fp8, no compile" "int8, no compile" --out "$out/headline_attention_h200.json" > "$out/headline_attention.log" 2>&1
+      "fp8, no compile" "int8, no compile" --out "$out/headline_attention_${card}.json" > "$out/headline_attention.log" 2>&1
     tail -25 "$out/headline_attention.log" ;;
   headline_all)
     # issue 26's item 4 in one process: bf16 eager and compiled, torchao fp8-row, sageattention on bf16, and fp8 /
     # int8 / krea2_nvfp4 (fp8 compute), each with and without 8-bit attention, compiled and not. $3: --text-valid N
     timeout 570 python3 bench/headline.py --iters 5 ${3:-} --only "bf16, compile" "torchao" "bf16 + sage" \
       "fp8, compiled" "int8, compiled" "krea2_nvfp4, fp8 compute" "fp8, no compile" "int8, no compile" "bf16 + fp8" \
-      "fp8 + fp8" "int8 + int8" --out "$out/headline_all_h200${3:+_masked}.json" > "$out/headline_all.log" 2>&1
+      "fp8 + fp8" "int8 + int8" --out "$out/headline_all_${card}${3:+_masked}.json" > "$out/headline_all.log" 2>&1
     tail -25 "$out/headline_all.log" ;;
   headline_mask)
     # the attention rows with the text padding mask diffusers' Krea2Pipeline always passes (~500 of 512 padded for a
     # short prompt; 77 valid here as in the GPU mask test)
     timeout 560 python3 bench/headline.py --no-torchao --no-sage --iters 5 --text-valid 77 --only "bf16, compile" \
       "fp8, compiled" "bf16 + fp8" "fp8 + fp8 attention, compiled" "int8, compiled" "int8 + int8 attention, compiled" \
-      --out "$out/headline_mask_h200.json" > "$out/headline_mask.log" 2>&1
+      --out "$out/headline_mask_${card}.json" > "$out/headline_mask.log" 2>&1
     tail -14 "$out/headline_mask.log" ;;
   pipeline_steps)
     # bf16 eager and compiled always; the rows issue 26 asks the whole image for
     timeout 560 python3 bench/pipeline_steps.py --iters 1 --only "fp8, compiled" "fp8 + fp8 attention, compiled" "int8, compiled" \
       "krea2_nvfp4, fp8 compute, compiled" "fp8, no compile" --headline bench/results/headline_h200.json \
-      --out "$out/pipeline_steps_h200.json" > "$out/pipeline_steps.log" 2>&1
+      --out "$out/pipeline_steps_${card}.json" > "$out/pipeline_steps.log" 2>&1
     tail -14 "$out/pipeline_steps.log" ;;
   *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, headline_mask, pipeline_steps)"; exit 2 ;;
 esac
