@@ -160,8 +160,8 @@ def test_ratio_target_with_a_rule_keeps_the_rule_and_fits(tmp_path, speed_cache)
     fc = t["forward_check"]
     assert fc["off"] == pytest.approx(fc["measured_ms"] / fc["predicted_ms"] - 1, abs=1e-5)
     assert fc["predicted_ms"] == pytest.approx(t["predicted"]["time_ms"], rel=1e-5)
-    # The error is deterministic: the prediction (layer errors summed, scaled by a probe forward per candidate) is
-    # within 2x.
+    # The error is deterministic: the prediction (each layer's error times its gain and its candidate's scale, in
+    # quadrature) is within 2x.
     assert 0.5 < fc["measured_error"] / fc["predicted_error"] < 2.0
     assert t["frontier"] and r.report["stages"]["quantize"]["target_off"] == pytest.approx(fc["off"], abs=1e-3)
     summary = (r.run_dir / "summary.txt").read_text()
