@@ -178,10 +178,20 @@ def measure_output_error(example: ExampleForward, reference: torch.Tensor, optio
     return OutputErrorModel(gains, scales)
 
 
+def require_example_forward(ctx) -> None:  # noqa: ANN001 - Context
+    """Refuse, naming quantize.target, a model whose forward the solver cannot time and probe."""
+    if ctx.native:  # ComfyUI's own model classes: no example forward of ours to time and probe (yet)
+        raise RecipeError("quantize.target", f"is solved on the diffusers {ctx.arch.id} model, whose forward it times "
+                                             "and probes; this one has ComfyUI's native names (the Quantize node). "
+                                             "Run the recipe with the CLI on the checkpoint and load its export in "
+                                             "ComfyUI, or name the formats in the recipe")
+    if ctx.arch is None:
+        raise RecipeError("quantize.target", "times and probes the forward on a known architecture's example inputs; "
+                                             "this model's architecture is not one (model.arch names one for a file)")
+
+
 def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
-    if ctx.arch is None or ctx.native:
-        raise RecipeError("quantize.target", "times and measures the forward on a known architecture's example inputs "
-                                             "(model.arch, diffusers names); this model has none")
+    require_example_forward(ctx)
     inputs = ctx.example_inputs(ctx.recipe.quantize.calibration_seed)
     return ExampleForward(ctx.transformer, inputs, ctx.arch.output_tensor, compiled, ctx.recipe.compile.backend)
 

@@ -78,3 +78,19 @@ def test_loras_on_a_native_tree_match_the_diffusers_model(tmp_path, tiny_model):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         checked += len(parts) > 1
     assert checked > 0  # fused layers were among them
+
+
+def test_a_target_recipe_on_a_native_tree_is_refused_before_any_weight_changes(tmp_path):
+    """quantize.target times and probes the diffusers forward: on a natively named tree (what ComfyUI's Quantize
+    node passes) it is refused naming the key and the way that works, and the tree is left as it was."""
+    from lowbit_pipe.errors import StageError
+
+    _, tree, _ = _native_twin(tmp_path, "krea2", "int8")
+    before = {n: p.detach().clone() for n, p in tree.named_parameters()}
+    with pytest.raises(StageError) as info:
+        lowbit_pipe.run("krea2_auto_speed_tiny", ["pipeline=[load,detect,quantize]"], model=tree,
+                        run_dir=tmp_path / "native")
+    message = str(info.value)
+    assert "quantize.target" in message and "ComfyUI's native names" in message and "CLI" in message
+    assert not any(isinstance(m, QuantLinear) for m in tree.modules())
+    assert all(torch.equal(p, before[n]) for n, p in tree.named_parameters())

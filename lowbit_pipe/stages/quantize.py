@@ -437,12 +437,13 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
 
 def _target_plan(ctx: Context, plans: list[LayerPlan]):  # noqa: ANN202 - TargetPlan | None
     """quantize.target: the solver's plan (lowbit_pipe.target_plan), or None when the recipe sets no target."""
-    from lowbit_pipe.target_plan import plan_for_target
+    from lowbit_pipe.target_plan import plan_for_target, require_example_forward
     from lowbit_pipe.targets import resolve_target
 
     target = resolve_target(ctx.recipe.quantize)
     if target is None:
         return None
+    require_example_forward(ctx)  # before the calibration runner, whose own refusal would not name the target
     return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"))
 
 
