@@ -12,6 +12,7 @@
 #   bash bench/gpu_suite.sh attention "$OUT" # 8-bit attention: its GPU tests, the kernel bench (masked shape too)
 #   bash bench/gpu_suite.sh headline_attention "$OUT"  # headline rows with and without 8-bit attention, sageattention
 #   bash bench/gpu_suite.sh headline_all "$OUT" [--text-valid 77]  # issue 26's item 4: every row in one process
+#   bash bench/gpu_suite.sh solver_targets "$OUT"  # quantize.target on the full-size Krea 2: speedup 1.15, ratio 0.3
 #   bash bench/gpu_suite.sh headline_mask "$OUT"  # the 8-bit attention rows with the pipeline's text padding mask
 #   bash bench/gpu_suite.sh pipeline_steps "$OUT"  # whole 28-step 1024x1024 images through diffusers' Krea2Pipeline
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
@@ -22,7 +23,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, headline_mask or pipeline_steps}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, headline_mask or pipeline_steps}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -87,6 +88,12 @@ case "$part" in
       "fp8, compiled" "int8, compiled" "krea2_nvfp4, fp8 compute" "fp8, no compile" "int8, no compile" "bf16 + fp8" \
       "fp8 + fp8" "int8 + int8" --out "$out/headline_all_${card}${3:+_masked}.json" > "$out/headline_all.log" 2>&1
     tail -25 "$out/headline_all.log" ;;
+  solver_targets)
+    # issue 28: krea2_auto_speed's speedup 1.15 and ratio 0.3 on the full-size Krea 2 (speed table timed first);
+    # then, on the CPU: python bench/solver_h200.py --only tiny --from <this json> --out <this json>
+    timeout 570 python3 bench/solver_h200.py --only targets --out "$out/solver_targets_${card}.json" \
+      > "$out/solver_targets.log" 2>&1
+    tail -14 "$out/solver_targets_${card}.md" ;;
   headline_mask)
     # the attention rows with the text padding mask diffusers' Krea2Pipeline always passes (~500 of 512 padded for a
     # short prompt; 77 valid here as in the GPU mask test)
@@ -100,5 +107,5 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "fp8, no compile" --headline bench/results/headline_h200.json \
       --out "$out/pipeline_steps_${card}.json" > "$out/pipeline_steps.log" 2>&1
     tail -14 "$out/pipeline_steps.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, headline_mask, pipeline_steps)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, headline_mask, pipeline_steps)"; exit 2 ;;
 esac
