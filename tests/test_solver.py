@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import lowbit_pipe
+from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.solver import LayerCosts, Problem, frontier, predict, solve
 from lowbit_pipe.targets import Target
@@ -188,6 +189,22 @@ def test_a_uniform_plans_predicted_error_is_its_measured_error(tmp_path, speed_c
     assert model["scales"]["int8"]["probe_output_error"] == pytest.approx(fc["measured_error"], rel=0.01)
     gains = sorted(model["gains"].values())
     assert gains[-1] > 3 * gains[0]  # why one gain per layer: the layers move the output very differently
+
+
+def test_a_static_activation_candidate_is_timed_probed_and_calibrated(tmp_path, speed_cache):
+    """A candidate with static activations: the speed table times it (it failed there, asking for an input amax the
+    timing has no use for), it has no probe of its own (no calibrated scale yet) and borrows the largest measured
+    scale, and the layers that take it get their calibrated input scales."""
+    r = _run(tmp_path, ["quantize.target.ratio=0.6", "quantize.target.candidates=[{format: int8, activations: static}, "
+                                                      "{format: fp8}]"], speed_cache)
+    t = r.report["quantize"]["target"]
+    scales = t["error_model"]["scales"]
+    assert t["met"] and t["layers"].get("int8 act=static", 0) > 0
+    assert "from" in scales["int8 act=static"] and scales["int8 act=static"]["scale"] == scales["fp8"]["scale"]
+    static = [m for m in r.model.modules() if isinstance(m, QuantLinear) and "input_scale" in m._buffers]
+    assert len(static) == t["layers"]["int8 act=static"] and all(float(m.input_scale) > 0 for m in static)
+    fc = t["forward_check"]
+    assert 0.5 < fc["measured_error"] / fc["predicted_error"] < 2.0
 
 
 def test_at_krea2_nvfp4s_bytes_the_solvers_plan_has_less_error_than_krea2_nvfp4(tmp_path, speed_cache):
