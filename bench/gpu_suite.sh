@@ -12,7 +12,7 @@
 #   bash bench/gpu_suite.sh attention "$OUT" # 8-bit attention: its GPU tests, the kernel bench (masked shape too)
 #   bash bench/gpu_suite.sh headline_attention "$OUT"  # headline rows with and without 8-bit attention, sageattention
 #   bash bench/gpu_suite.sh headline_all "$OUT" [--text-valid 77]  # issue 26's item 4: every row in one process
-#   bash bench/gpu_suite.sh solver_targets "$OUT"  # quantize.target on the full-size Krea 2: speedup 1.15, ratio 0.3
+#   bash bench/gpu_suite.sh solver_targets "$OUT" [ratio]  # quantize.target on the full-size Krea 2: speedup 1.15 / ratio 0.3
 #   bash bench/gpu_suite.sh headline_mask "$OUT"  # the 8-bit attention rows with the pipeline's text padding mask
 #   bash bench/gpu_suite.sh pipeline_steps "$OUT"  # whole 28-step 1024x1024 images through diffusers' Krea2Pipeline
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
@@ -89,11 +89,12 @@ case "$part" in
       "fp8 + fp8" "int8 + int8" --out "$out/headline_all_${card}${3:+_masked}.json" > "$out/headline_all.log" 2>&1
     tail -25 "$out/headline_all.log" ;;
   solver_targets)
-    # issue 28: krea2_auto_speed's speedup 1.15 and ratio 0.3 on the full-size Krea 2 (speed table timed first);
-    # then, on the CPU: python bench/solver_h200.py --only tiny --from <this json> --out <this json>
-    timeout 570 python3 bench/solver_h200.py --only targets --out "$out/solver_targets_${card}.json" \
-      > "$out/solver_targets.log" 2>&1
-    tail -14 "$out/solver_targets_${card}.md" ;;
+    # issue 28: krea2_auto_speed's speedup 1.15 ($3 unset) or ratio 0.3 ($3 = ratio) on the full-size Krea 2, one per
+    # call: with the error model's 228 probe forwards each takes ~4-5 min (estimated; the speed table timed first).
+    # Then, on the CPU: python bench/solver_h200.py --only tiny --from <this json> --out <this json>
+    timeout 570 python3 bench/solver_h200.py --only targets --variants "auto: target.${3:-speedup}" \
+      --out "$out/solver_targets_${3:-speedup}_${card}.json" > "$out/solver_targets.log" 2>&1
+    tail -14 "$out/solver_targets_${3:-speedup}_${card}.md" ;;
   headline_mask)
     # the attention rows with the text padding mask diffusers' Krea2Pipeline always passes (~500 of 512 padded for a
     # short prompt; 77 valid here as in the GPU mask test)
