@@ -126,6 +126,7 @@ class OutputErrorModel:
 
     gains: dict[str, float]  # layer -> output error per unit of its own error (alone, at its least accurate option)
     scales: dict[str, dict[str, Any]]  # candidate label -> {"scale", probe figures} (or "from" when not probed)
+    probes: int = 0  # probe forwards run
 
     def share(self, name: str, option: LayerOption) -> float:
         """The layer's share of the output error at `option`."""
@@ -135,7 +136,7 @@ class OutputErrorModel:
 
     def as_dict(self) -> dict[str, Any]:
         return {"scales": self.scales, "gains": {n: round(g, 6) for n, g in self.gains.items()},
-                "probes": len(self.gains) + sum("probe_output_error" in v for v in self.scales.values())}
+                "probes": self.probes}
 
 
 def _probe_error(example: ExampleForward, reference: torch.Tensor, specs: dict[str, FormatSpec]) -> float:
@@ -153,10 +154,12 @@ def measure_output_error(example: ExampleForward, reference: torch.Tensor, optio
         return o.candidate.spec is not None and o.rel_error > 0 and o.candidate.spec.activations != "static"
 
     gains: dict[str, float] = {}
+    probes = 0
     for name, opts in options.items():
         worst = max((o for o in opts if probed(o)), key=lambda o: o.rel_error, default=None)
         if worst is not None:
             gains[name] = _probe_error(example, reference, {name: worst.candidate.spec}) / worst.rel_error
+            probes += 1
         elif any(o.rel_error > 0 for o in opts):
             gains[name] = 1.0  # only static options: unmeasured, counted at its own error
     by_label: dict[str, dict[str, LayerOption]] = {}
@@ -170,12 +173,13 @@ def measure_output_error(example: ExampleForward, reference: torch.Tensor, optio
             continue
         summed = math.sqrt(sum((gains[n] * o.rel_error) ** 2 for n, o in layers.items()))
         measured = _probe_error(example, reference, {n: o.candidate.spec for n, o in layers.items()})
+        probes += 1
         scales[label] = {"scale": measured / summed if summed > 0 else 1.0, "probe_output_error": measured,
                          "layers": len(layers)}
     largest = max((v["scale"] for v in scales.values()), default=1.0)
     for label in by_label.keys() - scales.keys():
         scales[label] = {"scale": largest, "from": "the largest measured scale (static activations: no probe)"}
-    return OutputErrorModel(gains, scales)
+    return OutputErrorModel(gains, scales, probes)
 
 
 def require_example_forward(ctx) -> None:  # noqa: ANN001 - Context

@@ -201,6 +201,7 @@ def test_a_static_activation_candidate_is_timed_probed_and_calibrated(tmp_path, 
     scales = t["error_model"]["scales"]
     assert t["met"] and t["layers"].get("int8 act=static", 0) > 0
     assert "from" in scales["int8 act=static"] and scales["int8 act=static"]["scale"] == scales["fp8"]["scale"]
+    assert t["error_model"]["probes"] == t["free_layers"] + 1  # each layer's gain (at fp8), fp8's scale; none static
     static = [m for m in r.model.modules() if isinstance(m, QuantLinear) and "input_scale" in m._buffers]
     assert len(static) == t["layers"]["int8 act=static"] and all(float(m.input_scale) > 0 for m in static)
     fc = t["forward_check"]
