@@ -154,6 +154,7 @@ def measure_output_error(example: ExampleForward, reference: torch.Tensor, optio
         return o.candidate.spec is not None and o.rel_error > 0 and o.candidate.spec.activations != "static"
 
     gains: dict[str, float] = {}
+    by_label: dict[str, dict[str, LayerOption]] = {}
     probes = 0
     for name, opts in options.items():
         worst = max((o for o in opts if probed(o)), key=lambda o: o.rel_error, default=None)
@@ -162,8 +163,6 @@ def measure_output_error(example: ExampleForward, reference: torch.Tensor, optio
             probes += 1
         elif any(o.rel_error > 0 for o in opts):
             gains[name] = 1.0  # only static options: unmeasured, counted at its own error
-    by_label: dict[str, dict[str, LayerOption]] = {}
-    for name, opts in options.items():
         for o in opts:
             if o.candidate.spec is not None and o.rel_error > 0:
                 by_label.setdefault(o.candidate.label, {})[name] = o
@@ -195,7 +194,6 @@ def require_example_forward(ctx) -> None:  # noqa: ANN001 - Context
 
 
 def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
-    require_example_forward(ctx)
     inputs = ctx.example_inputs(ctx.recipe.quantize.calibration_seed)
     return ExampleForward(ctx.transformer, inputs, ctx.arch.output_tensor, compiled, ctx.recipe.compile.backend)
 
