@@ -142,14 +142,10 @@ def krea2_inputs(model: torch.nn.Module, device: torch.device, small: bool, text
     `text_valid`: also the text padding mask diffusers' Krea2Pipeline always passes (`encoder_attention_mask`),
     the first `text_valid` text tokens attended and the rest padding; None: no mask (every text token valid)."""
     image_tokens, text_tokens = (64, 8) if small else (4096, 512)
-    inputs = get_arch("krea2").example_inputs(dict(model.config), batch=1, image_tokens=image_tokens,
-                                              text_tokens=text_tokens, generator=torch.Generator().manual_seed(1234),
-                                              dtype=torch.bfloat16, device=device)
-    if text_valid is not None:
-        mask = torch.zeros(1, text_tokens, dtype=torch.bool, device=device)
-        mask[:, :min(text_valid, text_tokens)] = True
-        inputs["encoder_attention_mask"] = mask
-    return inputs
+    arch = get_arch("krea2")
+    inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=image_tokens, text_tokens=text_tokens,
+                                 generator=torch.Generator().manual_seed(1234), dtype=torch.bfloat16, device=device)
+    return inputs if text_valid is None else arch.padded_text_inputs(inputs, text_valid)
 
 
 def tensor_storage_bytes(t: torch.Tensor) -> int:

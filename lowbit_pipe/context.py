@@ -71,7 +71,7 @@ class Context:
                                           device=self.device)
         if ev.text_valid is None:
             return inputs
-        return self.arch.padded_text_inputs(inputs, text_tokens=ev.text_tokens, text_valid=ev.text_valid)
+        return self.arch.padded_text_inputs(inputs, ev.text_valid)
 
     @property
     def device(self) -> torch.device:

@@ -185,14 +185,13 @@ class Arch(ABC):
                        generator: torch.Generator, dtype: torch.dtype, device: torch.device | str) -> dict[str, Any]:
         """Seeded forward kwargs (noisy latents, text states, timestep, ...) for `model(**inputs)`."""
 
-    def padded_text_inputs(self, inputs: dict[str, Any], *, text_tokens: int, text_valid: int) -> dict[str, Any]:
+    def padded_text_inputs(self, inputs: dict[str, Any], text_valid: int) -> dict[str, Any]:
         """`inputs` plus the text padding mask a pipeline passes when it pads prompts to a fixed length: the first
-        `text_valid` of `text_tokens` attended, the rest padding. It changes what attention sees (whole key blocks
+        `text_valid` text tokens attended, the rest padding. It changes what attention sees (whole key blocks
         masked), so timing and error measured with it are the pipeline's."""
         assert self.text_mask_key is not None, f"{self.id} takes no text padding mask"
-        batch = next(v.shape[0] for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() > 1)
-        device = inputs["encoder_hidden_states"].device
-        mask = torch.zeros(batch, text_tokens, dtype=torch.bool, device=device)
+        text = inputs["encoder_hidden_states"]  # [B, T, ...]
+        mask = torch.zeros(text.shape[:2], dtype=torch.bool, device=text.device)
         mask[:, :text_valid] = True
         return {**inputs, self.text_mask_key: mask}
 
