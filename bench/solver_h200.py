@@ -98,9 +98,8 @@ def run_one(label: str, recipe: str, overrides: list[str], model: torch.nn.Modul
         target = (result.report.get("quantize") or {}).get("target")
         if target:
             target.pop("sensitivity", None)
+            row["plan"] = target.pop("choice")
             row["target"] = target
-            row["plan"] = {p["name"]: p["reason"].split("(")[1].split(",")[0] for p in result.report["plan"]
-                           if p["reason"].startswith("target ")}
     finally:
         lowbit_pipe.teardown(result)
     row["restored_rel_err"] = rel_err(forward(), ref)

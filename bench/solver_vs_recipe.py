@@ -48,8 +48,7 @@ def solver_rules(recipe: str, scratch: Path) -> tuple[list[str], dict[str, Any]]
     _, report = run_bytes("krea2_auto_speed_tiny", PLAN_TOKENS + [
         "pipeline=[load,detect,quantize]", f"quantize.target.ratio={ratio:.6f}", f"quantize.speed_cache={scratch / 'speed'}",
         "quantize.target.loads_in=comfyui_pack", f"quantize.target.candidates={CANDIDATES}"], scratch / "solver")
-    chosen = {p["name"]: p["reason"].split("(")[1].split(",")[0] for p in report["plan"]
-              if p["reason"].startswith("target ")}
+    chosen = report["quantize"]["target"]["choice"]
     rules = [f"quantize.rules=[{', '.join(label_rule(name, label) for name, label in chosen.items())}]"]
     layers = report["quantize"]["target"]["layers"]
     return rules, {"ratio": ratio, "recipe_bytes": hand_bytes, "float_bytes": float_bytes, "solver_layers": layers}

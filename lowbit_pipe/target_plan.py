@@ -292,6 +292,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
                         "measured": table.measured, "reused": len(set(e.key() for _, e in needed)) - table.measured,
                         "seconds": round(table_seconds, 3)},
         "solver_seconds": round(solver_seconds, 4),
+        "choice": {n: o.candidate.label for n, o in chosen.items()},  # each free layer's candidate
         "sensitivity": {n: {o.candidate.label: round(o.rel_error, 6) for o in options[n]} for n in names},
     }
     return TargetPlan(new_plans, report, example, reference, float_ms, solution, chosen_attention)

@@ -158,6 +158,8 @@ def test_ratio_target_with_a_rule_keeps_the_rule_and_fits(tmp_path, speed_cache)
     assert downs and all(p["format"] == "int8" and p["reason"].startswith("rule 0") for p in downs)
     assert all(p["format"] is None for p in plan.values() if p["reason"].startswith("arch keep-float"))
     assert t["free_layers"] == sum(p["reason"].startswith("target ratio") for p in plan.values())
+    assert set(t["choice"]) == {n for n, p in plan.items() if p["reason"].startswith("target ratio")}
+    assert sum(t["layers"].values()) == len(t["choice"])
     fc = t["forward_check"]
     assert fc["off"] == pytest.approx(fc["measured_ms"] / fc["predicted_ms"] - 1, abs=1e-5)
     assert fc["predicted_ms"] == pytest.approx(t["predicted"]["time_ms"], rel=1e-5)
