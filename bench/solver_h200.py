@@ -6,6 +6,7 @@ Device phases, each one call of under 9 minutes on an H100 / H200 (`--only` pick
     python bench/solver_h200.py --only ratio   --out bench/results/solver_h200.json   # target.ratio 0.3 vs krea2_nvfp4
     python bench/solver_h200.py --only singles --out bench/results/solver_h200.json   # single-format recipes
     python bench/solver_h200.py --only targets --out bench/results/solver_h200.json   # speedup 1.15 and ratio 0.3
+    python bench/solver_h200.py --only speed_singles --out ...  # speedup 1.15, int8, int8+convrot, fp8 in one call
 
 CPU phase (the plans found on the device, applied by layer role to the tiny Krea 2, trajectory error there):
 
@@ -81,6 +82,9 @@ def variants(phase: str, small: bool, cache: Path, ratio: float) -> list[tuple[s
         return [("auto: target.speedup 1.15", "krea2_auto_speed", target + ["quantize.target.speedup=1.15"]),
                 (f"auto: target.ratio {ratio:g}", "krea2_auto_speed",
                  target + ["quantize.target.speedup=null", f"quantize.target.ratio={ratio}"])]
+    if phase == "speed_singles":  # speedup 1.15 beside the single formats of about its speed, one bf16 baseline
+        return [("auto: target.speedup 1.15", "krea2_auto_speed", target + ["quantize.target.speedup=1.15"])] + \
+            [(label, "default", SINGLES[label]) for label in ("int8", "int8+convrot", "fp8")]
     if phase == "singles":
         return [(label, "default", o) for label, o in SINGLES.items()]
     raise ValueError(phase)
@@ -117,6 +121,8 @@ def table(payload: dict[str, Any]) -> str:
         t = r.get("target") or {}
         fc = t.get("forward_check") or {}
         layers = " ".join(f"{k}:{v}" for k, v in (t.get("layers") or {}).items())
+        if (t.get("selection") or {}).get("chosen", "solver") != "solver":  # a uniform plan won on measured figures
+            layers += f" (uniform {t['selection']['chosen']} over the solver's plan)"
         if (t.get("attention") or {}).get("chosen", "bf16") != "bf16":
             layers += f" attention:{t['attention']['chosen']}"
         lines.append(f"| {r['variant']} | {r['ms']:.2f} | {r.get('speedup', 1.0):.3f} | "
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="the tiny config (a smoke run)")
-    p.add_argument("--only", required=True, choices=["speed", "ratio", "targets", "singles", "tiny"])
+    p.add_argument("--only", required=True, choices=["speed", "ratio", "targets", "speed_singles", "singles", "tiny"])
     p.add_argument("--variants", nargs="+", help="only the phase's variants whose label starts with one of these")
     p.add_argument("--from", dest="source", help="--only tiny: the JSON the device phases wrote")
     p.add_argument("--iters", type=int, default=10)
@@ -190,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     payload: dict[str, Any] = json.loads(out.read_text()) if out.is_file() else {"rows": []}
     payload["command"] = "python bench/solver_h200.py " + " ".join(argv if argv is not None else sys.argv[1:])
     if args.only == "tiny":
-        payload["tiny"] = tiny_phase(json.loads(Path(args.source or out).read_text()))
+        source = json.loads(Path(args.source or out).read_text())
+        payload = {**source, **payload} if not out.is_file() else payload  # a new --out: the device rows with them
+        payload["tiny"] = tiny_phase(source)
         save_outputs(out, table(payload), payload)
         return 0
     device = torch.device(args.device)

@@ -120,6 +120,10 @@ class TargetConfig:
     # has a compile stage.
     compiled: Optional[bool] = None
     check_forward: bool = True  # time the whole quantized forward once and report how far the prediction was off
+    # One timed forward per candidate with every layer it fits really quantized at it (lowbit_pipe.speed_model): the
+    # candidate's layer times are scaled so a uniform plan's predicted time is its measured time, and the solver's
+    # plan (its error probed in one forward) is weighed against the uniform plans that meet the target.
+    uniform_probes: bool = True
     frontier_points: int = 16  # Lagrange multipliers per axis of the frontier sweep (points^2 solves, each ~1 ms)
 
 

@@ -157,7 +157,7 @@ def solve(problem: Problem, target: Target) -> Solution:
     if not problem.layers:
         choice = np.zeros(0, dtype=int)
         pred = predict(problem, choice, m)
-        return Solution((), pred, target, _met(pred, target))
+        return Solution((), pred, target, meets(pred, target))
     t, b, e = (_normalised(a, m.valid) for a in (m.time, m.nbytes, m.err2))
     if target.kind == "error":
         if problem.error_scale <= 0:
@@ -178,7 +178,7 @@ def solve(problem: Problem, target: Target) -> Solution:
     if choice is None:
         refuse(target, reach(problem, target, m))
     pred = predict(problem, choice, m)
-    return Solution(tuple(int(c) for c in choice), pred, target, _met(pred, target))
+    return Solution(tuple(int(c) for c in choice), pred, target, meets(pred, target))
 
 
 def reach(problem: Problem, target: Target, m: Matrices | None = None) -> Prediction:
@@ -198,7 +198,7 @@ def refuse(target: Target, best: Prediction, where: str = "") -> None:
                                   "under quantize.target.candidates, or relax the target)")
 
 
-def _met(pred: Prediction, target: Target) -> bool:
+def meets(pred: Prediction, target: Target) -> bool:
     tol = 1e-9
     return {"speedup": pred.speedup >= target.value * (1 - tol), "bytes": pred.nbytes <= target.value,
             "ratio": pred.ratio <= target.value * (1 + tol), "error": pred.error <= target.value * (1 + tol)}[target.kind]

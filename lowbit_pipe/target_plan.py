@@ -39,7 +39,9 @@ from lowbit_pipe.formats import FormatSpec, get_format
 from lowbit_pipe.ledger import Ledger, tensor_bytes
 from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan, _spec
-from lowbit_pipe.solver import LayerCosts, Problem, Solution, frontier, non_dominated, reach, refuse, solve
+from lowbit_pipe.solver import LayerCosts, Prediction, Problem, Solution, frontier, meets, non_dominated, predict, \
+    reach, refuse, solve
+from lowbit_pipe.speed_model import SpeedModel, measure_speed_model
 from lowbit_pipe.targets import Target
 from lowbit_pipe.timing import TimingSettings
 
@@ -242,8 +244,10 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     def layer_ms(name: str, cand: Candidate) -> float:
         return sum(table.get(e) for e in entries(name, cand))
 
+    speed = measure_speed_model(example, reference, options, fixed_specs, layer_ms, float_ms, cfg, device, timing) \
+        if t.uniform_probes else SpeedModel({})
     layers = [LayerCosts(n, tuple(o.candidate.label for o in options[n]),
-                         tuple(layer_ms(n, o.candidate) for o in options[n]),
+                         tuple(layer_ms(n, o.candidate) * speed.scale(o.candidate.label) for o in options[n]),
                          tuple(o.nbytes for o in options[n]), tuple(errors.share(n, o) ** 2 for o in options[n]))
               for n in names]
     float_bytes = tensor_bytes(model)
@@ -266,6 +270,15 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     front = [fronts[i] for i in non_dominated([p.prediction for _, p in fronts])]
     solver_seconds = time.perf_counter() - started
     problem = problems[chosen_attention]
+    specs = {**fixed_specs, **{layer.name: options[layer.name][j].candidate.spec
+                               for layer, j in zip(layers, solution.choice)
+                               if options[layer.name][j].candidate.spec is not None}}
+    if not speed.probes:
+        selection: dict[str, Any] | None = None
+    elif any(s.activations == "static" for s in specs.values()):  # their input scales are calibrated after planning
+        selection = {"chosen": "solver", "skipped": "the plan has static activations, not calibrated yet: no probe"}
+    else:
+        solution, selection = weigh_uniform(problem, solution, speed, _probe_error(example, reference, specs), target)
     chosen = {layer.name: options[layer.name][j] for layer, j in zip(layers, solution.choice)}
     new_plans = []
     for p in plans:
@@ -284,6 +297,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
         "predicted": solution.prediction.as_dict(), "layers": dict(sorted(counts.items())),
         "candidates": [c.label for c in candidates], "free_layers": len(names),
         "float_ms": round(float_ms, 6), "fixed_ms": round(problem.fixed_ms, 6), "error_model": errors.as_dict(),
+        "speed_model": speed.as_dict(), "selection": selection,
         "frontier": [{**p.as_dict(), "attention": fmt} for fmt, p in front],
         "attention": {"chosen": chosen_attention, "options": {
             fmt: {**a.as_dict(), "predicted": solved[fmt].prediction.as_dict() if fmt in solved else None,
@@ -328,6 +342,42 @@ def solve_per_attention(problems: dict[str, Problem], target: Target) -> tuple[s
         (lambda s: (s.prediction.error, s.prediction.time_ms))
     fmt = min(met, key=lambda f: rank(met[f]))
     return fmt, met[fmt], solved
+
+
+def weigh_uniform(problem: Problem, solution: Solution, speed: SpeedModel, plan_error: float, target: Target
+                  ) -> tuple[Solution, dict[str, Any]]:
+    """The solver's plan against each candidate on every layer it fits (float elsewhere), on measured figures:
+    the plan's output error from one probe forward (its layers' quantized outputs hooked in), a uniform plan's time
+    and error from its speed probe (the time calibrated so, the error measured as the real quantized forward's).
+    The error model adds the layers' shares in quadrature, and on the full-size Krea 2 it put an int8 / fp8 / float
+    plan at 4.0e-3 that measured 5.5e-3, above all-int8's 5.3e-3 at the same speed: the measured figures decide.
+    Both errors take the attention format's error in quadrature (problem.output_err2). Returns the winner (the
+    solver's plan unless a met uniform plan beats it: less error, or for an error target less time) and the
+    report's `selection`."""
+    def with_error(pred: Prediction, error: float) -> Prediction:
+        return replace(pred, error=math.sqrt(error ** 2 + problem.output_err2))
+
+    entries: dict[str, tuple[Solution, Prediction]] = {"solver": (solution, with_error(solution.prediction, plan_error))}
+    for label, probe in speed.probes.items():
+        if probe.error is None:
+            continue
+        choice = []
+        for layer in problem.layers:
+            if label in layer.labels:
+                choice.append(layer.labels.index(label))
+            elif "float" in layer.labels:
+                choice.append(layer.labels.index("float"))
+            else:
+                break
+        else:
+            pred = with_error(predict(problem, choice), probe.error)
+            entries[label] = (Solution(tuple(choice), pred, target, meets(pred, target)), pred)
+    met = {k: v for k, v in entries.items() if meets(v[1], target)}
+    rank = (lambda p: (p.time_ms, p.error)) if target.kind == "error" else (lambda p: (p.error, p.time_ms))
+    pick = min(met, key=lambda k: rank(met[k][1])) if met else "solver"
+    report = {"chosen": pick, "plan_probe_error": round(plan_error, 8),
+              "plans": {k: {**p.as_dict(), "met": meets(p, target)} for k, (_, p) in entries.items()}}
+    return (solution if pick == "solver" else entries[pick][0]), report
 
 
 def check(tp: TargetPlan, device: torch.device, timing: TimingSettings | None = None) -> ForwardCheck:

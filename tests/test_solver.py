@@ -233,6 +233,59 @@ def test_at_krea2_nvfp4s_bytes_the_solvers_plan_has_less_error_than_krea2_nvfp4(
     lowbit_pipe.teardown(auto)
 
 
+def test_uniform_probes_correct_a_speed_table_that_is_off(tmp_path):
+    """The table's layer times do not add up to the forward's (on the H100 an int8 / fp8 plan ran 4 % and a W4A4
+    plan 6 % faster than predicted). One timed forward per candidate scales its layer times: here a table whose int8
+    times are 5x too slow (a stale cache) put the all-int8 plan far off; with the probe it is the measured time."""
+    import json
+
+    cache = tmp_path / "cache"
+    args = ["quantize.target.ratio=0.6", "quantize.target.allow_float=false", "quantize.target.candidates=[{format: int8}]"]
+    _run(tmp_path, args, cache, name="fill")  # times the table
+    (path,) = cache.glob("speed_*.json")
+    data = json.loads(path.read_text())
+    data["times_ms"] = {k: v * (5.0 if k.startswith("int8") else 1.0) for k, v in data["times_ms"].items()}
+    path.write_text(json.dumps(data))
+    stale = _run(tmp_path, args + ["quantize.target.uniform_probes=false"], cache, name="stale")
+    fc = stale.report["quantize"]["target"]["forward_check"]
+    assert fc["off"] < -0.4  # predicted 5x too slow for the layers
+    lowbit_pipe.teardown(stale)
+    r = _run(tmp_path, args, cache, name="probed")
+    t = r.report["quantize"]["target"]
+    probe = t["speed_model"]["int8"]
+    assert probe["layers"] == t["free_layers"] and probe["scale"] < 0.5
+    assert t["predicted"]["time_ms"] == pytest.approx(probe["measured_ms"], rel=1e-4)  # uniform: its measured time
+    assert abs(t["forward_check"]["off"]) < 0.25  # the same model timed again (CPU timing noise only)
+    assert t["selection"]["chosen"] == "solver"  # it is the uniform plan
+    assert probe["error"] == pytest.approx(t["forward_check"]["measured_error"], rel=1e-3)
+
+
+def test_a_met_uniform_plan_with_less_measured_error_replaces_the_solvers():
+    """The measured figures decide between the solver's plan and the uniform plans (the error model mispredicted
+    a mixed int8 / fp8 / float plan at full size, below all-int8 that measured less): the winner meets the
+    target; a speedup target takes the least error, an error target the least time."""
+    from lowbit_pipe.solver import LayerCosts
+    from lowbit_pipe.speed_model import SpeedModel, UniformProbe
+    from lowbit_pipe.target_plan import weigh_uniform
+
+    labels = ("a", "b", "float")
+    layers = [LayerCosts("l0", labels, (1.0, 0.5, 2.0), (1, 1, 2), (1e-6, 4e-6, 0.0)),
+              LayerCosts("l1", ("a", "float"), (1.0, 2.0), (1, 2), (1e-6, 0.0))]
+    problem = Problem(layers, fixed_ms=1.0, fixed_bytes=0, float_ms=5.0, float_bytes=4, error_scale=1.0)
+    target = Target("speedup", 1.5, "quantize.target.speedup")
+    solution = solve(problem, target)
+    speed = SpeedModel({"a": UniformProbe("a", ["l0", "l1"], 3.0, 2.0, 1.0, 1e-3),
+                        "b": UniformProbe("b", ["l0"], 3.5, 0.5, 1.0, 5e-4)})
+    won, sel = weigh_uniform(problem, solution, speed, plan_error=2e-3, target=target)
+    assert sel["chosen"] == "a" and won.choice == (0, 0) and won.prediction.error == pytest.approx(1e-3)
+    assert sel["plans"]["b"]["met"] is False  # l1 float: 1 + 0.5 + 2 = 3.5 ms, 1.43x
+    kept, sel = weigh_uniform(problem, solution, speed, plan_error=5e-4, target=target)
+    assert sel["chosen"] == "solver" and kept is solution
+    error_target = Target("error", 1.5e-3, "quantize.target.error")
+    fast, sel = weigh_uniform(problem, solve(problem, error_target), speed, plan_error=2e-3, target=error_target)
+    assert sel["chosen"] == "a" and sel["plans"]["b"]["met"] is True and fast.prediction.time_ms == 3.0
+
+
 @pytest.mark.slow
 def test_error_target_without_float_is_met_by_the_measured_error(tmp_path, speed_cache):
     r = _run(tmp_path, ["quantize.target.error=0.004", "quantize.target.allow_float=false"], speed_cache)
