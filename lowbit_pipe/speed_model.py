@@ -1,8 +1,8 @@
 """How the speed table's layer times add up in the whole forward, per candidate: one timed forward per candidate.
 
 The table times each layer alone. In the forward the same layers run among attention, norms and the other layers'
-launches, and on the H100 the sum of table times under-predicted the savings by 4-6 % (int8 / fp8 plans) and by
-half (a W4A4 plan), differently per format. So each candidate is probed once: every free layer it fits is really
+launches: on an H100 an INT8 / FP8 plan ran 4 % faster than the table's sum predicted and a W4A4 plan 6 % (their
+savings 1.3x and 1.8x the predicted), differently per format. So each candidate is probed once: every free layer it fits is really
 quantized at it (the rules' layers at theirs) on a scratch ledger, the example forward is timed, and the swaps are
 undone. The candidate's layer times are then multiplied by
 
@@ -27,7 +27,6 @@ from lowbit_pipe.forward_timing import ExampleForward, time_forward
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan
-from lowbit_pipe.recipe import QuantizeConfig
 from lowbit_pipe.timing import TimingSettings
 
 _FLOOR = 0.05  # a scale below this means the probe timed faster than everything outside the layers: noise, clamped
@@ -63,14 +62,17 @@ class SpeedModel:
         return {label: p.as_dict() for label, p in self.probes.items()}
 
 
+# (plans, scratch ledger, stand-in input amax per layer): the quantize stage's own swap and run-time settings
+QuantizeOnto = Callable[[list[LayerPlan], Ledger, dict[str, float]], None]
+
+
 def measure_speed_model(example: ExampleForward, reference: torch.Tensor, options: dict[str, list[LayerOption]],
                         fixed_specs: dict[str, FormatSpec], layer_ms: Callable[[str, Candidate], float],
-                        float_ms: float, cfg: QuantizeConfig, device: torch.device, timing: TimingSettings) -> SpeedModel:
+                        float_ms: float, quantize: QuantizeOnto, device: torch.device, timing: TimingSettings
+                        ) -> SpeedModel:
     """One probe per candidate in `options` (free layer -> its options); `fixed_specs`: the rules' layers, quantized
     in every probe as in every plan; `layer_ms`: the table's time of a layer at a candidate; `float_ms`: the float
-    forward's measured time; `cfg`: the quantize section (its run-time settings, prepack and nvfp4_compute, apply)."""
-    from lowbit_pipe.stages.quantize import quantize_module, runtime_settings  # the stage's own swap path
-
+    forward's measured time; `quantize`: swaps the plans' layers on `example.module` as the quantize stage does."""
     model = example.module
     float_cand = Candidate(None)
     # Outside every free layer, as the prediction has it: the float forward with the rules' layers swapped.
@@ -89,8 +91,7 @@ def measure_speed_model(example: ExampleForward, reference: torch.Tensor, option
         amax = {n: STAND_IN_AMAX for n, s in specs.items() if s.activations == "static"}
         scratch = Ledger()
         try:
-            quantize_module(model, plans, scratch, input_amax=amax)
-            runtime_settings(model, cfg, scratch)
+            quantize(plans, scratch, amax)
             ms, out = time_forward(example, device, timing)
         finally:
             report = scratch.undo_all()
@@ -105,4 +106,4 @@ def measure_speed_model(example: ExampleForward, reference: torch.Tensor, option
     return SpeedModel(probes)
 
 
-__all__ = ["SpeedModel", "UniformProbe", "measure_speed_model"]
+__all__ = ["QuantizeOnto", "SpeedModel", "UniformProbe", "measure_speed_model"]

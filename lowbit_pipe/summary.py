@@ -48,6 +48,13 @@ def target_lines(t: dict[str, Any] | None) -> list[str]:
         lines.append(f"target check: measured {fc['measured_ms']:.4g} ms = {fc['measured_speedup']:.3f}x (prediction off by "
                      f"{fc['off']:+.1%}), output error {fc['measured_error']:.5f}")
     lines += table(["plan (target)", "layers"], [[k, v] for k, v in t["layers"].items()])
+    sel = t.get("selection") or {}
+    if sel.get("plans"):
+        lines.append(f"weighed on measured figures (the plan's error probed, each uniform plan's probe): "
+                     f"{'the solver plan' if sel['chosen'] == 'solver' else 'uniform ' + sel['chosen']} kept")
+        lines += table(["plan", "speedup", "bytes", "error", "meets"], [
+            [k, f"{v['speedup']:.3f}x", fmt_bytes(v["bytes"]), f"{v['error']:.5f}", "yes" if v["met"] else "no"]
+            for k, v in sel["plans"].items()])
     att = t.get("attention") or {}
     if len(att.get("options", {})) > 1 or att.get("chosen", "bf16") != "bf16":
         lines.append(f"attention (target): {att['chosen']}, among")

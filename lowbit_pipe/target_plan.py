@@ -41,7 +41,7 @@ from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan, _spec
 from lowbit_pipe.solver import LayerCosts, Prediction, Problem, Solution, frontier, meets, non_dominated, predict, \
     reach, refuse, solve
-from lowbit_pipe.speed_model import SpeedModel, measure_speed_model
+from lowbit_pipe.speed_model import QuantizeOnto, SpeedModel, measure_speed_model
 from lowbit_pipe.targets import Target
 from lowbit_pipe.timing import TimingSettings
 
@@ -201,7 +201,8 @@ def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
 
 
 def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],  # noqa: ANN001
-                    timing: TimingSettings | None = None) -> TargetPlan:
+                    quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
+    """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
     cfg = ctx.recipe.quantize
     timing = timing or TimingSettings.for_device(ctx.device)
     t = cfg.target
@@ -244,7 +245,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     def layer_ms(name: str, cand: Candidate) -> float:
         return sum(table.get(e) for e in entries(name, cand))
 
-    speed = measure_speed_model(example, reference, options, fixed_specs, layer_ms, float_ms, cfg, device, timing) \
+    speed = measure_speed_model(example, reference, options, fixed_specs, layer_ms, float_ms, quantize, device, timing) \
         if t.uniform_probes else SpeedModel({})
     layers = [LayerCosts(n, tuple(o.candidate.label for o in options[n]),
                          tuple(layer_ms(n, o.candidate) * speed.scale(o.candidate.label) for o in options[n]),

@@ -169,6 +169,7 @@ def test_ratio_target_with_a_rule_keeps_the_rule_and_fits(tmp_path, speed_cache)
     assert t["frontier"] and r.report["stages"]["quantize"]["target_off"] == pytest.approx(fc["off"], abs=1e-3)
     summary = (r.run_dir / "summary.txt").read_text()
     assert "target: ratio 0.6 (met" in summary and "target check: measured" in summary and "frontier the solver saw" in summary
+    assert "weighed on measured figures" in summary and t["selection"]["plans"]["solver"]["met"]
     from lowbit_pipe.report import main as report_main
     assert report_main([str(r.run_dir), "--out", str(tmp_path / "cmp")]) == 0
     assert (tmp_path / "cmp" / "frontier.png").stat().st_size > 1000

@@ -444,7 +444,11 @@ def _target_plan(ctx: Context, plans: list[LayerPlan]):  # noqa: ANN202 - Target
     if target is None:
         return None
     require_example_forward(ctx)  # before the calibration runner, whose own refusal would not name the target
-    return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"))
+    def quantize(todo: list[LayerPlan], ledger, amax: dict[str, float]) -> None:  # noqa: ANN001 - Ledger
+        quantize_module(ctx.transformer, todo, ledger, input_amax=amax)
+        runtime_settings(ctx.transformer, ctx.recipe.quantize, ledger)
+
+    return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"), quantize)
 
 
 def _check_target(ctx: Context, target_plan) -> dict[str, Any]:  # noqa: ANN001 - TargetPlan
