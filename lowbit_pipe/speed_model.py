@@ -2,9 +2,9 @@
 
 The table times each layer alone. In the forward the same layers run among attention, norms and the other layers'
 launches: on an H100 an INT8 / FP8 plan ran 4 % faster than the table's sum predicted and a W4A4 plan 6 % (their
-savings 1.3x and 1.8x the predicted), differently per format. So each candidate is probed once: every free layer it fits is really
-quantized at it (the rules' layers at theirs) on a scratch ledger, the example forward is timed, and the swaps are
-undone. The candidate's layer times are then multiplied by
+savings 1.3x and 1.8x the predicted), differently per format. So each candidate is probed once: every free layer it
+fits is really quantized at it (the rules' layers at theirs) on a scratch ledger, the example forward is timed, and
+the swaps are undone. The candidate's layer times are then multiplied by
 
     scale = (probe forward - what the prediction puts outside those layers) / (their table times),
 

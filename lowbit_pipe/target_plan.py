@@ -14,8 +14,12 @@
    Its time moves the fixed part; its output error against the stock attention's is added in quadrature. The
    attention's cost is measured in place, in the whole forward (its masks, layout changes and routing included),
    not summed from a per-shape table: one forward per format, as the float baseline is.
-6. The solver's plan and the frontier per attention format; the best met plan wins (least error; for an error
-   target, least time). After quantization, with the chosen attention applied, `check` times the forward once more.
+6. Each candidate's uniform probe (lowbit_pipe.speed_model): its layers really quantized, the forward timed; their
+   table times are scaled so a uniform plan's predicted time is its measured time.
+7. The solver's plan and the frontier per attention format; the best met plan wins (least error; for an error
+   target, least time). The winner's error is probed once and it is weighed against the uniform plans on measured
+   figures (weigh_uniform). After quantization, with the chosen attention applied, `check` times the forward once
+   more.
 """
 
 from __future__ import annotations
