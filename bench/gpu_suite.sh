@@ -14,6 +14,7 @@
 #   bash bench/gpu_suite.sh headline_all "$OUT" [--text-valid 77]  # issue 26's item 4: every row in one process
 #   bash bench/gpu_suite.sh solver_targets "$OUT" [ratio]  # quantize.target on the full-size Krea 2: speedup 1.15 / ratio 0.3
 #   bash bench/gpu_suite.sh solver_speed_singles "$OUT"  # speedup 1.15 beside int8 / int8+convrot / fp8, one baseline
+#   bash bench/gpu_suite.sh solver_ratio_nvfp4 "$OUT"  # krea2_nvfp4 beside a target at its bytes, NVFP4 a candidate
 #   bash bench/gpu_suite.sh headline_mask "$OUT"  # the 8-bit attention rows with the pipeline's text padding mask
 #   bash bench/gpu_suite.sh pipeline_steps "$OUT"  # whole 28-step 1024x1024 images through diffusers' Krea2Pipeline
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
@@ -24,7 +25,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, headline_mask or pipeline_steps}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask or pipeline_steps}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -102,6 +103,12 @@ case "$part" in
     timeout 570 python3 bench/solver_h200.py --only speed_singles --out "$out/solver_speed_singles_${card}.json" \
       > "$out/solver_speed_singles.log" 2>&1
     tail -14 "$out/solver_speed_singles_${card}.md" ;;
+  solver_ratio_nvfp4)
+    # issue 28: krea2_nvfp4 (fp8 compute) beside a target.ratio at its bytes with NVFP4 among the candidates, one
+    # bf16 baseline. Then --only tiny --from on the CPU, as above.
+    timeout 570 python3 bench/solver_h200.py --only ratio_nvfp4 --out "$out/solver_ratio_nvfp4_${card}.json" \
+      > "$out/solver_ratio_nvfp4.log" 2>&1
+    tail -14 "$out/solver_ratio_nvfp4_${card}.md" ;;
   headline_mask)
     # the attention rows with the text padding mask diffusers' Krea2Pipeline always passes (~500 of 512 padded for a
     # short prompt; 77 valid here as in the GPU mask test)
@@ -115,5 +122,5 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "fp8, no compile" --headline bench/results/headline_h200.json \
       --out "$out/pipeline_steps_${card}.json" > "$out/pipeline_steps.log" 2>&1
     tail -14 "$out/pipeline_steps.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, headline_mask, pipeline_steps)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps)"; exit 2 ;;
 esac

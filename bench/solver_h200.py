@@ -7,6 +7,7 @@ Device phases, each one call of under 9 minutes on an H100 / H200 (`--only` pick
     python bench/solver_h200.py --only singles --out bench/results/solver_h200.json   # single-format recipes
     python bench/solver_h200.py --only targets --out bench/results/solver_h200.json   # speedup 1.15 and ratio 0.3
     python bench/solver_h200.py --only speed_singles --out ...  # speedup 1.15, int8, int8+convrot, fp8 in one call
+    python bench/solver_h200.py --only ratio_nvfp4 --out ...    # krea2_nvfp4 and a target at its bytes, NVFP4 a candidate
 
 CPU phase (the plans found on the device, applied by layer role to the tiny Krea 2, trajectory error there):
 
@@ -57,6 +58,12 @@ SINGLES = {  # label -> overrides of recipe `default` (the Krea 2 keep-float lis
     "nvfp4 (weight-only on Hopper)": ["quantize.default.format=nvfp4"],
 }
 
+# krea2_auto_speed's candidates and krea2_nvfp4's formats (nvfp4 + ConvRot/256; int8 is among them already)
+NVFP4_CANDIDATES = ("[{format: int8}, {format: int8, rotation: convrot}, {format: fp8}, "
+                    "{format: convrot_w4a4, rotation: convrot}, {format: nvfp4, rotation: convrot, rotation_group: 256}]")
+# krea2_nvfp4's bytes over bf16's at full size (9.87 GB / 25.64 GB, bench/results/solver_h100_ratio.md)
+KREA2_NVFP4_RATIO = 0.385
+
 
 def base_overrides(small: bool, device: torch.device) -> list[str]:
     image, text, valid = (64, 8, 3) if small else (4096, 512, 77)
@@ -85,6 +92,12 @@ def variants(phase: str, small: bool, cache: Path, ratio: float) -> list[tuple[s
     if phase == "speed_singles":  # speedup 1.15 beside the single formats of about its speed, one bf16 baseline
         return [("auto: target.speedup 1.15", "krea2_auto_speed", target + ["quantize.target.speedup=1.15"])] + \
             [(label, "default", SINGLES[label]) for label in ("int8", "int8+convrot", "fp8")]
+    if phase == "ratio_nvfp4":  # the hand-written recipe against the solver at its bytes, with its formats offered
+        # both with NVFP4 computed in FP8 (Hopper has no FP4 tensor cores; the faster of the two NVFP4 paths there)
+        return [("krea2_nvfp4, fp8 compute", "krea2_nvfp4", ["quantize.nvfp4_compute=fp8"]),
+                (f"auto: target.ratio {ratio:g}, NVFP4 candidates", "krea2_auto_speed",
+                 target + ["quantize.target.speedup=null", f"quantize.target.ratio={ratio}", "quantize.nvfp4_compute=fp8",
+                           f"quantize.target.candidates={NVFP4_CANDIDATES}"])]
     if phase == "singles":
         return [(label, "default", o) for label, o in SINGLES.items()]
     raise ValueError(phase)
@@ -184,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="the tiny config (a smoke run)")
-    p.add_argument("--only", required=True, choices=["speed", "ratio", "targets", "speed_singles", "singles", "tiny"])
+    p.add_argument("--only", required=True, choices=["speed", "ratio", "targets", "speed_singles", "ratio_nvfp4", "singles", "tiny"])
     p.add_argument("--variants", nargs="+", help="only the phase's variants whose label starts with one of these")
     p.add_argument("--from", dest="source", help="--only tiny: the JSON the device phases wrote")
     p.add_argument("--iters", type=int, default=10)
-    p.add_argument("--ratio", type=float, default=0.3, help="--only ratio: quantize.target.ratio (small: 0.6)")
+    p.add_argument("--ratio", type=float, help="quantize.target.ratio (default 0.3; ratio_nvfp4: "
+                   f"{KREA2_NVFP4_RATIO}; small: 0.6)")
     p.add_argument("--cache", default="/tmp/lowbit_speed_cache", help="quantize.speed_cache for the target variants")
     p.add_argument("--out", default="bench/results/solver_h200.json")
     args = p.parse_args(argv)
@@ -217,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     payload["rows"] = [r for r in payload["rows"] if r["variant"] != "bf16"] + [{**base, "speedup": 1.0,
                                                                               "weight_bytes": model_bytes(model)}]
     cache = Path(args.cache)
-    for label, recipe, overrides in variants(args.only, args.small, cache, 0.6 if args.small else args.ratio):
+    ratio = 0.6 if args.small else args.ratio or (KREA2_NVFP4_RATIO if args.only == "ratio_nvfp4" else 0.3)
+    for label, recipe, overrides in variants(args.only, args.small, cache, ratio):
         if args.variants and not any(label.startswith(v) for v in args.variants):
             continue
         try:
