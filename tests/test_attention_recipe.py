@@ -365,3 +365,53 @@ def test_text_valid_refusals_name_the_key(tiny_model, tmp_path, arch_id, overrid
                                                 "evaluate.trajectory_seeds=0"], model=tiny_model(arch_id),
                         run_dir=tmp_path / "run")
     assert "evaluate.text_valid" in str(info.value) and words in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------------------ fused norm, RoPE
+def test_fused_norm_rope_applies_under_8bit_attention_and_teardown_restores(tiny_model, tmp_path):
+    """attention.fused_norm_rope: Krea 2's RMSNorms get the one-pass forward, every RoPE-calling processor the
+    one-pass RoPE (the kernels in tests/test_kernels.py, case norm_rope); the 8-bit processors build on those, so
+    evaluate's float reference keeps the same RoPE. On the CPU both run the torch code. Teardown puts every forward
+    and processor back: the output is the stock model's, bit for bit."""
+    from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
+
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    before = _out(model, arch, inputs)
+    norms = [m for m in model.modules() if isinstance(m, Krea2RMSNorm)]
+    stock = {n: m.processor for n, m in attention_modules(model).items()}
+    args = ["attention.format=int8", "attention.fused_norm_rope=true", "pipeline=[load,detect,quantize]"]
+    result = lowbit_pipe.run("default", args, model=model, run_dir=tmp_path / "run")
+    fused = result.report["attention"]["fused_norm_rope"]
+    assert fused["norm_modules"] == len(norms) > 4 and fused["rope_processors"] == len(stock) == 4
+    assert all("forward" in vars(m) for m in norms)
+    procs = {n: type(m.processor).__name__ for n, m in attention_modules(model).items()}
+    assert procs["transformer_blocks.0.attn"] == "Krea2AttnProcessorFusedRope8bit"
+    assert procs["text_fusion.refiner_blocks.0.attn"] == "Krea2AttnProcessorFusedRope"  # arch_keep: bf16 attention
+    with result.context.attention.stock():  # the float reference: bf16 attention, the same fused RoPE
+        assert type(model.transformer_blocks[0].attn.processor).__name__ == "Krea2AttnProcessorFusedRope"
+    proof = lowbit_pipe.teardown(result)
+    assert proof["unfreed"] == [] and proof["errors"] == [] and proof["undone"]["attention_processor"] == 4 + 2
+    assert not any("forward" in vars(m) for m in norms)
+    assert all(m.processor is stock[n] for n, m in attention_modules(model).items())
+    assert torch.equal(_out(model, arch, inputs), before)
+
+
+def test_fused_rope_serves_only_what_its_kernel_computes():
+    """FusedRope hands every form its kernel does not compute (CPU tensors, complex freqs, unbind -2, fp64 cos) to
+    the stock function, with the stock arguments."""
+    from lowbit_pipe.attention.fused import FusedRope
+
+    seen = []
+
+    def stock(x, freqs, use_real=True, use_real_unbind_dim=-1, sequence_dim=2):
+        seen.append((use_real, use_real_unbind_dim, sequence_dim))
+        return x
+
+    rope = FusedRope(stock)
+    x = torch.randn(1, 4, 2, 8)
+    cos = torch.randn(4, 8)
+    rope(x, (cos, cos), sequence_dim=1)
+    rope(x, (cos, cos), use_real_unbind_dim=-2, sequence_dim=1)
+    rope(x, (cos.double(), cos.double()), sequence_dim=1)
+    assert seen == [(True, -1, 1), (True, -2, 1), (True, -1, 1)] and rope.calls == 0

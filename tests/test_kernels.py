@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "nvfp4_rows", "decode", "svdquant",
-         "mxfp8", "formats", "compile", "attention8")
+         "mxfp8", "formats", "compile", "attention8", "norm_rope")
 CHILD_TIMEOUT_S = 600
 
 
@@ -806,6 +806,69 @@ def case_attention8() -> None:
         _close(out, ref, 0.025, f"attention8 {fmt} key mask vs its reference")
         _close(out, exact, 0.03, f"attention8 {fmt} key mask vs float64")
         assert not torch.isnan(out).any()
+
+
+def case_norm_rope() -> None:
+    """The one-pass RMSNorm and RoPE kernels against their torch forms, diffusers' own RoPE and Krea 2's own
+    RMSNorm; then the tiny Krea 2 with both applied (the kernels let run on these CPU tensors) against its stock
+    forward."""
+    from diffusers.models.embeddings import apply_rotary_emb
+
+    from lowbit_pipe.kernels import norm_rope
+    from lowbit_pipe.kernels.norm_rope import reference_rms_norm, reference_rope, rms_norm, rope
+
+    gen = torch.Generator().manual_seed(0)
+    # tolerances: one output ulp (the interpreter's fp32 -> 16-bit store cast truncates)
+    for d, dtype, offset, tol in ((128, torch.bfloat16, 1.0, 5e-3), (384, torch.float32, 0.0, 1e-6),
+                                  (96, torch.float16, 1.0, 1e-3)):
+        x = (torch.randn(3, 5, d, generator=gen) * 3 + 1).to(dtype)
+        w = torch.randn(d, generator=gen) * 0.1
+        got, want = rms_norm(x, w, 1e-5, offset), reference_rms_norm(x, w, 1e-5, offset)
+        assert got.dtype == dtype and got.shape == x.shape
+        _close(got, want, tol, f"rms_norm d={d} {dtype}")
+    # Krea 2's own RMSNorm module (fp32 weight, zero-centred) on bf16 input: the reference is its very code
+    from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
+
+    module = Krea2RMSNorm(64)
+    module.weight.data = torch.randn(64, generator=gen) * 0.1
+    x = torch.randn(2, 7, 3, 64, generator=gen).to(torch.bfloat16)
+    torch.testing.assert_close(reference_rms_norm(x, module.weight, module.eps, 1.0), module(x), rtol=0, atol=0)
+    _close(rms_norm(x, module.weight, module.eps, 1.0), module(x), 5e-3, "rms_norm vs Krea2RMSNorm")
+    for seq_dim in (1, 2):
+        shape = (2, 9, 3, 64) if seq_dim == 1 else (2, 3, 9, 64)
+        x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
+        angles = torch.rand(9, 32, generator=gen, dtype=torch.float64) * 6
+        cos = angles.cos().repeat_interleave(2, dim=1).float()
+        sin = angles.sin().repeat_interleave(2, dim=1).float()
+        stock = apply_rotary_emb(x, (cos, sin), sequence_dim=seq_dim)
+        torch.testing.assert_close(reference_rope(x, cos, sin, seq_dim), stock, rtol=0, atol=0)
+        _close(rope(x, cos, sin, seq_dim), stock, 5e-3, f"rope sequence_dim={seq_dim}")
+        xf = x.float()  # fp32: no store rounding to hide a wrong pair, sign or token
+        _close(rope(xf, cos, sin, seq_dim), apply_rotary_emb(xf, (cos, sin), sequence_dim=seq_dim), 1e-6,
+               f"rope fp32 sequence_dim={seq_dim}")
+
+    # The whole tiny Krea 2 with both applied: the kernels on CPU tensors here (the interpreter), equal to the
+    # stock forward but for rounding; teardown puts every forward and processor back.
+    from lowbit_pipe.arch import detect_model
+    from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config
+    from lowbit_pipe.attention.fused import apply_fused_norm_rope
+    from lowbit_pipe.ledger import Ledger
+
+    norm_rope.kernel_serves = lambda x, d: x.dtype in norm_rope.DTYPES and x.is_contiguous() and 0 < d <= 1024
+    model = build_tiny("krea2", tiny_model_config("krea2"), 0, torch.float32)
+    arch = detect_model(model)
+    inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=16, text_tokens=4,
+                                 generator=torch.Generator().manual_seed(1), dtype=torch.float32, device="cpu")
+    with torch.no_grad():
+        before = arch.output_tensor(model(**inputs))
+        ledger = Ledger()
+        applied = apply_fused_norm_rope(model, ledger)
+        after = arch.output_tensor(model(**inputs))
+    calls = applied.as_dict()
+    assert calls["norm_kernel_calls"] > 0 and calls["rope_kernel_calls"] > 0, calls
+    _close(after, before, 1e-4, "tiny Krea 2 with fused norms and RoPE vs stock")
+    report = ledger.unwind()
+    assert report.errors == [] and report.unfreed == [], report
 
 
 if __name__ == "__main__":

@@ -82,19 +82,29 @@ def supports(processor: Any) -> str | None:
 def processor_class(stock_cls: type, dispatch: Dispatch8) -> type:
     """A subclass of `stock_cls` whose __call__ is the stock code with `dispatch_attention_fn` bound to `dispatch`
     (same parameters: diffusers filters the kwargs it passes by the processor's signature)."""
+    cls = rebound_class(stock_cls, {DISPATCH_GLOBAL: dispatch}, "8bit",
+                        f"with its attention call in 8-bit ({dispatch.qk_format} Q·Kᵀ, fp8 P·V)")
+    cls.lowbit_qk_format = dispatch.qk_format
+    return cls
+
+
+def rebound_class(stock_cls: type, rebinds: dict[str, Any], suffix: str, what: str) -> type:
+    """A subclass of `stock_cls` named <stock>`suffix` whose __call__ is the stock __call__'s code object run
+    against a copy of its globals with `rebinds` applied: nothing of the processor's code is copied, and its
+    module's globals stay as they were. A class made by this function can be the stock class of another (the
+    copy carries the first one's rebinds)."""
     call = stock_cls.__call__
-    scope = dict(call.__globals__)  # the processor module's globals, one rebound; the module keeps its own
-    scope[DISPATCH_GLOBAL] = dispatch
+    scope = dict(call.__globals__)  # the processor module's globals, some rebound; the module keeps its own
+    scope.update(rebinds)
     # Without a module name torch.compile guards these globals as this very dict; with the module's name it would
-    # look them up on the module (sys.modules), where dispatch_attention_fn is the stock function.
+    # look them up on the module (sys.modules), where they are the stock functions.
     scope.pop("__name__", None)
     rebound = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
     rebound.__kwdefaults__ = call.__kwdefaults__
-    rebound.__qualname__ = f"{stock_cls.__name__}8bit.__call__"
+    rebound.__qualname__ = f"{stock_cls.__name__}{suffix}.__call__"
     rebound.__doc__ = call.__doc__
-    return type(f"{stock_cls.__name__}8bit", (stock_cls,), {
-        "__call__": rebound, "__module__": __name__, "lowbit_qk_format": dispatch.qk_format,
-        "__doc__": f"{stock_cls.__name__} with its attention call in 8-bit ({dispatch.qk_format} Q·Kᵀ, fp8 P·V)."})
+    return type(f"{stock_cls.__name__}{suffix}", (stock_cls,), {
+        "__call__": rebound, "__module__": __name__, "__doc__": f"{stock_cls.__name__} {what}."})
 
 
 def processor_for(stock: Any, cls: type) -> Any:
@@ -178,7 +188,7 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
                                  head_dims)
             classes[stock_cls] = processor_class(stock_cls, dispatch)
         proc = processor_for(stock, classes[stock_cls])
-        _swap_processor(ledger, name, module, stock, proc)
+        swap_processor(ledger, name, module, stock, proc)
         applied.modules[name] = (module, stock, proc)
     ledger.record("attention8", f"8-bit attention ({attention_format}) on {len(applied.modules)} modules",
                   lambda: _forget(applied), check=lambda: True if not applied.modules else "8-bit processors still held")
@@ -191,7 +201,8 @@ def _forget(applied: AppliedAttention) -> None:
     applied.modules.clear()
 
 
-def _swap_processor(ledger: Ledger, name: str, module: nn.Module, stock: Any, proc: Any) -> None:
+def swap_processor(ledger: Ledger, name: str, module: nn.Module, stock: Any, proc: Any) -> None:
+    """module.processor = proc, with an undo that puts `stock` back (refusing if someone replaced proc since)."""
     module.set_processor(proc)
 
     def undo() -> None:
@@ -201,4 +212,4 @@ def _swap_processor(ledger: Ledger, name: str, module: nn.Module, stock: Any, pr
 
     ledger.record("attention_processor", f"{name}.processor", undo,
                   check=lambda: True if module.processor is stock else "not the stock processor")
-    ledger.watch(f"{name}.processor (8-bit attention)", proc)
+    ledger.watch(f"{name}.processor ({type(proc).__name__})", proc)

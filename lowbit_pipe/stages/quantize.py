@@ -345,7 +345,7 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
     cfg = ctx.recipe.attention
     fmt = chosen if chosen is not None else cfg.format
     by = {"chosen_by": "quantize.target"} if chosen is not None and cfg.format == STOCK else {}
-    if fmt == STOCK:
+    if fmt == STOCK and not cfg.fused_norm_rope:
         return {"format": STOCK, **by}
     if ctx.stream is not None:
         return {"format": fmt, "applied": False,
@@ -354,6 +354,13 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
     if ctx.native:
         return {"format": fmt, "applied": False,
                 "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
+    fused = {}
+    if cfg.fused_norm_rope:  # before the 8-bit processors, which then build on these (processors.rebound_class)
+        from lowbit_pipe.attention.fused import apply_fused_norm_rope
+
+        fused = {"fused_norm_rope": apply_fused_norm_rope(ctx.transformer, ctx.ledger).as_dict()}
+    if fmt == STOCK:
+        return {"format": STOCK, **by, **fused}
     applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep))
     ctx.attention = applied
     ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
@@ -362,7 +369,7 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
         why = next(iter(applied.kept.values()), "no diffusers attention module (a ComfyUI model takes the 8-bit "
                                                 "attention node's override instead)")
         warnings.warn(f"attention.format={fmt}: no attention module got 8-bit attention ({why})", stacklevel=2)
-    return {**applied.as_dict(), "applied": bool(applied.modules), **by}
+    return {**applied.as_dict(), "applied": bool(applied.modules), **by, **fused}
 
 
 def compute_device(name: str | None) -> torch.device | None:

@@ -1,0 +1,125 @@
+"""The uncompiled path's norms and RoPE as single kernels (lowbit_pipe.kernels.norm_rope) on a diffusers model.
+
+Recipe key `attention.fused_norm_rope`. Two kinds of change, each recorded in the ledger and undone by teardown:
+
+- Norm modules of a known class (NORM_OFFSETS: Krea 2's zero-centred RMSNorm) get an instance `forward` that
+  runs the one-pass kernel where it serves (CUDA, eager) and the class's own forward elsewhere. The module, its
+  class, its parameters and state_dict keys stay as they were; only the instance attribute is added.
+- Attention processors whose `__call__` calls `apply_rotary_emb` (a global of diffusers' processor modules:
+  FLUX, Krea 2, ...) get a processor of a subclass whose `__call__` is the stock code with that one global
+  rebound to `FusedRope`, the same mechanism as 8-bit attention's (processors.rebound_class). Applied before
+  8-bit attention, so the 8-bit processor builds on this one and evaluate's float reference keeps the same RoPE.
+
+Under torch.compile both fall back to the torch code, which Inductor fuses by itself.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from lowbit_pipe.attention.processors import attention_modules, processor_for, rebound_class, swap_processor
+from lowbit_pipe.kernels.dispatch import compiling
+from lowbit_pipe.ledger import Ledger
+
+ROPE_GLOBAL = "apply_rotary_emb"
+# Norm classes (by name: the class lives in diffusers) -> the offset added to their weight: y = x̂ * (w + offset).
+NORM_OFFSETS = {"Krea2RMSNorm": 1.0}
+
+
+class FusedNormForward:
+    """A Krea2RMSNorm-style module's forward: the one-pass kernel on CUDA in eager, the class's forward elsewhere.
+    Holds the module weakly (this object sits in the module's own __dict__)."""
+
+    def __init__(self, module: nn.Module, offset: float) -> None:
+        self.module = weakref.ref(module)
+        self.offset = offset
+        self.calls = 0  # kernel calls: the report says whether the kernel ran at all
+
+    def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        from lowbit_pipe.kernels.norm_rope import kernel_serves, rms_norm
+
+        module = self.module()
+        if not compiling() and kernel_serves(hidden_states, module.dim) and hidden_states.shape[-1] == module.dim:
+            self.calls += 1
+            return rms_norm(hidden_states, module.weight, module.eps, self.offset)
+        return type(module).forward(module, hidden_states)
+
+
+class FusedRope:
+    """`apply_rotary_emb`'s signature: the one-pass kernel for the interleaved real form on CUDA in eager (4-D x,
+    fp32 cos / sin of [S, D]), the stock function for everything else."""
+
+    def __init__(self, stock: Callable[..., torch.Tensor]) -> None:
+        self.stock = stock
+        self.calls = 0
+
+    def __call__(self, x: torch.Tensor, freqs_cis: Any, use_real: bool = True, use_real_unbind_dim: int = -1,
+                 sequence_dim: int = 2) -> torch.Tensor:
+        from lowbit_pipe.kernels.norm_rope import kernel_serves, rope
+
+        if (use_real and use_real_unbind_dim == -1 and sequence_dim in (1, 2) and x.dim() == 4
+                and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2 and not compiling()
+                and kernel_serves(x, x.shape[-1]) and x.shape[-1] % 2 == 0):
+            cos, sin = freqs_cis
+            want = (x.shape[sequence_dim], x.shape[-1])
+            if (cos.dtype == sin.dtype == torch.float32 and tuple(cos.shape) == want and tuple(sin.shape) == want
+                    and cos.device == x.device == sin.device and cos.is_contiguous() and sin.is_contiguous()):
+                self.calls += 1
+                return rope(x, cos, sin, sequence_dim)
+        return self.stock(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
+                          sequence_dim=sequence_dim)
+
+
+@dataclass
+class AppliedFusion:
+    """What got the fused kernels: norm modules and attention processors by name, and their kernel calls."""
+
+    norms: dict[str, FusedNormForward] = field(default_factory=dict)
+    processors: list[str] = field(default_factory=list)
+    ropes: list[FusedRope] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        """What was changed (report.json's attention.fused_norm_rope); the kernels' calls, counted since."""
+        return {"norm_modules": len(self.norms), "rope_processors": len(self.processors),
+                "norm_kernel_calls": sum(f.calls for f in self.norms.values()),
+                "rope_kernel_calls": sum(r.calls for r in self.ropes)}
+
+
+def uses_rope(processor: Any) -> bool:
+    """Whether the processor's own __call__ calls diffusers' apply_rotary_emb (and holds no weights)."""
+    if isinstance(processor, nn.Module):
+        return False
+    code = getattr(getattr(type(processor), "__call__", None), "__code__", None)
+    return code is not None and ROPE_GLOBAL in code.co_names
+
+
+def apply_fused_norm_rope(root: nn.Module, ledger: Ledger) -> AppliedFusion:
+    """Give `root`'s known norm modules the one-pass forward and its RoPE-calling processors the one-pass RoPE,
+    each change in `ledger`."""
+    applied = AppliedFusion()
+    for name, module in root.named_modules():
+        offset = NORM_OFFSETS.get(type(module).__name__)
+        if offset is None or "forward" in vars(module):
+            continue
+        fused = FusedNormForward(module, offset)
+        ledger.patch_attr(module, "forward", fused, name=f"{name}.forward (fused RMSNorm)")
+        applied.norms[name] = fused
+    classes: dict[type, type] = {}
+    for name, module in attention_modules(root).items():
+        stock = module.processor
+        if not uses_rope(stock):
+            continue
+        stock_cls = type(stock)
+        if stock_cls not in classes:
+            rope = FusedRope(stock_cls.__call__.__globals__[ROPE_GLOBAL])
+            applied.ropes.append(rope)
+            classes[stock_cls] = rebound_class(stock_cls, {ROPE_GLOBAL: rope}, "FusedRope",
+                                               "with its rotary embedding as one kernel in eager")
+        swap_processor(ledger, name, module, stock, processor_for(stock, classes[stock_cls]))
+        applied.processors.append(name)
+    return applied
