@@ -30,6 +30,7 @@ import argparse
 import gc
 import json
 import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -93,6 +94,16 @@ VARIANTS = (
      ["pipeline=[load,detect,quantize]", "quantize.nvfp4_compute=fp8"], False),
     ("krea2_nvfp4, fp8 compute + fp8 attention, no compile", "krea2_nvfp4",
      ["pipeline=[load,detect,quantize]", "quantize.nvfp4_compute=fp8", "attention.format=fp8"], False),
+    # The uncompiled path with the norms and RoPE as one kernel each (attention.fused_norm_rope).
+    ("bf16 + fused norm/RoPE, no compile", "default",
+     ["pipeline=[load,detect,quantize]", "quantize.keep=['*']", "attention.fused_norm_rope=true"], False),
+    ("fp8 + fused norm/RoPE, no compile", "default",
+     ["pipeline=[load,detect,quantize]", "quantize.default.format=fp8", "attention.fused_norm_rope=true"], False),
+    ("int8 + fused norm/RoPE, no compile", "default",
+     ["pipeline=[load,detect,quantize]", "quantize.default.format=int8", "attention.fused_norm_rope=true"], False),
+    ("fp8 + fp8 attention + fused norm/RoPE, no compile", "default",
+     ["pipeline=[load,detect,quantize]", "quantize.default.format=fp8", "attention.format=fp8",
+      "attention.fused_norm_rope=true"], False),
 )
 
 
@@ -410,7 +421,7 @@ def torchao_baseline(build: Callable[[], torch.nn.Module], forward_of: Callable,
 def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.device, params: int, build_s: float,
           quiet: bool = False) -> None:
     base = next((r["ms"] for r in rows if r["variant"].startswith("bf16, compile")), None)
-    cmd = "python bench/headline.py " + " ".join(sys.argv[1:])
+    cmd = "python bench/headline.py " + shlex.join(sys.argv[1:])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     head = (f"`{cmd}`\n\ndevice: {name} | torch {torch.__version__} | Krea 2 {params / 1e9:.2f}B params, bf16, random "
             f"weights | {'tiny config' if args.small else '4096 image + 512 text tokens'} | "
