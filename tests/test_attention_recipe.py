@@ -415,3 +415,27 @@ def test_fused_rope_serves_only_what_its_kernel_computes():
     rope(x, (cos, cos), use_real_unbind_dim=-2, sequence_dim=1)
     rope(x, (cos.double(), cos.double()), sequence_dim=1)
     assert seen == [(True, -1, 1), (True, -2, 1), (True, -1, 1)] and rope.calls == 0
+
+
+def test_the_eager_norm_rope_bench_runs_and_writes_its_table(tmp_path):
+    """bench/eager_norm_rope.py --small on the CPU: the four rows, each fused row against its stock one (the torch
+    code on the CPU, so bit-equal and no kernel call), its table, and every ledger unwound clean (it asserts so)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "enr.json"
+    proc = subprocess.run([sys.executable, str(root / "bench" / "eager_norm_rope.py"), "--device", "cpu", "--small",
+                           "--iters", "1", "--repeats", "1", "--out", str(out)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["bf16", "bf16 + fused norm/RoPE", "fp8", "fp8 + fused norm/RoPE"]
+    for fused in ("bf16 + fused norm/RoPE", "fp8 + fused norm/RoPE"):
+        assert rows[fused]["rel_err_vs_stock"] == 0.0
+        assert rows[fused]["kernel_calls_per_forward"] == {"norm_kernel_calls": 0, "rope_kernel_calls": 0}
+    assert "| fp8 + fused norm/RoPE |" in out.with_suffix(".md").read_text()

@@ -352,8 +352,10 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
                 "note": "a streamed run has no model in memory; the attention format is run time only (exports never "
                         "carry it)"}
     if ctx.native:
-        return {"format": fmt, "applied": False,
-                "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
+        note = "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"
+        if cfg.fused_norm_rope:
+            note += "; attention.fused_norm_rope changes diffusers' modules and processors only, not ComfyUI's model code"
+        return {"format": fmt, "applied": False, "note": note}
     fused = {}
     if cfg.fused_norm_rope:  # before the 8-bit processors, which then build on these (processors.rebound_class)
         from lowbit_pipe.attention.fused import apply_fused_norm_rope
