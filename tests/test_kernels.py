@@ -832,8 +832,33 @@ def case_norm_rope() -> None:
     module = Krea2RMSNorm(64)
     module.weight.data = torch.randn(64, generator=gen) * 0.1
     x = torch.randn(2, 7, 3, 64, generator=gen).to(torch.bfloat16)
-    torch.testing.assert_close(reference_rms_norm(x, module.weight, module.eps, 1.0), module(x), rtol=0, atol=0)
+    _close(reference_rms_norm(x, module.weight, module.eps, 1.0), module(x), 5e-3, "reference vs Krea2RMSNorm")
     _close(rms_norm(x, module.weight, module.eps, 1.0), module(x), 5e-3, "rms_norm vs Krea2RMSNorm")
+    # diffusers' RMSNorm (FLUX's, Qwen-Image's q / k norms): a 16-bit weight rounds x̂ first and sets the output
+    # dtype, an fp32 weight gives fp32, no weight gives x's dtype -- through FusedNormForward's choice of arguments
+    from diffusers.models.normalization import RMSNorm
+
+    from lowbit_pipe.attention.fused import FusedNormForward, norm_kind
+
+    saved = norm_rope.kernel_serves
+    norm_rope.kernel_serves = lambda x, d: x.dtype in norm_rope.DTYPES and x.is_contiguous() and 0 < d <= 1024
+    try:
+        # (weight dtype, x, tolerance): bf16 rounds twice (x̂, then the product), and the interpreter's bf16 casts
+        # truncate: two ulps; fp16 casts round here (numpy's float16), so the fp16 case checks the order tightly
+        for wdtype, xin, tol in ((torch.bfloat16, x, 1e-2), (torch.float16, x.half(), 1e-3),
+                                 (torch.float32, x, 1e-6), (None, x, 5e-3)):
+            norm = RMSNorm(64, eps=1e-6, elementwise_affine=wdtype is not None)
+            if wdtype is not None:
+                norm.weight.data = (1 + torch.randn(64, generator=gen) * 0.1).to(wdtype)
+            fused = FusedNormForward(norm, norm_kind(norm))
+            got, want = fused(xin), norm(xin)
+            assert fused.calls == 1 and got.dtype == want.dtype, (wdtype, got.dtype, want.dtype)
+            _close(got, want, tol, f"rms_norm vs diffusers RMSNorm, weight {wdtype}")
+            round_first = wdtype in (torch.bfloat16, torch.float16)
+            torch.testing.assert_close(reference_rms_norm(xin, norm.weight, 1e-6, round_first=round_first,
+                                                          out_dtype=want.dtype), want, rtol=0, atol=0)
+    finally:
+        norm_rope.kernel_serves = saved
     for seq_dim in (1, 2):
         shape = (2, 9, 3, 64) if seq_dim == 1 else (2, 3, 9, 64)
         x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
@@ -855,20 +880,23 @@ def case_norm_rope() -> None:
     from lowbit_pipe.ledger import Ledger
 
     norm_rope.kernel_serves = lambda x, d: x.dtype in norm_rope.DTYPES and x.is_contiguous() and 0 < d <= 1024
-    model = build_tiny("krea2", tiny_model_config("krea2"), 0, torch.float32)
-    arch = detect_model(model)
-    inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=16, text_tokens=4,
-                                 generator=torch.Generator().manual_seed(1), dtype=torch.float32, device="cpu")
-    with torch.no_grad():
-        before = arch.output_tensor(model(**inputs))
-        ledger = Ledger()
-        applied = apply_fused_norm_rope(model, ledger)
-        after = arch.output_tensor(model(**inputs))
-    calls = applied.as_dict()
-    assert calls["norm_kernel_calls"] > 0 and calls["rope_kernel_calls"] > 0, calls
-    _close(after, before, 1e-4, "tiny Krea 2 with fused norms and RoPE vs stock")
-    report = ledger.unwind()
-    assert report.errors == [] and report.unfreed == [], report
+    # Krea 2: its RMSNorms and RoPE; FLUX.1: RoPE (its q / k norms are torch.nn.RMSNorm, not a known kind);
+    # Qwen-Image: diffusers' RMSNorm (its RoPE is its own function)
+    for arch_id, kernels in (("krea2", ("norm", "rope")), ("flux1", ("rope",)), ("qwen_image", ("norm",))):
+        model = build_tiny(arch_id, tiny_model_config(arch_id), 0, torch.float32)
+        arch = detect_model(model)
+        inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=16, text_tokens=4,
+                                     generator=torch.Generator().manual_seed(1), dtype=torch.float32, device="cpu")
+        with torch.no_grad():
+            before = arch.output_tensor(model(**inputs))
+            ledger = Ledger()
+            applied = apply_fused_norm_rope(model, ledger)
+            after = arch.output_tensor(model(**inputs))
+        calls = applied.as_dict()
+        assert all((calls[f"{k}_kernel_calls"] > 0) == (k in kernels) for k in ("norm", "rope")), (arch_id, calls)
+        _close(after, before, 1e-4, f"tiny {arch_id} with fused norms and RoPE vs stock")
+        report = ledger.unwind()
+        assert report.errors == [] and report.unfreed == [], report
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 Recipe key `attention.fused_norm_rope`. Two kinds of change, each recorded in the ledger and undone by teardown:
 
-- Norm modules of a known class (NORM_OFFSETS: Krea 2's zero-centred RMSNorm) get an instance `forward` that
-  runs the one-pass kernel where it serves (CUDA, eager) and the class's own forward elsewhere. The module, its
+- Norm modules of a known class (NORM_KINDS: Krea 2's zero-centred RMSNorm, diffusers' RMSNorm) get an instance
+  `forward` that runs the one-pass kernel where it serves (CUDA, eager) and the class's own forward elsewhere. The module, its
   class, its parameters and state_dict keys stay as they were; only the instance attribute is added.
 - Attention processors whose `__call__` calls `apply_rotary_emb` (a global of diffusers' processor modules:
   FLUX, Krea 2, ...) get a processor of a subclass whose `__call__` is the stock code with that one global
@@ -27,27 +27,62 @@ from lowbit_pipe.kernels.dispatch import compiling
 from lowbit_pipe.ledger import Ledger
 
 ROPE_GLOBAL = "apply_rotary_emb"
-# Norm classes (by name: the class lives in diffusers) -> the offset added to their weight: y = x̂ * (w + offset).
-NORM_OFFSETS = {"Krea2RMSNorm": 1.0}
+_16BIT = (torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class NormKind:
+    """How a norm class computes, for the kernel: y = x̂ * (weight + offset); `diffusers_rounding`: its forward
+    rounds x̂ to a 16-bit weight's dtype before multiplying, and a weight's dtype sets the output's (diffusers'
+    RMSNorm); otherwise the output is in x's dtype."""
+
+    offset: float
+    diffusers_rounding: bool
+
+
+# Norm classes (by module and name: the classes live in diffusers; torch.nn.RMSNorm is another class) -> kind.
+NORM_KINDS = {
+    "diffusers.models.transformers.transformer_krea2.Krea2RMSNorm": NormKind(1.0, False),
+    # q / k norms of Qwen-Image, Z-Image, SD3 (FLUX and Wan build torch.nn.RMSNorm: not listed, not measured)
+    "diffusers.models.normalization.RMSNorm": NormKind(0.0, True),
+}
+
+
+def norm_kind(module: nn.Module) -> NormKind | None:
+    cls = type(module)
+    return NORM_KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
 class FusedNormForward:
-    """A Krea2RMSNorm-style module's forward: the one-pass kernel on CUDA in eager, the class's forward elsewhere.
-    Holds the module weakly (this object sits in the module's own __dict__)."""
+    """A known norm module's forward: the one-pass kernel on CUDA in eager, the class's forward elsewhere (a bias,
+    a weight of another dtype). Holds the module weakly (this object sits in the module's own __dict__)."""
 
-    def __init__(self, module: nn.Module, offset: float) -> None:
+    def __init__(self, module: nn.Module, kind: NormKind) -> None:
         self.module = weakref.ref(module)
-        self.offset = offset
+        self.kind = kind
         self.calls = 0  # kernel calls: the report says whether the kernel ran at all
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         from lowbit_pipe.kernels.norm_rope import kernel_serves, rms_norm
 
         module = self.module()
-        if not compiling() and kernel_serves(hidden_states, module.dim) and hidden_states.shape[-1] == module.dim:
-            self.calls += 1
-            return rms_norm(hidden_states, module.weight, module.eps, self.offset)
+        d = hidden_states.shape[-1] if hidden_states.dim() else 0
+        weight = getattr(module, "weight", None)
+        if (not compiling() and kernel_serves(hidden_states, d) and _dims(module.dim) == (d,)
+                and getattr(module, "bias", None) is None):
+            out_dtype, round_first = hidden_states.dtype, False
+            if self.kind.diffusers_rounding and weight is not None:
+                out_dtype, round_first = ((weight.dtype, True) if weight.dtype in _16BIT
+                                          else (torch.promote_types(hidden_states.dtype, weight.dtype), False))
+            if out_dtype in (torch.float32, *_16BIT) and (weight is None or weight.device == hidden_states.device):
+                self.calls += 1
+                return rms_norm(hidden_states, weight, module.eps, self.kind.offset, round_first=round_first,
+                                out_dtype=out_dtype)
         return type(module).forward(module, hidden_states)
+
+
+def _dims(dim) -> tuple[int, ...]:
+    return (int(dim),) if isinstance(dim, int) else tuple(int(v) for v in dim)
 
 
 class FusedRope:
@@ -103,10 +138,10 @@ def apply_fused_norm_rope(root: nn.Module, ledger: Ledger) -> AppliedFusion:
     each change in `ledger`."""
     applied = AppliedFusion()
     for name, module in root.named_modules():
-        offset = NORM_OFFSETS.get(type(module).__name__)
-        if offset is None or "forward" in vars(module):
+        kind = norm_kind(module)
+        if kind is None or "forward" in vars(module):
             continue
-        fused = FusedNormForward(module, offset)
+        fused = FusedNormForward(module, kind)
         ledger.patch_attr(module, "forward", fused, name=f"{name}.forward (fused RMSNorm)")
         applied.norms[name] = fused
     classes: dict[type, type] = {}

@@ -9,7 +9,9 @@ the callers use these kernels in eager only.
 
 Both compute in fp32 what the torch code computes, and round once to the output dtype:
 
-    rms_norm:  y = x * rsqrt(mean(x^2) + eps) * (weight + offset)      (Krea 2: offset 1, zero-centred weight)
+    rms_norm:  y = x * rsqrt(mean(x^2) + eps) * (weight + offset)      (Krea 2: offset 1, zero-centred weight;
+                                                                         diffusers' RMSNorm: x̂ rounded first
+                                                                         when its weight is 16-bit, as it does)
     rope:      y[2i]   = x[2i]   * cos[2i]   - x[2i+1] * sin[2i]        (interleaved pairs: FLUX, Krea 2)
                y[2i+1] = x[2i+1] * cos[2i+1] + x[2i]   * sin[2i+1]
 
@@ -29,16 +31,19 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset,
-                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                     WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < M)[:, None] & (cols < D)[None, :]
     offs = rows[:, None].to(tl.int64) * D + cols[None, :]
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-    w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + offset
-    y = x * rstd[:, None] * w[None, :]
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    dt = out_ptr.dtype.element_ty
+    y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
+    if WEIGHT:
+        if ROUND_FIRST:  # diffusers' RMSNorm with a 16-bit weight: x̂ in the weight's dtype, then the product
+            y = y.to(dt).to(tl.float32)
+        y = y * (tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + offset)[None, :]
+    tl.store(out_ptr + offs, y.to(dt), mask=ok)
 
 
 @triton.jit
@@ -71,13 +76,17 @@ def kernel_serves(x: torch.Tensor, d: int) -> bool:
     return x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and 0 < d <= MAX_DIM and x.numel() > 0
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """RMSNorm over x's last dim (x contiguous, CUDA), fp32 math, the result in x's dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, *,
+             round_first: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm over x's last dim (x contiguous, CUDA), fp32 math, the result in `out_dtype` (x's by default).
+    `weight` None: no scale. `round_first`: x̂ rounded to `out_dtype` before the weight multiplies (diffusers'
+    RMSNorm with a 16-bit weight)."""
     d = x.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     m = x.numel() // d
     block_m, block_d, warps = _blocks(d)
-    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight, out, m, d, float(eps), float(offset),
+    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight if weight is not None else x, out, m, d, float(eps),
+                                                 float(offset), WEIGHT=weight is not None, ROUND_FIRST=round_first,
                                                  BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     return out
 
@@ -96,10 +105,17 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
     return out
 
 
-def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
-    """The torch form (Krea 2's own RMSNorm with offset 1): what runs on the CPU and under torch.compile."""
-    w = weight.float() + offset if offset else weight.float()
-    return torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), weight=w, eps=eps).to(x.dtype)
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, *,
+                       round_first: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The torch form of `rms_norm`, op for op as the models write it (Krea 2's RMSNorm with offset 1; diffusers'
+    RMSNorm with `round_first` for a 16-bit weight): what runs on the CPU and under torch.compile."""
+    out_dtype = out_dtype or x.dtype
+    y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return y.to(out_dtype)
+    if round_first:
+        y = y.to(out_dtype).float()
+    return (y * (weight.float() + offset if offset else weight.float())).to(out_dtype)
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
