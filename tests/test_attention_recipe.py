@@ -439,3 +439,26 @@ def test_the_eager_norm_rope_bench_runs_and_writes_its_table(tmp_path):
         assert rows[fused]["rel_err_vs_stock"] == 0.0
         assert rows[fused]["kernel_calls_per_forward"] == {"norm_kernel_calls": 0, "rope_kernel_calls": 0}
     assert "| fp8 + fused norm/RoPE |" in out.with_suffix(".md").read_text()
+
+
+def test_a_compiled_block_with_fused_norm_rope_is_one_graph(tiny_model):
+    """torch.compile (fullgraph) traces a Krea 2 block whose norms carry the fused forward and whose processor has
+    the fused RoPE under 8-bit attention: the torch code inside the graph (no graph break), the eager output."""
+    from lowbit_pipe.attention.fused import apply_fused_norm_rope
+
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    ledger = Ledger()
+    apply_fused_norm_rope(model, ledger)
+    apply_attention(model, "int8", ledger)
+    block = model.transformer_blocks[0]
+    seen = {}
+    handle = block.register_forward_pre_hook(lambda m, a, k: seen.update(args=a, kw=k), with_kwargs=True)
+    _out(model, arch, inputs)
+    handle.remove()
+    torch._dynamo.reset()
+    compiled = torch.compile(block, backend="eager", fullgraph=True)
+    with torch.no_grad():
+        assert torch.equal(compiled(*seen["args"], **seen["kw"]), block(*seen["args"], **seen["kw"]))
+    torch._dynamo.reset()
+    assert ledger.unwind().errors == []
