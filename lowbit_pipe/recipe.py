@@ -251,7 +251,7 @@ class AttentionConfig:
     # The architecture's own list of attention modules that keep the model's attention (Krea 2: the text fusion,
     # short sequences where 8-bit attention costs accuracy and saves no time); false: `layers` alone decides.
     arch_keep: bool = True
-    # The uncompiled path: the norms of known classes (Krea 2's RMSNorm) and the processors' RoPE
+    # The uncompiled path: the norms of known classes (Krea 2's RMSNorm, diffusers' RMSNorm) and the processors' RoPE
     # (apply_rotary_emb) as one-pass kernels on CUDA (lowbit_pipe.kernels.norm_rope); torch.compile fuses them anyway.
     # Independent of `format`: bf16 attention gets it too.
     fused_norm_rope: bool = False

@@ -107,8 +107,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
 
 def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, *,
                        round_first: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The torch form of `rms_norm`, op for op as the models write it (Krea 2's RMSNorm with offset 1; diffusers'
-    RMSNorm with `round_first` for a 16-bit weight): what runs on the CPU and under torch.compile."""
+    """The torch form of `rms_norm` (diffusers' RMSNorm op for op with `round_first` for a 16-bit weight; Krea 2's
+    with offset 1, within an ulp of its F.rms_norm): the tests' and the bench's comparison. On the CPU and under
+    torch.compile the models' own modules run, not this."""
     out_dtype = out_dtype or x.dtype
     y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
     if weight is None:
