@@ -160,6 +160,9 @@ def _check_attention(recipe: Recipe) -> None:
         raise RecipeError("attention.format", f"'{a.format}' is applied by the quantize stage, which the pipeline "
                                               f"{list(recipe.pipeline)} lacks: add 'quantize', or leave attention.format "
                                               f"'{STOCK}'")
+    if a.fused_norm_rope and "quantize" not in recipe.pipeline:
+        raise RecipeError("attention.fused_norm_rope", f"is applied by the quantize stage, which the pipeline "
+                                                       f"{list(recipe.pipeline)} lacks: add 'quantize', or set it false")
 
 
 def _check_device(path: str, device: str | None) -> None:

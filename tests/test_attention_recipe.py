@@ -44,6 +44,7 @@ def test_default_recipe_keeps_the_models_attention():
     (["attention.layers=[]"], "attention.layers", "at least one"),
     (["attention.format=int8", "pipeline=[load,detect,export]"], "attention.format", "quantize"),
     (["attention.scale=2"], "attention.scale", "no such key"),
+    (["attention.fused_norm_rope=true", "pipeline=[load,detect,export]"], "attention.fused_norm_rope", "quantize"),
 ])
 def test_bad_attention_values_name_the_recipe_path(override, path, words):
     with pytest.raises(RecipeError) as err:
