@@ -92,8 +92,15 @@ def kernel_checks(dims: dict[str, int], device: torch.device) -> dict[str, Any]:
     if device.type != "cuda":
         return {"note": "the kernels run on CUDA only (tests/test_kernels.py interprets them on the CPU)"}
     from diffusers.models.embeddings import apply_rotary_emb
+    from diffusers.models.normalization import RMSNorm
 
-    return {"rms_norm hidden [4608, 6144]": ulps(norm_rope.rms_norm(x, w, 1e-5, 1.0),
+    from lowbit_pipe.attention.fused import FusedNormForward, norm_kind
+
+    qk_norm = RMSNorm(d, eps=1e-6).to(device=device, dtype=torch.bfloat16)  # Qwen-Image's q / k norm, bf16 weight
+    with torch.no_grad():
+        qk_norm.weight.copy_(1 + wq)
+    return {"diffusers RMSNorm q heads, bf16 weight": ulps(FusedNormForward(qk_norm, norm_kind(qk_norm))(q),
+                                                           qk_norm(q)),"rms_norm hidden [4608, 6144]": ulps(norm_rope.rms_norm(x, w, 1e-5, 1.0),
                                                  norm_rope.reference_rms_norm(x, w, 1e-5, 1.0)),
             "rms_norm q heads [4608, 48, 128]": ulps(norm_rope.rms_norm(q, wq, 1e-5, 1.0),
                                                      norm_rope.reference_rms_norm(q, wq, 1e-5, 1.0)),
