@@ -18,12 +18,11 @@ error in output ulps), and each fused variant's block output against the stock o
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -40,6 +39,8 @@ from lowbit_pipe.policy import plan_layers  # noqa: E402
 from lowbit_pipe.recipe import FormatChoice, QuantizeConfig  # noqa: E402
 from lowbit_pipe.stages.detect import linear_shapes  # noqa: E402
 from lowbit_pipe.stages.quantize import quantize_module  # noqa: E402
+from lowbit_pipe.timing import TimingSettings, time_ms  # noqa: E402
+from outputs import save_outputs  # noqa: E402
 
 FULL = {"hidden": 6144, "heads": 48, "kv_heads": 12, "mlp": 16384, "image": 4096, "text": 512, "attended": 77}
 SMALL = {"hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "image": 48, "text": 16, "attended": 5}
@@ -99,36 +100,14 @@ def kernel_checks(dims: dict[str, int], device: torch.device) -> dict[str, Any]:
     qk_norm = RMSNorm(d, eps=1e-6).to(device=device, dtype=torch.bfloat16)  # Qwen-Image's q / k norm, bf16 weight
     with torch.no_grad():
         qk_norm.weight.copy_(1 + wq)
-    return {"diffusers RMSNorm q heads, bf16 weight": ulps(FusedNormForward(qk_norm, norm_kind(qk_norm))(q),
-                                                           qk_norm(q)),"rms_norm hidden [4608, 6144]": ulps(norm_rope.rms_norm(x, w, 1e-5, 1.0),
+    fused_qk_norm = FusedNormForward(qk_norm, norm_kind(qk_norm))
+    return {"diffusers RMSNorm q heads, bf16 weight": ulps(fused_qk_norm(q), qk_norm(q)),
+            "rms_norm hidden [4608, 6144]": ulps(norm_rope.rms_norm(x, w, 1e-5, 1.0),
                                                  norm_rope.reference_rms_norm(x, w, 1e-5, 1.0)),
             "rms_norm q heads [4608, 48, 128]": ulps(norm_rope.rms_norm(q, wq, 1e-5, 1.0),
                                                      norm_rope.reference_rms_norm(q, wq, 1e-5, 1.0)),
             "rope q [1, 4608, 48, 128] vs apply_rotary_emb": ulps(norm_rope.rope(q, cos, sin, 1),
                                                                   apply_rotary_emb(q, (cos, sin), sequence_dim=1))}
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, iters: int, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    if device.type != "cuda":
-        import time
-
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t) * 1e3 / iters
-    runs = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        runs.append(start.elapsed_time(end) / iters)
-    return statistics.median(runs)
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -165,7 +144,9 @@ def main() -> None:
         applied = apply_fused_norm_rope(blocks, ledger) if fused else None
         with torch.no_grad():
             out = blocks(*args_in)
-            ms = time_ms(lambda: blocks(*args_in), device, args.iters, args.repeats)
+        # lowbit_pipe.timing: CUDA events around --iters calls (CPU: the fastest call); the median of --repeats
+        ms = statistics.median(time_ms(lambda: blocks(*args_in), device, TimingSettings(warmup=3, reps=args.iters))
+                               for _ in range(args.repeats))
         name = f"{fmt}{' + fused norm/RoPE' if fused else ''}"
         row = {"variant": name, "format": fmt, "fused": fused, "ms": ms}
         if fused:
@@ -199,11 +180,6 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     result = {"command": "python " + " ".join(sys.argv), "device": name, "torch": torch.__version__,
               "dims": dims, "layers": args.layers, "kernel_checks": checks, "rows": rows}
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=1))
-    tmp.replace(out)
     lines = [f"`{result['command']}`", "",
              f"device: {name} | torch {torch.__version__} | {args.layers} Krea 2 blocks at width {dims['hidden']}, "
              f"{dims['image'] + dims['text']} tokens, eager (no compile), median of {args.repeats} x {args.iters}", "",
@@ -215,10 +191,7 @@ def main() -> None:
     lines += ["", "Kernels against their torch forms (bf16 outputs):", ""]
     for k, v in checks.items():
         lines.append(f"- {k}: {v}")
-    md = out.with_suffix(".md")
-    tmp = md.with_suffix(".md.tmp")
-    tmp.write_text("\n".join(lines) + "\n")
-    tmp.replace(md)
+    save_outputs(args.out, "\n".join(lines) + "\n", result)
     print("\n".join(lines))
 
 
