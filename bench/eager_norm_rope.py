@@ -100,7 +100,7 @@ def kernel_checks(dims: dict[str, int], device: torch.device) -> dict[str, Any]:
     qk_norm = RMSNorm(d, eps=1e-6).to(device=device, dtype=torch.bfloat16)  # Qwen-Image's q / k norm, bf16 weight
     with torch.no_grad():
         qk_norm.weight.copy_(1 + wq)
-    fused_qk_norm = FusedNormForward(qk_norm, norm_kind(qk_norm))
+    fused_qk_norm = FusedNormForward(qk_norm, norm_kind(qk_norm), norm_rope)
     return {"diffusers RMSNorm q heads, bf16 weight": ulps(fused_qk_norm(q), qk_norm(q)),
             "rms_norm hidden [4608, 6144]": ulps(norm_rope.rms_norm(x, w, 1e-5, 1.0),
                                                  norm_rope.reference_rms_norm(x, w, 1e-5, 1.0)),

@@ -402,6 +402,7 @@ def test_fused_rope_serves_only_what_its_kernel_computes():
     """FusedRope hands every form its kernel does not compute (CPU tensors, complex freqs, unbind -2, fp64 cos) to
     the stock function, with the stock arguments."""
     from lowbit_pipe.attention.fused import FusedRope
+    from lowbit_pipe.kernels import norm_rope
 
     seen = []
 
@@ -409,7 +410,7 @@ def test_fused_rope_serves_only_what_its_kernel_computes():
         seen.append((use_real, use_real_unbind_dim, sequence_dim))
         return x
 
-    rope = FusedRope(stock)
+    rope = FusedRope(stock, norm_rope)
     x = torch.randn(1, 4, 2, 8)
     cos = torch.randn(4, 8)
     rope(x, (cos, cos), sequence_dim=1)

@@ -850,7 +850,7 @@ def case_norm_rope() -> None:
             norm = RMSNorm(64, eps=1e-6, elementwise_affine=wdtype is not None)
             if wdtype is not None:
                 norm.weight.data = (1 + torch.randn(64, generator=gen) * 0.1).to(wdtype)
-            fused = FusedNormForward(norm, norm_kind(norm))
+            fused = FusedNormForward(norm, norm_kind(norm), norm_rope)
             got, want = fused(xin), norm(xin)
             assert fused.calls == 1 and got.dtype == want.dtype, (wdtype, got.dtype, want.dtype)
             _close(got, want, tol, f"rms_norm vs diffusers RMSNorm, weight {wdtype}")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -54,30 +55,31 @@ def norm_kind(module: nn.Module) -> NormKind | None:
 
 
 class FusedNormForward:
-    """A known norm module's forward: the one-pass kernel on CUDA in eager, the class's forward elsewhere (a bias,
-    a weight of another dtype). Holds the module weakly (this object sits in the module's own __dict__)."""
+    """A known norm module's forward: the one-pass kernel on CUDA in eager, the class's forward elsewhere (a weight
+    on another device or of another dtype). What never changes (the module's dim; modules with a bias are not
+    given one) is settled once; each call checks only its input. Holds the module weakly (this object sits in the
+    module's own __dict__); `kernels` is lowbit_pipe.kernels.norm_rope, imported once by the caller."""
 
-    def __init__(self, module: nn.Module, kind: NormKind) -> None:
+    def __init__(self, module: nn.Module, kind: NormKind, kernels: ModuleType) -> None:
         self.module = weakref.ref(module)
         self.kind = kind
+        self.kernels = kernels
+        self.dim = _dims(module.dim)
         self.calls = 0  # kernel calls: the report says whether the kernel ran at all
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        from lowbit_pipe.kernels.norm_rope import kernel_serves, rms_norm
-
         module = self.module()
-        d = hidden_states.shape[-1] if hidden_states.dim() else 0
-        weight = getattr(module, "weight", None)
-        if (not compiling() and kernel_serves(hidden_states, d) and _dims(module.dim) == (d,)
-                and getattr(module, "bias", None) is None):
+        if (not compiling() and hidden_states.dim() and tuple(hidden_states.shape[-1:]) == self.dim
+                and self.kernels.kernel_serves(hidden_states, self.dim[0])):
+            weight = module.weight  # None for an RMSNorm without elementwise_affine
             out_dtype, round_first = hidden_states.dtype, False
             if self.kind.diffusers_rounding and weight is not None:
                 out_dtype, round_first = ((weight.dtype, True) if weight.dtype in _16BIT
                                           else (torch.promote_types(hidden_states.dtype, weight.dtype), False))
             if out_dtype in (torch.float32, *_16BIT) and (weight is None or weight.device == hidden_states.device):
                 self.calls += 1
-                return rms_norm(hidden_states, weight, module.eps, self.kind.offset, round_first=round_first,
-                                out_dtype=out_dtype)
+                return self.kernels.rms_norm(hidden_states, weight, module.eps, self.kind.offset,
+                                             round_first=round_first, out_dtype=out_dtype)
         return type(module).forward(module, hidden_states)
 
 
@@ -87,25 +89,24 @@ def _dims(dim) -> tuple[int, ...]:
 
 class FusedRope:
     """`apply_rotary_emb`'s signature: the one-pass kernel for the interleaved real form on CUDA in eager (4-D x,
-    fp32 cos / sin of [S, D]), the stock function for everything else."""
+    fp32 cos / sin of [S, D]), the stock function for everything else. `kernels`: lowbit_pipe.kernels.norm_rope."""
 
-    def __init__(self, stock: Callable[..., torch.Tensor]) -> None:
+    def __init__(self, stock: Callable[..., torch.Tensor], kernels: ModuleType) -> None:
         self.stock = stock
+        self.kernels = kernels
         self.calls = 0
 
     def __call__(self, x: torch.Tensor, freqs_cis: Any, use_real: bool = True, use_real_unbind_dim: int = -1,
                  sequence_dim: int = 2) -> torch.Tensor:
-        from lowbit_pipe.kernels.norm_rope import kernel_serves, rope
-
         if (use_real and use_real_unbind_dim == -1 and sequence_dim in (1, 2) and x.dim() == 4
                 and isinstance(freqs_cis, (tuple, list)) and len(freqs_cis) == 2 and not compiling()
-                and kernel_serves(x, x.shape[-1]) and x.shape[-1] % 2 == 0):
+                and x.shape[-1] % 2 == 0 and self.kernels.kernel_serves(x, x.shape[-1])):
             cos, sin = freqs_cis
             want = (x.shape[sequence_dim], x.shape[-1])
             if (cos.dtype == sin.dtype == torch.float32 and tuple(cos.shape) == want and tuple(sin.shape) == want
                     and cos.device == x.device == sin.device and cos.is_contiguous() and sin.is_contiguous()):
                 self.calls += 1
-                return rope(x, cos, sin, sequence_dim)
+                return self.kernels.rope(x, cos, sin, sequence_dim)
         return self.stock(x, freqs_cis, use_real=use_real, use_real_unbind_dim=use_real_unbind_dim,
                           sequence_dim=sequence_dim)
 
@@ -136,12 +137,16 @@ def uses_rope(processor: Any) -> bool:
 def apply_fused_norm_rope(root: nn.Module, ledger: Ledger) -> AppliedFusion:
     """Give `root`'s known norm modules the one-pass forward and its RoPE-calling processors the one-pass RoPE,
     each change in `ledger`."""
+    try:
+        from lowbit_pipe.kernels import norm_rope  # Triton's import: the kernels and their torch forms
+    except ImportError as err:
+        raise ImportError(f"attention.fused_norm_rope needs triton (lowbit_pipe.kernels.norm_rope): {err}") from None
     applied = AppliedFusion()
     for name, module in root.named_modules():
         kind = norm_kind(module)
-        if kind is None or "forward" in vars(module):
-            continue
-        fused = FusedNormForward(module, kind)
+        if kind is None or "forward" in vars(module) or getattr(module, "bias", None) is not None:
+            continue  # not a known norm, already patched, or with a bias (the kernel has none)
+        fused = FusedNormForward(module, kind, norm_rope)
         ledger.patch_attr(module, "forward", fused, name=f"{name}.forward (fused RMSNorm)")
         applied.norms[name] = fused
     classes: dict[type, type] = {}
@@ -151,7 +156,7 @@ def apply_fused_norm_rope(root: nn.Module, ledger: Ledger) -> AppliedFusion:
             continue
         stock_cls = type(stock)
         if stock_cls not in classes:
-            rope = FusedRope(stock_cls.__call__.__globals__[ROPE_GLOBAL])
+            rope = FusedRope(stock_cls.__call__.__globals__[ROPE_GLOBAL], norm_rope)
             applied.ropes.append(rope)
             classes[stock_cls] = rebound_class(stock_cls, {ROPE_GLOBAL: rope}, "FusedRope",
                                                "with its rotary embedding as one kernel in eager")
