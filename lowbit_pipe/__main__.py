@@ -68,6 +68,8 @@ def stopped_line(stopped: Interrupted) -> str:
 
 
 REFRESH_OVERRIDE = "quantize.speed_refresh=true"
+# Lets a recipe file call OmegaConf resolvers (${oc.env:...}); recipe text is data otherwise (lowbit_pipe.untrusted).
+ALLOW_RESOLVERS = "--allow-resolvers"
 
 
 def version() -> str:
@@ -87,6 +89,8 @@ def main() -> None:
         sys.exit(0)
     # --refresh: time the speed table of a quantize.target run again (the recipe key, spelled as a flag).
     sys.argv = [REFRESH_OVERRIDE if a == "--refresh" else a for a in sys.argv]
+    allow_resolvers = ALLOW_RESOLVERS in sys.argv[1:]
+    sys.argv = [a for a in sys.argv if a != ALLOW_RESOLVERS]
     # SIGINT / SIGTERM before a run starts (imports, Hydra's start): the same exit codes and one line. Each run
     # installs its own handlers over these (the stage it is in), and puts these back when it ends.
     stop = OrderlyStop("startup")
@@ -97,8 +101,9 @@ def main() -> None:
             flags, overrides = split_cli(sys.argv[1:])
             if not (flags.help or flags.hydra_help or flags.shell_completion):
                 check_extras(overrides)
-                sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:])
-                for recipe in cli_recipes(recipe_file_args(overrides)):
+                sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:], allow_resolvers=allow_resolvers)
+                overrides = recipe_file_args(overrides, allow_resolvers=allow_resolvers)
+                for recipe in cli_recipes(overrides, allow_resolvers=allow_resolvers):
                     preflight(recipe)
         except LowbitError as err:
             print(f"lowbit_pipe: {err}", file=sys.stderr)

@@ -20,6 +20,7 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from lowbit_pipe import untrusted
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.paths import config_dir, packaged_recipes
 from lowbit_pipe.recipe import Recipe
@@ -33,13 +34,29 @@ FILE_RECIPE = "_lowbit_file"  # group option a recipe file or dict is served und
 SCHEMA_NAME = "lowbit_schema"
 
 
-def _yaml(path: Path, source: str) -> dict[str, Any]:
+def read_recipe_file(path: Path, source: str, *, allow_resolvers: bool = False) -> dict[str, Any]:
+    """A recipe file's mapping, read under lowbit_pipe.untrusted's rules (size, anchors, `_target_`, hydra,
+    resolvers) before anything parses it."""
+    size = path.stat().st_size
+    if size > untrusted.MAX_TEXT_BYTES:  # refused unread
+        raise RecipeError(source, f"{size} bytes; a recipe file is at most {untrusted.MAX_TEXT_BYTES}")
     try:
-        data = OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
-    except Exception as err:  # YAML parse errors: name the file, in one line
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RecipeError(source, f"cannot be read as UTF-8 text ({type(err).__name__})") from None
+    return parse_recipe_text(text, source, allow_resolvers=allow_resolvers)
+
+
+def parse_recipe_text(text: str, source: str, *, allow_resolvers: bool = False) -> dict[str, Any]:
+    """YAML recipe text -> its mapping, checked (lowbit_pipe.untrusted) before and after parsing."""
+    untrusted.check_text(text, source)
+    try:
+        data = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else {}
+    except Exception as err:  # what YAML itself accepted but OmegaConf does not: name the file, in one line
         raise RecipeError(source, f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise RecipeError(source, f"a recipe is a mapping of stage keys, got {type(data).__name__}")
+    untrusted.check_data(data, source, allow_resolvers=allow_resolvers)
     return data
 
 
@@ -75,16 +92,18 @@ def register_schema() -> None:
         stat = path.stat()
         provider = f"lowbit_pipe:{path}:{stat.st_size}:{stat.st_mtime_ns}"  # the file as it was when stored
         if getattr(stored.get(f"{name}.yaml"), "provider", None) != provider:
-            _store_recipe(name, _yaml(path, str(path)), str(path), provider=provider)
+            _store_recipe(name, read_recipe_file(path, str(path)), str(path), provider=provider)
 
 
-def register_recipe(data: dict[str, Any], source: str) -> str:
+def register_recipe(data: dict[str, Any], source: str, *, allow_resolvers: bool = False) -> str:
     """Serve a recipe file's (or dict's) content as the `recipe=` option FILE_RECIPE; returns that override.
+    The content is checked as recipe text from outside is (lowbit_pipe.untrusted).
 
     A complete recipe (a run dir's recipe.yaml: its `model:` has `tiny_config`) also replaces the model
     group, so nothing of the packaged default model is merged into it and a rerun is exact. Command-line
     overrides still apply on top.
     """
+    untrusted.check_data(data, source, allow_resolvers=allow_resolvers)
     data = dict(data)
     defaults = list(data.pop("defaults", None) or [])
     model = data.get("model")
@@ -96,24 +115,46 @@ def register_recipe(data: dict[str, Any], source: str) -> str:
     return f"recipe={FILE_RECIPE}"
 
 
-def load_recipe_file(path: str | Path) -> dict[str, Any]:
+def load_recipe_file(path: str | Path, *, allow_resolvers: bool = False) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise RecipeError("recipe", f"no recipe file at {path}")
-    return _yaml(path, str(path))
+    if path.suffix not in (".yaml", ".yml"):  # never parse (and quote in errors) a file that is not a recipe
+        raise RecipeError("recipe", f"{path} is not a .yaml / .yml recipe file")
+    return read_recipe_file(path, str(path), allow_resolvers=allow_resolvers)
 
 
 def _is_file_recipe(value: str) -> bool:
     return value.endswith((".yaml", ".yml")) or Path(value).is_file()
 
 
-def recipe_file_args(args: list[str]) -> list[str]:
-    """CLI: `recipe=<path.yaml>` -> `recipe=_lowbit_file` with the file registered (see register_recipe)."""
+def recipe_file_args(args: list[str], *, allow_resolvers: bool = False) -> list[str]:
+    """CLI: `recipe=<path.yaml>` -> `recipe=_lowbit_file` with the file registered (see register_recipe); the
+    recipe folders a `hydra.searchpath` adds are checked as recipe files are."""
     out = []
     for arg in args:
         key, _, value = arg.partition("=")
-        out.append(register_recipe(load_recipe_file(value), value) if key == "recipe" and _is_file_recipe(value) else arg)
+        if key == "recipe" and _is_file_recipe(value):
+            arg = register_recipe(load_recipe_file(value, allow_resolvers=allow_resolvers), value,
+                                  allow_resolvers=allow_resolvers)
+        out.append(arg)
+    check_searchpath_recipes(args, allow_resolvers=allow_resolvers)
     return out
+
+
+def check_searchpath_recipes(overrides: list[str], *, allow_resolvers: bool = False) -> None:
+    """Hydra reads the `recipe/*.yaml` of a folder on its search path (`hydra.searchpath=[file:///team/conf]`)
+    itself: check each of them as a recipe file before it can. (Other groups there, e.g. a team's
+    hydra/launcher, are Hydra configs the command line chose.)"""
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key.lstrip("+~") != "hydra.searchpath":
+            continue
+        for entry in value.strip("[]").split(","):
+            entry = entry.strip().strip("'\"")
+            if entry.startswith("file://"):
+                for path in sorted((Path(entry.removeprefix("file://")) / "recipe").glob("*.y*ml")):
+                    read_recipe_file(path, str(path), allow_resolvers=allow_resolvers)
 
 
 def _full_key(err: BaseException) -> str | None:
@@ -164,28 +205,43 @@ def to_recipe(cfg: DictConfig) -> Recipe:
     return validate(recipe)
 
 
-def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
+                   allow_resolvers: bool = False) -> Recipe:
     """Recipe by packaged name ("krea2_nvfp4"), YAML path, or dict, then CLI-style overrides
-    (`hydra.searchpath=[...]` adds a team's recipe folder)."""
+    (`hydra.searchpath=[...]` adds a team's recipe folder). A file or dict recipe is read under
+    lowbit_pipe.untrusted's rules; `allow_resolvers` lets it call OmegaConf resolvers (${oc.env:...})."""
     register_schema()
     overrides = list(overrides)
+    source = None
     if isinstance(recipe, dict):
-        choice = register_recipe(recipe, "<dict recipe>")
+        choice = register_recipe(recipe, "<dict recipe>", allow_resolvers=allow_resolvers)
     elif recipe is not None and _is_file_recipe(str(recipe)):
-        choice = register_recipe(load_recipe_file(recipe), str(recipe))
+        source = str(recipe)
+        choice = register_recipe(load_recipe_file(recipe, allow_resolvers=allow_resolvers), source,
+                                 allow_resolvers=allow_resolvers)
     else:
         choice = f"recipe={recipe or 'default'}"
+    check_searchpath_recipes(overrides, allow_resolvers=allow_resolvers)
     if not any(o.split("=", 1)[0].lstrip("+~") == "recipe" for o in overrides):
         overrides = [choice] + overrides
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
             cfg = compose(config_name=CONFIG_NAME, overrides=overrides)
+        return to_recipe(cfg)
     except (HydraException, OmegaConfBaseException) as err:
-        raise _one_line(err) from None
+        raise _in_file(_one_line(err), source) from None
+    except RecipeError as err:
+        raise _in_file(err, source) from None
     finally:
         GlobalHydra.instance().clear()
-    return to_recipe(cfg)
+
+
+def _in_file(err: RecipeError, source: str | None) -> RecipeError:
+    """A composition error of a file recipe names the file too."""
+    if source is None or source in err.problem:
+        return err
+    return RecipeError(err.path, f"{err.problem} (recipe file {source})")
 
 
 def split_cli(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -200,7 +256,7 @@ def split_cli(args: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return flags, list(flags.overrides)
 
 
-def cli_recipes(overrides: list[str]) -> list[Recipe]:
+def cli_recipes(overrides: list[str], *, allow_resolvers: bool = False) -> list[Recipe]:
     """Every recipe a command line asks for, composed and validated before Hydra runs anything: each sweep
     value once, the other sweeps at their first value (enough to catch any bad value)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -224,5 +280,6 @@ def cli_recipes(overrides: list[str]) -> list[Recipe]:
     out = []
     for combo in combos if sweeps else [[]]:
         rec = next((c.split("=", 1)[1] for c in combo if c.split("=", 1)[0] == "recipe"), recipe)
-        out.append(compose_recipe(rec, [c for c in rest + combo if c.split("=", 1)[0] != "recipe"]))
+        out.append(compose_recipe(rec, [c for c in rest + combo if c.split("=", 1)[0] != "recipe"],
+                                  allow_resolvers=allow_resolvers))
     return out

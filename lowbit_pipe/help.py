@@ -48,12 +48,14 @@ YAML recipe, measure it against the float model, export a .safetensors file Comf
 == Recipes and models (group=option) ==
 $APP_CONFIG_GROUPS
 A recipe is also a YAML file: recipe=path/to/mine.yaml. A team's recipe folder joins with
-hydra.searchpath=[file:///path/to/conf] (its recipe/*.yaml become recipe= options).
+hydra.searchpath=[file:///path/to/conf] (its recipe/*.yaml become recipe= options). Recipe files are data:
+no _target_, no Hydra callbacks or logging, no YAML anchors, at most 64 KiB (docs/recipes.md, "Recipe files").
 
 == Flags ==
 $FLAGS_HELP
 --version prints lowbit_pipe's version (with Hydra's and torch's).
 --refresh times the speed table of a quantize.target run again (= quantize.speed_refresh=true).
+--allow-resolvers lets recipe files you trust call OmegaConf resolvers (oc.env, oc.decode, ...).
 Override any key of the recipe (quantize.default.format=fp8); the schema and every key are in
 lowbit_pipe/recipe.py and docs/recipes.md. Exit codes: 0 done, 1 a stage failed, 2 refused before any work.
 """
