@@ -18,9 +18,13 @@ from lowbit_pipe.validate import validate
 from lowbit_pipe.runner import RunResult, Runner
 
 
-def run(recipe: str | Path | dict | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
-        model: Any = None, run_dir: str | Path | None = None, calibrate: Callable[[], None] | None = None) -> RunResult:
-    """Run a recipe (packaged name, YAML path or dict) with CLI-style overrides.
+def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
+        model: Any = None, run_dir: str | Path | None = None, calibrate: Callable[[], None] | None = None,
+        allow_resolvers: bool = False) -> RunResult:
+    """Run a recipe (packaged name, YAML path, dict, or a composed Recipe) with CLI-style overrides.
+
+    A YAML file or dict is data (lowbit_pipe.untrusted: no `_target_`, no Hydra callbacks, no YAML anchors);
+    `allow_resolvers=True` lets it call OmegaConf resolvers such as ${oc.env:NAME}.
 
     `model`: a diffusers model or pipeline, or an nn.Module, used instead of `model.path`; the caller keeps
     ownership (teardown restores it rather than dropping it) and its device and dtype (unless model.device /
@@ -36,7 +40,12 @@ def run(recipe: str | Path | dict | None = "default", overrides: list[str] | tup
     from lowbit_pipe.compose import compose_recipe
     from lowbit_pipe.preflight import preflight
 
-    rec = compose_recipe(recipe, list(overrides))
+    if isinstance(recipe, Recipe):
+        if overrides:
+            raise ValueError("a composed Recipe takes no overrides: compose it with them (compose_recipe)")
+        rec = validate(recipe)
+    else:
+        rec = compose_recipe(recipe, list(overrides), allow_resolvers=allow_resolvers)
     preflight(rec, model_given=model is not None)
     run_dir = Path(run_dir) if run_dir else Path("runs") / time.strftime("%Y-%m-%d/%H-%M-%S") / f"{time.time_ns() % 10**9}"
     return Runner(rec, run_dir, model=model, calibrate=calibrate).run()
@@ -108,11 +117,12 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,
-           shard_bytes: int | None = None, residual_lora: str = "separate") -> dict[str, Any]:
+           shard_bytes: int | None = None, residual_lora: str = "separate", overwrite: bool = False) -> dict[str, Any]:
     """Write a (quantized) model or pipeline's transformer as ComfyUI / lowbit_pipe reads it; no recipe.
 
     `layout`: "comfy" (native key names, the stock loader's) or "diffusers"; `dtype`: of the float tensors
-    (default: as they are). Returns the export figures (path, bytes, files, layout, ...).
+    (default: as they are); `overwrite`: replace an existing file (refused otherwise, naming it). Returns the
+    export figures (path, bytes, files, layout, ...).
     """
     import torch
 
@@ -122,8 +132,12 @@ def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = 
 
     adapter = adapter_for(model)
     transformer = adapter.transformer(model)
-    cfg = ExportConfig(path=str(path), layout=layout, shard_bytes=shard_bytes, residual_lora=residual_lora)
+    cfg = ExportConfig(path=str(path), layout=layout, shard_bytes=shard_bytes, residual_lora=residual_lora,
+                       overwrite=overwrite)
     validate(Recipe(pipeline=["load"], export=cfg))
+    from lowbit_pipe.preflight import check_not_taken
+
+    check_not_taken(Path(path), "path", overwrite=overwrite)
     found = detect_module(transformer)
     if dtype is None:
         from lowbit_pipe.arch.base import compute_dtype

@@ -281,6 +281,22 @@ TORCH_DTYPES = {**{name: dtype for dtype, name in _ST_DTYPES.items() if dtype is
                 "F8_E8M0": torch.float8_e8m0fnu, "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64}
 
 
+@dataclass(frozen=True)
+class ExportTargets:
+    """The files an export to `path` may write besides its shards."""
+
+    path: Path
+    index: Path  # <stem>.safetensors.index.json, when sharded
+    lora: Path  # <stem>.lora.safetensors, when the model carries LoRA residual branches
+
+
+def export_targets(path: str | Path) -> ExportTargets:
+    path = Path(path)
+    stem = path.name.removesuffix(".safetensors")
+    return ExportTargets(path, path.with_name(f"{stem}.safetensors.index.json"),
+                         path.with_name(f"{stem}.lora.safetensors"))
+
+
 class StreamingWriter:
     """Write a safetensors file tensor by tensor, so a file larger than memory can be written.
 
@@ -294,8 +310,9 @@ class StreamingWriter:
     """
 
     def __init__(self, path: str | Path, header_bytes: int, *, inputs: tuple[str | Path | None, ...] = (),
-                 expected_bytes: int | None = None):
+                 expected_bytes: int | None = None, replace: bool = True):
         self.path = Path(path)
+        self.replace = replace  # False: close() refuses to replace an existing file (FileExistsError -> WriteError)
         for source in inputs:
             if source is not None and Path(source).exists() and self.path.exists() and \
                     Path(source).resolve() == self.path.resolve():
@@ -358,7 +375,7 @@ class StreamingWriter:
             self._file.close()
             if not publish:
                 return self.tmp.stat().st_size
-            publish_file(self.tmp, self.path)
+            publish_file(self.tmp, self.path, replace=self.replace)
         except OSError as err:
             self._fail(err)
         except BaseException:  # an interrupt between the last write and the rename: no temp file stays

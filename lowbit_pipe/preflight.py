@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit_pipe.checkpoint import read_header, shard_files
+from lowbit_pipe.checkpoint import export_targets, read_header, shard_files
 from lowbit_pipe.errors import CheckpointError, RecipeError
 from lowbit_pipe.recipe import Recipe
 
@@ -97,6 +97,18 @@ def _check_export(recipe: Recipe) -> None:
     src = recipe.model.path
     if src is not None and out.exists() and Path(src).exists() and out.resolve() == Path(src).resolve():
         raise RecipeError("export.path", f"{out} is the input model.path; an export never overwrites its input")
+    check_not_taken(out, "export.path", overwrite=recipe.export.overwrite, lora="lora" in recipe.pipeline)
+
+
+def check_not_taken(out: Path, key: str, *, overwrite: bool, lora: bool = True) -> None:
+    """Refuse an export whose file (or shard index, or LoRA file) exists, unless `overwrite`: nothing is replaced
+    without being asked."""
+    targets = export_targets(out)
+    taken = next((p for p in (targets.path, targets.index, *([targets.lora] if lora else []))
+                  if os.path.lexists(p)), None)
+    if taken is not None and not overwrite:
+        raise RecipeError(key, f"{taken} exists; an export never replaces a file unless asked "
+                               "(export.overwrite=true)")
 
 
 def _check_loras(recipe: Recipe) -> None:

@@ -208,6 +208,9 @@ class ExportConfig:
     layout: str = "comfy"  # "comfy": native ComfyUI/BFL key names (stock loader); "diffusers": module names
     shard_bytes: Optional[int] = None  # above this size, write shards + an index (ComfyUI wants one file: None)
     residual_lora: str = "separate"  # LoRA residual branches: "separate" (<stem>.lora.safetensors) or "error"
+    # An existing file at path (or its LoRA file, shard index) is refused before any work unless this is true; a file
+    # that appears meanwhile (another run) is never replaced without it either.
+    overwrite: bool = False
 
 
 @dataclass

@@ -83,8 +83,9 @@ def _header_bound(keys: list[str], layers: int, metadata_hint: int) -> int:
 
 def stream_export(source: Any, plans: list[LayerPlan], out: Path, *, layout: str, float_dtype: torch.dtype,
                   compute_dtype: torch.dtype, device: torch.device, recipe: dict[str, Any] | None,
-                  console: Console | None = None) -> dict[str, Any]:
-    """Read `source` (load.SourceFile) tensor by tensor, quantize per `plans`, write `out`; returns figures."""
+                  console: Console | None = None, overwrite: bool = False) -> dict[str, Any]:
+    """Read `source` (load.SourceFile) tensor by tensor, quantize per `plans`, write `out` (an existing `out` is
+    replaced only with `overwrite`); returns figures."""
     from lowbit_pipe.version import __version__
 
     console = console or Console()
@@ -109,7 +110,7 @@ def stream_export(source: Any, plans: list[LayerPlan], out: Path, *, layout: str
         summary: dict[str, dict] = {}
         counts: Counter[str] = Counter()
         bytes_before = bytes_after = 0
-        with StreamingWriter(out, bound, inputs=(source.path,)) as writer:
+        with StreamingWriter(out, bound, inputs=(source.path,), replace=overwrite) as writer:
             for key in console.progress(keys, "export: stream"):
                 layer, _, suffix = key.rpartition(".")
                 if layer in quant_layers and suffix == "weight":

@@ -22,6 +22,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import socket
 import time
 from dataclasses import dataclass
@@ -133,14 +134,34 @@ def _umask() -> int:
     return mask
 
 
-def publish(tmp: Path, path: Path) -> None:
+def publish(tmp: Path, path: Path, *, replace: bool = True) -> None:
     """Give a finished temp file the permissions a new file gets, fsync it, rename it onto `path`, fsync the folder
-    (so the rename survives a power cut too)."""
+    (so the rename survives a power cut too). `replace=False`: FileExistsError when `path` exists, decided
+    atomically (a hard link never replaces), so of two writers racing for one new path exactly one wins."""
     os.chmod(tmp, 0o666 & ~_umask())
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
-    os.replace(tmp, path)
+    if replace:
+        os.replace(tmp, path)
+    else:
+        _link_new(tmp, path)
     _fsync_folder(path.parent)
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """Move `tmp` to `path` only if nothing is there (FileExistsError otherwise)."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError as err:  # a filesystem without hard links: check, then rename (no longer atomic)
+        if err.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    os.unlink(tmp)
 
 
 def _fsync_folder(folder: Path) -> bool:
@@ -158,6 +179,27 @@ def _fsync_folder(folder: Path) -> bool:
         os.close(fd)
 
 
+def move(src: Path, dst: Path, *, replace: bool) -> None:
+    """Move a finished file to `dst` (another filesystem too: copied beside `dst`, then published);
+    `replace=False`: FileExistsError when `dst` exists, `src` left in place."""
+    try:
+        if replace:
+            os.replace(src, dst)
+        else:
+            _link_new(src, dst)
+        return
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+    tmp = temp_path(dst)
+    try:
+        shutil.copyfile(src, tmp)
+        publish(tmp, dst, replace=replace)
+    finally:
+        _discard(tmp)
+    os.unlink(src)
+
+
 @contextlib.contextmanager
 def folder_lock(folder: Path) -> Iterator[None]:
     """An exclusive lock on `folder` (flock on the folder itself: no lock file to leave behind) while a set of
@@ -170,18 +212,23 @@ def folder_lock(folder: Path) -> Iterator[None]:
         os.close(fd)  # releases the lock
 
 
-def publish_together(files: list[tuple[Path, Path]], commit: tuple[Path, Path]) -> None:
+def publish_together(files: list[tuple[Path, Path]], commit: tuple[Path, Path], *, replace: bool = True) -> None:
     """Publish (temp, target) pairs that only make sense together (shards and their index; a model file and its
     LoRA file): under `folder_lock`, the old `commit` target (the index, the model file) is removed first, then
     every file is renamed into place, `commit` last. Whatever stops it midway (SIGKILL, power) leaves the previous
-    set whole or no `commit` file at all, never a `commit` that names files of another set."""
+    set whole or no `commit` file at all, never a `commit` that names files of another set. `replace=False`:
+    FileExistsError, before anything is renamed, when any target exists."""
     commit_tmp, commit_path = commit
     with folder_lock(commit_path.parent):
+        if not replace:
+            taken = next((p for _, p in [*files, commit] if os.path.lexists(p)), None)
+            if taken is not None:
+                raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(taken))
         commit_path.unlink(missing_ok=True)
         _fsync_folder(commit_path.parent)
         for tmp, path in files:
-            publish(tmp, path)
-        publish(commit_tmp, commit_path)
+            publish(tmp, path, replace=replace)
+        publish(commit_tmp, commit_path, replace=replace)
 
 
 def write_temp_text(path: str | Path, text: str) -> Path:
@@ -229,6 +276,10 @@ def write_error(err: OSError, path: str | Path, *, needed: int | None = None, wr
         room = f"{free} bytes free" if free is not None else "free space unknown"
         return WriteError(str(path), f"disk full: writing it {need}, {room} on {path.parent} "
                                      "(nothing was written; the previous file, if any, is untouched)")
+    if err.errno == errno.EEXIST:
+        taken = getattr(err, "filename", None) or path
+        return WriteError(str(taken), "exists (another run may have written it meanwhile); nothing was replaced "
+                                      "(export.overwrite=true replaces it)")
     return WriteError(str(path), f"cannot write: {err.strerror or err} (the previous file, if any, is untouched)")
 
 

@@ -59,7 +59,7 @@ def _killed_run(tmp_path: Path, point: str, extra: list[str], previous: bool) ->
         atomic_save({"previous": torch.arange(10, dtype=torch.float32)}, out)
         before = out.read_bytes()
     run_dir = tmp_path / "run"
-    proc = _child("kill", point, str(run_dir), *EXPORT, *extra, f"export.path={out}")
+    proc = _child("kill", point, str(run_dir), *EXPORT, *extra, f"export.path={out}", "export.overwrite=true")
     assert proc.returncode == -9, proc.stderr[-2000:]
     return out, before, run_dir
 
@@ -87,7 +87,8 @@ def test_sigkill_leaves_the_previous_file_or_nothing_and_the_next_run_cleans(tmp
     # purge finds it from the run dir, although the export went elsewhere (a dry run: the next write cleans it)
     found = purge_run_dir(run_dir, dry_run=True)["removed"]
     assert [Path(r["path"]) for r in found] == stale
-    lowbit_pipe.run("default", [*EXPORT, *extra, f"export.path={out}"], run_dir=tmp_path / "again")
+    lowbit_pipe.run("default", [*EXPORT, *extra, f"export.path={out}", "export.overwrite=true"],
+                    run_dir=tmp_path / "again")
     assert _temps(out.parent) == [] and len(_reloads(out)) > 1
 
 

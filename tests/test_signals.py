@@ -79,8 +79,8 @@ def test_a_signal_mid_write_leaves_no_partial_export(tmp_path, monkeypatch):
     out = tmp_path / "out" / "model.safetensors"
     out.parent.mkdir()
     out.write_bytes(b"the previous export")
-    with pytest.raises(Interrupted):
-        lowbit_pipe.run("default", [f"export.path={out}"], run_dir=tmp_path / "run")
+    with pytest.raises(Interrupted):  # asked to replace it: the previous file stays whole until the new one is
+        lowbit_pipe.run("default", [f"export.path={out}", "export.overwrite=true"], run_dir=tmp_path / "run")
     assert out.read_bytes() == b"the previous export" and _temps(tmp_path) == []
     report = json.loads((tmp_path / "run" / "report.json").read_text())
     assert report["interrupted"]["stage"] == "export" and report["stages"]["teardown"]["proven"]

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from lowbit_pipe import layout
 from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
-from lowbit_pipe.checkpoint import metadata_json, save_unpublished
+from lowbit_pipe.checkpoint import export_targets, metadata_json, save_unpublished
 from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.context import Context
 from lowbit_pipe.formats import decode_record, is_stock_loadable
@@ -142,19 +142,19 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
                 nbytes += size
                 files.append(str(shard_path))
                 weight_map.update({k: shard_path.name for k in part})
-            index = path.with_name(f"{stem}.safetensors.index.json")
+            index = export_targets(path).index
             index_tmp = write_temp_text(index, json.dumps({"metadata": {"total_size": total, **metadata},
                                                            "weight_map": weight_map}))
             pending.append(index_tmp)
             commit, written = (index_tmp, index), str(index)
         if residual:
-            lora_path = path.with_name(path.name.removesuffix(".safetensors") + ".lora.safetensors")
+            lora_path = export_targets(path).lora
             lora_tmp, result["lora_bytes"] = save_unpublished(lora_state, lora_path, lora_meta, console=console,
                                                               label="export: write LoRA")
             pending.append(lora_tmp)
             together.insert(0, (lora_tmp, lora_path))
             result["lora_path"] = str(lora_path)
-        _publish_export(together, commit)
+        _publish_export(together, commit, replace=cfg.overwrite)
     finally:
         discard(pending)  # nothing left once published; a stopped export (error, interrupt) leaves no temp file
     result = {"path": written, "bytes": nbytes, "files": len(files) + bool(residual), "tensors": len(state),
@@ -162,14 +162,15 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     return result
 
 
-def _publish_export(together: list[tuple[Path, Path]], commit: tuple[Path, Path]) -> None:
+def _publish_export(together: list[tuple[Path, Path]], commit: tuple[Path, Path], *, replace: bool) -> None:
     """One file: a rename. Files that belong together (shards and their index; a model and its LoRA file):
-    published as a set, the index (or model) last, so a reader never meets a mix of two exports."""
+    published as a set, the index (or model) last, so a reader never meets a mix of two exports. `replace=False`:
+    an existing target (written meanwhile by another run) stops it with nothing replaced."""
     try:
         if together:
-            publish_together(together, commit)
+            publish_together(together, commit, replace=replace)
         else:
-            publish(*commit)
+            publish(*commit, replace=replace)
     except OSError as err:
         raise write_error(err, commit[1]) from err
 
@@ -201,7 +202,8 @@ class Export(Stage):
                 torch.device("cuda" if torch.cuda.is_available() else "cpu")
             device = compute_device(ctx.recipe.quantize.compute_device) or device
             result = stream_export(ctx.stream, ctx.plans, path, layout=cfg.layout, float_dtype=dtype,
-                                   compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console)
+                                   compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console,
+                                   overwrite=cfg.overwrite)
             warn_comfy_kinds(_written_records(Path(result["path"])))
             ctx.report["export"] = result
             return {k: v for k, v in result.items() if k not in ("not_stock_comfy", "layers")}
