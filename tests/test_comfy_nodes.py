@@ -97,7 +97,7 @@ def _stock_lora(model: Patcher, layers: list[str], rank: int = 4, strength: floa
     return deltas
 
 
-def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
+def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path, monkeypatch):
     model, lora_file = krea2
     original = model.model.diffusion_model
     before = {k: v.clone() for k, v in original.state_dict().items()}
@@ -115,9 +115,11 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
     assert da.abs().max() > 0 and torch.allclose(da, 2 * db, rtol=1e-4, atol=1e-6)  # linear in strength
     assert torch.equal(_layer(quantized)(x), base_out)  # the quantized MODEL upstream has no branch
 
-    shown = LowbitExport().export(a, str(tmp_path / "out" / "m.safetensors"))
-    path = shown["result"][0]
-    assert "wrote" in shown["ui"]["text"][0] and path.endswith("m.safetensors")
+    monkeypatch.chdir(tmp_path)  # outside ComfyUI the node writes under the working directory
+    shown = LowbitExport().export(a, "out/m.safetensors")
+    assert shown["result"][0] == "out/m.safetensors"  # relative: the UI never shows the server's absolute paths
+    assert "wrote out/m.safetensors" in shown["ui"]["text"][0] and str(tmp_path) not in shown["ui"]["text"][0]
+    path = str(tmp_path / shown["result"][0])
     # A ComfyUI model carries no diffusers constructor config: a reload of a tiny one names it.
     config = [f"+model.config.{k}={v}".replace(" ", "") for k, v in tiny_model_config("krea2").items()]
     again = lowbit_pipe.run("default", [f"model.path={path}", "pipeline=[load]", *config], run_dir=tmp_path / "reload")
@@ -125,7 +127,7 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
 
     refs = [weakref.ref(m) for t in (quantized, a, b) for m in t.get_model_object("diffusion_model").modules()
             if isinstance(m, QuantLinear)]
-    count = LowbitQuantize.IS_CHANGED(unique_id="7")
+    count, other = LowbitQuantize.IS_CHANGED(unique_id="7"), LowbitQuantize.IS_CHANGED(unique_id="8")
     latent = {"samples": torch.zeros(1)}
     shown = LowbitPurge().purge(b, after=latent)
     assert shown["result"][0] is latent  # the pass-through
@@ -134,7 +136,7 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
     assert '"retained_bytes": 0' in text and '"unfreed": []' in text, text
     assert all(r() is None for r in refs)  # every quantized layer of every MODEL made from the run is gone
     assert LowbitQuantize.IS_CHANGED(unique_id="7") != count  # a re-queue re-runs the Quantize node
-    assert LowbitQuantize.IS_CHANGED(unique_id="8") == LowbitQuantize.IS_CHANGED(unique_id="8")
+    assert LowbitQuantize.IS_CHANGED(unique_id="8") == other  # another node's run was not purged: it stays cached
     for t in (quantized, a, b):  # those MODELs (ComfyUI may still cache them) refuse to run: never a float result
         tree = t.get_model_object("diffusion_model")
         assert not any(isinstance(m, QuantLinear) or "lora" in m._modules for m in tree.modules())
@@ -143,7 +145,7 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path):
     with pytest.raises(PurgedModelError, match="LoRA residual"):
         LowbitLoRA().attach(a, lora_file, 1.0)
     with pytest.raises(PurgedModelError, match="Export"):
-        LowbitExport().export(b, str(tmp_path / "out" / "again.safetensors"))
+        LowbitExport().export(b, "out/again.safetensors")
     assert "already purged" in LowbitPurge().purge(a)["ui"]["text"][0]
     after = original.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)

@@ -24,7 +24,6 @@ tooltips) and need nothing of ComfyUI but the MODEL objects they are given (and 
 from __future__ import annotations
 
 import json
-import shutil
 import time
 import warnings
 from pathlib import Path
@@ -37,6 +36,7 @@ from lowbit_pipe.comfy import node_runs
 from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
 from lowbit_pipe.comfy.patchers import model_with_tree, release_weights, unload_from_comfy
 from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.tempfiles import move
 
 CATEGORY = "lowbit_pipe"
 AUTO = "auto"
@@ -99,21 +99,31 @@ def _refuse_patched_quantized(executor: Any, model: Any, *args: Any, **kwargs: A
     return executor(model, *args, **kwargs)
 
 
-def _recipe_arg(recipe: str, arch_id: str | None) -> str | dict:
-    """"auto" (the arch's default), a packaged recipe's name, a .yaml path, or YAML text pasted into the node."""
+def node_recipe(recipe: str, overrides: str, arch_id: str | None, fixed: list[str] = ()) -> Any:
+    """The Recipe a Quantize node runs: its `recipe` input ("auto" (the arch's default), a packaged recipe's name, a
+    .yaml file in models/lowbit_recipes, or YAML text) with its override lines, every part checked as hostile input
+    (lowbit_pipe.comfy.node_inputs), then `fixed` (the node's own settings) and the node's pipeline."""
+    from lowbit_pipe.comfy import node_inputs
+    from lowbit_pipe.compose import compose_recipe, parse_recipe_text, read_recipe_file
+    from lowbit_pipe.paths import packaged_recipes
+
     text = recipe.strip()
+    lines = node_inputs.overrides(overrides)
     if text in ("", AUTO):
-        return ARCH_RECIPES.get(arch_id or "", DEFAULT_RECIPE)
-    if "\n" in text or ":" in text and not text.endswith((".yaml", ".yml")):
-        data = OmegaConf.to_container(OmegaConf.create(text), resolve=False)
-        if not isinstance(data, dict):
-            raise ValueError(f"recipe: YAML text must be a mapping of stage keys, got {type(data).__name__}")
-        return data
-    return text
-
-
-def _overrides(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+        source: str | dict = ARCH_RECIPES.get(arch_id or "", DEFAULT_RECIPE)
+    elif "\n" in text or ":" in text and not text.endswith((".yaml", ".yml")):
+        source = parse_recipe_text(text, "recipe")
+        node_inputs.check_recipe_data(source, "recipe")
+    elif text.endswith((".yaml", ".yml")):
+        path = node_inputs.recipe_file(text, _recipe_folder())
+        label = f"models/{node_inputs.RECIPE_FOLDER}/{text}"
+        source = read_recipe_file(path, label)
+        node_inputs.check_recipe_data(source, label)
+    elif text in packaged_recipes():
+        source = text
+    else:
+        raise node_inputs.unknown_recipe(text)
+    return compose_recipe(source, [*fixed, *lines, "pipeline=[load,detect,quantize]"])
 
 
 def _ui(text: str, result: tuple) -> dict[str, Any]:
@@ -173,16 +183,16 @@ class LowbitQuantize:
             raise ValueError(f"{made_by}: this MODEL comes from a lowbit_pipe node already (quantized, or with lowbit "
                              "LoRA branches); quantize the float MODEL, then add LoRAs")
         patches = weight_patches.read_patches(dict(getattr(model, "patches", {}) or {}))
-        release_weights(model)  # the shared model must hold its own weights, not another clone's patched ones
         found = detect_module(source)
         arch_id = found.arch.id if found is not None else None
-        tree = structural_copy(source)
         # Round on ComfyUI's GPU, layer by layer; the model stays where ComfyUI keeps it until it samples.
         device = getattr(model, "load_device", None)
         on_gpu = [f"quantize.compute_device={device}"] if getattr(device, "type", None) == "cuda" else []
-        result = lowbit_pipe.run(_recipe_arg(recipe, arch_id),
-                                 [*on_gpu, *_overrides(overrides), "pipeline=[load,detect,quantize]"],
-                                 model=tree, run_dir=_run_dir(unique_id), calibrate=_calibration(tree, arch_id, conditioning, latent))
+        composed = node_recipe(recipe, overrides, arch_id, on_gpu)  # refused here, before anything changes
+        release_weights(model)  # the shared model must hold its own weights, not another clone's patched ones
+        tree = structural_copy(source)
+        result = lowbit_pipe.run(composed, model=tree, run_dir=_run_dir(unique_id),
+                                 calibrate=_calibration(tree, arch_id, conditioning, latent, composed.quantize))
         run = NodeRun(result.context.ledger, made_by, unique_id, result)
         try:
             quantized = {name for name, m in tree.named_modules() if isinstance(m, QuantLinear)}
@@ -232,16 +242,16 @@ def _branches_from_patches(tree: Any, model: Any, patches: Any, quantized: set[s
             if weight_patches._layer_of(k if isinstance(k, str) else k[0]) not in quantized}
 
 
-def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any) -> Any:
+def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any, qz: Any) -> Any:
     """The calibrate function the run uses where its recipe calibrates (None for an arch this cannot feed; the
-    run then says calibration needs inputs). Inputs are drawn lazily: a recipe that does not calibrate costs
-    nothing."""
+    run then says calibration needs inputs), with the recipe's calibration samples, steps and seed (`qz`, its
+    quantize section). Inputs are drawn lazily: a recipe that does not calibrate costs nothing."""
     from lowbit_pipe.comfy import native_inputs as ni
-    from lowbit_pipe.recipe import EvaluateConfig, QuantizeConfig
+    from lowbit_pipe.recipe import EvaluateConfig
 
     if arch_id not in ni.SUPPORTED:
         return None
-    ev, qz = EvaluateConfig(), QuantizeConfig()  # the CLI's calibration sizes and seeds
+    ev = EvaluateConfig()  # the CLI's example-input sizes
 
     def sample(i: int) -> Any:
         param = next(p for p in tree.parameters() if p.is_floating_point())
@@ -364,37 +374,58 @@ class LowbitExport:
         return {"required": {
             "model": ("MODEL", {"tooltip": "the model to write (quantized or not)"}),
             "filename": ("STRING", {"default": "lowbit/model.safetensors", "tooltip": (
-                "a path under models/diffusion_models (or an absolute path); an existing file is replaced whole "
-                "(written beside, then renamed)")}),
+                "a file name in models/diffusion_models: 'name' or 'folder/name' (.safetensors is added)")}),
+        }, "optional": {
+            "overwrite": ("BOOLEAN", {"default": False, "tooltip": (
+                "replace an existing file of that name (and its LoRA file); off: an existing file is never touched")}),
         }}
 
-    def export(self, model: Any, filename: str) -> dict[str, Any]:
+    def export(self, model: Any, filename: str, overwrite: bool = False) -> dict[str, Any]:
         import lowbit_pipe
+        from lowbit_pipe.checkpoint import export_targets
+        from lowbit_pipe.comfy import node_inputs
+        from lowbit_pipe.lora import has_residual_lora
 
         node_runs.check_usable(_tree(model), "Export (lowbit_pipe)")
-        out = Path(filename)
-        if not out.is_absolute():
-            out = (_models_dir("diffusion_models") or Path.cwd()) / out
-        if out.suffix != ".safetensors":
-            out = out.with_name(out.name + ".safetensors")
+        base = _models_dir("diffusion_models") or Path.cwd()
+        out = node_inputs.inside(base, node_inputs.safe_name(filename, "filename", suffixes=(".safetensors",)),
+                                 "filename")
+        targets = export_targets(out)
+        loras = _models_dir("loras")
+        lora_target = loras / targets.lora.name if loras is not None else targets.lora
+        lora = has_residual_lora(_tree(model))
+        for path in (out, targets.index, *((targets.lora, lora_target) if lora else ())):  # before any work
+            node_inputs.free_target(path, "filename", overwrite=overwrite)
+        out.parent.mkdir(parents=True, exist_ok=True)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            figures = lowbit_pipe.export(model, out)
-        lines = [f"wrote {figures['path']} ({figures.get('bytes', 0) / 2**20:.1f} MiB)"]
-        lora_path = figures.get("lora_path")
-        if lora_path:  # inside ComfyUI: into models/loras, where LoRA loaders look
-            loras = _models_dir("loras")
-            target = loras / Path(lora_path).name if loras is not None else Path(lora_path)
-            if Path(lora_path) != target:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(lora_path, target)
-            lines.append(f"LoRA branches: {target}")
+            figures = lowbit_pipe.export(model, out, overwrite=overwrite)
+        shown = _shown(Path(figures["path"]))
+        lines = [f"wrote {shown} ({figures.get('bytes', 0) / 2**20:.1f} MiB)"]
+        if figures.get("lora_path"):  # inside ComfyUI: into models/loras, where LoRA loaders look
+            if Path(figures["lora_path"]) != lora_target:
+                move(Path(figures["lora_path"]), lora_target, replace=overwrite)
+            lines.append(f"LoRA branches: {_shown(lora_target)}")
         lines += [f"warning: {w.message}" for w in caught]
         patched = len(getattr(model, "patches", {}) or {})
         if patched:
             lines.append(f"note: {patched} ComfyUI weight patches on float layers are not in the file")
         text = "\n".join(lines)
-        return _ui(text, (str(figures["path"]),))
+        return _ui(text, (shown,))
+
+
+def _shown(path: Path) -> str:
+    """A written file as the UI shows it: relative to ComfyUI's models folder (the working directory outside
+    ComfyUI), never the server's absolute path."""
+    try:
+        import folder_paths
+        base = Path(folder_paths.models_dir)
+    except ImportError:
+        base = Path.cwd()
+    try:
+        return str(path.resolve().relative_to(base.resolve()))
+    except ValueError:
+        return path.name
 
 
 # ============================================================================================== Purge
@@ -541,6 +572,17 @@ def _run_dir(node_id: str | None) -> Path:
     return Path(folder_paths.get_output_directory()) / "lowbit_runs" / stamp
 
 
+def _recipe_folder() -> Path | None:
+    """ComfyUI's models/lowbit_recipes (the only folder a node reads recipe files from); None outside ComfyUI."""
+    from lowbit_pipe.comfy.node_inputs import RECIPE_FOLDER
+
+    try:
+        import folder_paths
+    except ImportError:
+        return None
+    return Path(folder_paths.models_dir) / RECIPE_FOLDER
+
+
 def _lora_choices() -> list[str]:
     try:
         import folder_paths  # ComfyUI's
@@ -550,12 +592,16 @@ def _lora_choices() -> list[str]:
 
 
 def _lora_path(name: str) -> str:
-    if Path(name).is_file():
-        return name
+    """Inside ComfyUI: a file of ComfyUI's LoRA list, nothing else (the input is any text a prompt sends). Outside
+    ComfyUI (scripts, tests): a path."""
     try:
         import folder_paths
     except ImportError:
+        if Path(name).is_file():
+            return name
         raise FileNotFoundError(f"no LoRA file '{name}'") from None
+    if name not in folder_paths.get_filename_list("loras"):
+        raise FileNotFoundError(f"lora_name: '{name}' is not in ComfyUI's LoRA list (models/loras)")
     return folder_paths.get_full_path_or_raise("loras", name)
 
 
