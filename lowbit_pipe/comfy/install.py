@@ -12,8 +12,9 @@ Run it with ComfyUI's own Python after `pip install lowbit_pipe` there. It write
 - `pyproject.toml`, the pack's metadata in the Comfy Registry's convention (`requires-comfyui` included);
 - `example_workflows/*.json`, copies of the package's example workflows, when it has any.
 
-Every file is written atomically. An `__init__.py` with other content (not one this command wrote) is
-refused without `--force`.
+Every file is written atomically. A pack folder this command did not write (no `__init__.py` of ours in it: another
+pack of the same name, or an empty folder someone made) is refused without `--force`; a symbolic link at the pack
+folder or inside it is refused always (writing through it would land wherever it points).
 """
 
 from __future__ import annotations
@@ -134,15 +135,29 @@ def install(comfyui_dir: str | Path | None = None, *, base_directory: str | Path
     pack = custom_nodes_dir(comfyui_dir, base_directory=base_directory) / PACK
     files = pack_files(workflow_source)  # read (and checked) before anything is written
     target = pack / "__init__.py"
-    if target.exists():
-        current = target.read_text()
-        if current != SHIM and current not in PREVIOUS_SHIMS and not force:
-            raise LowbitError(f"{target} exists with other content; pass --force to replace it")
+    _check_target(pack, files, force)
     for f in files:
         path = pack / f.relpath
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(path, f.text)
     return target
+
+
+def _check_target(pack: Path, files: list[PackFile], force: bool) -> None:
+    """Refuse a symlinked pack folder (or file or sub-folder in it), and a same-name folder this command did not
+    write unless `force`."""
+    for path in [pack, *{pack / Path(f.relpath).parent for f in files}, *(pack / f.relpath for f in files)]:
+        if path.is_symlink():
+            raise LowbitError(f"{path} is a symbolic link (to {path.readlink()}); install writes only into a real "
+                              "folder: remove the link first")
+    if not pack.exists() or force:
+        return
+    entry = pack / "__init__.py"
+    ours = entry.is_file() and entry.read_text() in (SHIM, *PREVIOUS_SHIMS)
+    if not ours:
+        what = "an __init__.py with other content" if entry.exists() else "no __init__.py of this command's"
+        raise LowbitError(f"{pack} exists with {what} (another node pack of that name?); pass --force to replace "
+                          "its files")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--base-directory", dest="base_directory", default=None,
                    help="instead of the ComfyUI folder: the folder ComfyUI is started with --base-directory "
                         "(the pack goes into its custom_nodes/, created if missing)")
-    i.add_argument("--force", action="store_true", help="replace an entry file with other content")
+    i.add_argument("--force", action="store_true",
+                   help="write into a same-name folder this command did not create (its files are replaced)")
     args = p.parse_args(argv)
     try:
         path = install(args.comfyui_dir, base_directory=args.base_directory, force=args.force)
