@@ -178,7 +178,8 @@ def test_purge_then_requeue_gives_the_quantized_result_again(comfy, arch):
 
     def workflow(seed: int) -> dict[str, Any]:
         g = {**m, **sampler_nodes(arch, ["r", 0], seed, "w_", float_model=["m", 0])}
-        g["x"] = {"class_type": "LowbitExport", "inputs": {"model": ["r", 0], "filename": f"lowbit/{arch}_int8.safetensors"}}
+        g["x"] = {"class_type": "LowbitExport", "inputs": {"model": ["r", 0], "filename": f"lowbit/{arch}_int8.safetensors",
+                                                            "overwrite": True}}  # the re-queue writes it again
         g["p"] = {"class_type": "LowbitPurge", "inputs": {"model": ["r", 0], "after": ["w_k", 0]}}
         return g
 
@@ -419,6 +420,35 @@ def test_a_stock_lora_after_quantize_is_refused_before_comfyui_touches_the_weigh
     with pytest.raises(cs.PromptError, match="LoRA loaded after Quantize.*LoRA residual"):
         sample(comfy, arch, g, ["s", 0], 5, "gs_")
     assert torch.equal(sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 5, "gg_"), floating)  # nothing left patched
+
+
+# ---------------------------------------------------------------------------------------------- hostile prompts
+def test_hostile_prompts_are_refused_and_leak_nothing(comfy):
+    """What anyone who can reach the server may send (tests/test_hostile_inputs.py has every case against the node
+    functions): each is refused, no file appears outside models/, and neither a planted secret, a system file's
+    content nor an environment value reaches the error, /history or the server's log."""
+    import json
+    import secrets
+
+    canary = "canary-" + secrets.token_hex(8)
+    (comfy.base / "secret.yaml").write_text(f"quantize:\n  token: {canary}\n")
+    env_value = os.environ["PATH"]
+    export = {"class_type": "LowbitExport", "inputs": {"model": ["q", 0], "filename": "lowbit/hostile.safetensors"}}
+    cases = [(quantize(["m", 0], "/etc/passwd"), "is not 'auto', a packaged recipe"),
+             (quantize(["m", 0], "../../secret.yaml"), "is not a file name"),
+             (quantize(["m", 0], "default", "quantize.default.format=${oc.env:PATH}"), "resolver 'oc.env'"),
+             (quantize(["m", 0], "default", "hydra.searchpath=[file:///etc]"), "'hydra' is not read"),
+             (quantize(["m", 0], "a: &a [1]\nb: *a\n"), "anchors and aliases")]
+    for node, match in cases:
+        with pytest.raises(cs.PromptError, match=match) as err:
+            comfy.server.run({"m": loader("flux1"), "q": node, "x": export})
+        assert canary not in str(err.value) and "root:x:0:0" not in str(err.value) and env_value not in str(err.value)
+    escape = {"class_type": "LowbitExport", "inputs": {"model": ["m", 0], "filename": "../../escape"}}
+    with pytest.raises(cs.PromptError, match="is not a file name"):
+        comfy.server.run({"m": loader("flux1"), "x": escape})
+    assert not list(comfy.base.parent.rglob("escape*")) and not list(comfy.base.rglob("hostile*"))
+    seen = json.dumps(comfy.server.get("/history")) + comfy.server.log()
+    assert canary not in seen and "root:x:0:0" not in seen and env_value not in seen
 
 
 # ---------------------------------------------------------------------------------------------- example workflows
