@@ -222,3 +222,33 @@ def test_install_writes_the_node_pack_entry(tmp_path):
         install(tmp_path)
     assert install(tmp_path, force=True).read_text() == SHIM
     compile(SHIM, "shim", "exec")
+
+
+def test_quantize_refuses_a_quantized_model_and_a_recipe_of_another_arch(krea2):
+    import copy
+
+    model, _ = krea2
+    with pytest.raises(ValueError, match="'flux1_fp8' is written for flux1.*this MODEL is krea2"):
+        LowbitQuantize().quantize(model, "flux1_fp8", "")
+    tree = copy.deepcopy(model.model.diffusion_model)
+    lowbit_pipe.quantize(tree, {"default": {"format": "int8"}})
+    with pytest.raises(ValueError, match=r"quantized already \(\d+ layers, e.g. 'blocks.*Quantize takes a float"):
+        LowbitQuantize().quantize(Patcher(BaseModel(tree)), "default", "")
+    assert not isinstance(_layer(model), QuantLinear)
+
+
+def test_old_node_run_folders_are_pruned(tmp_path):
+    import os
+
+    from lowbit_pipe.comfy.nodes import prune_runs
+
+    for i in range(5):
+        run = tmp_path / f"2026-12-0{i + 1}" / f"10-00-00-node{i}"
+        run.mkdir(parents=True)
+        (run / "report.json").write_text("{}")
+        os.utime(run, (1000 + i, 1000 + i))
+    (tmp_path / "2026-12-01" / "notes.txt").write_text("not a run")
+    removed = prune_runs(tmp_path, keep=2)
+    assert [p.name for p in removed] == ["10-00-00-node0", "10-00-00-node1", "10-00-00-node2"]
+    assert sorted(p.name for p in tmp_path.glob("*/*-node*")) == ["10-00-00-node3", "10-00-00-node4"]
+    assert (tmp_path / "2026-12-01" / "notes.txt").exists() and not (tmp_path / "2026-12-02").exists()

@@ -122,3 +122,25 @@ def free_target(path: Path, what: str, *, overwrite: bool) -> None:
     """Refuse to write `path` over an existing file unless `overwrite`."""
     if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"{what}: {path.name} exists in {path.parent.name}/; set 'overwrite' to replace it")
+
+
+def recipe_arch(source: str | dict, depth: int = 0) -> str | None:
+    """The architecture a recipe is written for: the tiny model its `defaults` choose (`override /model: tiny_krea2`),
+    through the recipes it extends; None for a recipe of no architecture (default)."""
+    from lowbit_pipe.compose import read_recipe_file
+    from lowbit_pipe.paths import tiny_models
+
+    if isinstance(source, str):
+        path = packaged_recipes().get(source)
+        if path is None or depth > 8:
+            return None
+        source = read_recipe_file(path, source)
+    for item in source.get("defaults") or []:
+        if isinstance(item, dict) and len(item) == 1 and next(iter(item)).replace(" ", "") == "override/model":
+            model = tiny_models().get(str(next(iter(item.values()))))
+            return read_recipe_file(model, model.name).get("tiny_arch") if model is not None else None
+        if isinstance(item, str) and item != "_self_":
+            found = recipe_arch(item, depth + 1)
+            if found is not None:
+                return found
+    return None

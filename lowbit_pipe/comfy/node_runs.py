@@ -137,7 +137,9 @@ def purge(run: NodeRun, *, teardown: Any) -> dict[str, Any]:
     when = time.strftime("%H:%M:%S")
     run.purged = f"purged at {when}"
     reason = (f"this MODEL was made by {run.made_by}, whose run was purged by Purge (lowbit_pipe) at {when}; its "
-              "quantized layers are gone. Queue the workflow again: that node re-runs by itself")
+              "quantized layers are gone. In the same queue: Purge ran before this node; connect this node's output "
+              "(the sampler's LATENT, or what comes after it) to Purge's 'after' input so Purge runs last. From an "
+              "earlier queue: Queue the workflow again: that node re-runs by itself")
     for tree in trees:
         seal(tree, reason)
     del trees

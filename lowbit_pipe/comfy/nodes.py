@@ -123,6 +123,10 @@ def node_recipe(recipe: str, overrides: str, arch_id: str | None, fixed: list[st
         source = text
     else:
         raise node_inputs.unknown_recipe(text)
+    written_for = node_inputs.recipe_arch(source)
+    if written_for is not None and arch_id is not None and written_for != arch_id:
+        raise ValueError(f"recipe: '{text}' is written for {written_for} (its rules name {written_for}'s layers); this "
+                         f"MODEL is {arch_id}: use 'auto' or a {arch_id} recipe")
     return compose_recipe(source, [*fixed, *lines, "pipeline=[load,detect,quantize]"])
 
 
@@ -182,6 +186,11 @@ class LowbitQuantize:
         if node_runs.state_of(source) is not None:
             raise ValueError(f"{made_by}: this MODEL comes from a lowbit_pipe node already (quantized, or with lowbit "
                              "LoRA branches); quantize the float MODEL, then add LoRAs")
+        packed = [name for name, m in source.named_modules() if _is_quantized(m)]
+        if packed:
+            raise ValueError(f"{made_by}: this MODEL is quantized already ({len(packed)} layers, e.g. '{packed[0]}': a "
+                             "quantized file?); Quantize takes a float model. Add LoRAs to it with 'LoRA residual "
+                             "(lowbit_pipe)'")
         patches = weight_patches.read_patches(dict(getattr(model, "patches", {}) or {}))
         found = detect_module(source)
         arch_id = found.arch.id if found is not None else None
@@ -204,6 +213,9 @@ class LowbitQuantize:
         run.ledger.record("comfy_tree", "quantized diffusion model (node state)", lambda: node_runs.drop_state(tree),
                           check=lambda: node_runs.state_gone(tree))
         summary = (result.run_dir / "summary.txt").read_text()
+        calibration = (result.report.get("quantize") or {}).get("calibration")
+        if calibration:
+            summary += f"\ncalibrated on {calibration.get('source')}"
         converted = len(patches.low_rank) - sum(1 for layer in patches.low_rank if layer not in quantized)
         if converted:
             summary += f"\nComfyUI LoRA patches on {converted} quantized layers became exact residual branches"
@@ -561,15 +573,34 @@ class LowbitExampleInputs:
 
 
 # ============================================================================================== ComfyUI glue
+KEPT_RUNS = 50  # run folders of Quantize nodes kept under output/lowbit_runs; older ones are removed
+
+
 def _run_dir(node_id: str | None) -> Path:
     """Where a node's run writes its report: ComfyUI's output folder (lowbit_runs/<date>/<time>-node<id>), else
-    the working directory."""
+    the working directory. Inside ComfyUI the oldest run folders beyond KEPT_RUNS are removed first."""
     stamp = time.strftime("%Y-%m-%d/%H-%M-%S") + f"-{time.time_ns() % 10**6:06d}" + (f"-node{node_id}" if node_id else "")
     try:
         import folder_paths
     except ImportError:
         return Path("runs") / stamp
-    return Path(folder_paths.get_output_directory()) / "lowbit_runs" / stamp
+    runs = Path(folder_paths.get_output_directory()) / "lowbit_runs"
+    prune_runs(runs, KEPT_RUNS - 1)
+    return runs / stamp
+
+
+def prune_runs(runs: Path, keep: int) -> list[Path]:
+    """Remove all but the newest `keep` node run folders (`<date>/<time>-node<id>` holding a report.json; nothing
+    else is touched) and the date folders they leave empty; returns what was removed."""
+    import shutil
+
+    found = sorted((p.parent for p in runs.glob("*/*/report.json")), key=lambda p: p.stat().st_mtime)
+    removed = found[: max(len(found) - keep, 0)]
+    for folder in removed:
+        shutil.rmtree(folder)
+        if not any(folder.parent.iterdir()):
+            folder.parent.rmdir()
+    return removed
 
 
 def _recipe_folder() -> Path | None:
