@@ -167,6 +167,20 @@ def test_a_failed_measurement_falls_to_the_default_rule_and_says_so():
     assert "out of memory" in router.as_dict()["measure_errors"][K48_2048.label()]
 
 
+def test_a_report_made_before_any_call_shows_the_choices_made_after(tmp_path):
+    """quantize puts the applied attention's report in report.json before the model runs: the route's shapes are
+    the router's own dict, filled as calls come."""
+    router = _router(_paths(), _table(tmp_path, SIMULATED))
+    report = router.as_dict()
+    assert report["shapes"] == {}
+    router.choose(K48)
+    router.choose(F24_512)
+    assert report["shapes"][K48.label()] == {"path": X.CUDNN, "by": "measured",
+                                             "ms": {X.CUDNN: 0.7, "fp8": 0.93, X.STOCK: 0.787}}
+    assert report["shapes"][F24_512.label()]["path"] == X.STOCK
+    json.dumps(report)
+
+
 def test_pick_reads_the_call_shape(tmp_path):
     router = _router(_paths(), _table(tmp_path, SIMULATED))
     q = torch.empty(1, 4608, 48, 128, dtype=torch.bfloat16).transpose(1, 2)  # [B, H, N, D] view, diffusers' layout

@@ -159,6 +159,7 @@ class AttentionRouter:
         self.calls = calls if calls is not None else Counter()
         self.choices: dict[CallShape, Choice] = {}
         self.measure_errors: dict[str, str] = {}
+        self.shapes_report: dict[str, dict[str, Any]] = {}  # live: as_dict hands out this very dict
         self.key = next(_KEYS)
         _ROUTERS[self.key] = self
 
@@ -171,6 +172,9 @@ class AttentionRouter:
             return known
         choice = self._choose(shape, allow_measure)
         self.choices[shape] = choice
+        self.shapes_report[shape.label()] = {"path": choice.path, "by": choice.by,
+                                             **({"ms": {k: round(v, 4) for k, v in choice.ms.items()}}
+                                                if choice.ms else {})}
         return choice
 
     def _can_measure(self) -> bool:
@@ -248,16 +252,12 @@ class AttentionRouter:
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        """report.json's attention.route: the choice per shape, how it was made, and the times behind it."""
-        out: dict[str, Any] = {"route": self.route, "paths": [p.label for p in self.paths],
-                               "table": str(self.table.path) if self.table is not None else None,
-                               "shapes": {s.label(): {"path": c.path, "by": c.by,
-                                                      **({"ms": {k: round(v, 4) for k, v in c.ms.items()}}
-                                                         if c.ms else {})}
-                                          for s, c in self.choices.items()}}
-        if self.measure_errors:
-            out["measure_errors"] = dict(self.measure_errors)
-        return out
+        """report.json's attention.route: the choice per shape, how it was made, and the times behind it. Its
+        `shapes` and `measure_errors` are this router's own dicts, filled as calls come: a report made when the
+        attention was applied (before any call) shows every choice when it is written out after the run."""
+        return {"route": self.route, "paths": [p.label for p in self.paths],
+                "table": str(self.table.path) if self.table is not None else None,
+                "shapes": self.shapes_report, "measure_errors": self.measure_errors}
 
 
 @torch.library.custom_op("lowbit_pipe::routed_attention", mutates_args=())
