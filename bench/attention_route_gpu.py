@@ -106,13 +106,13 @@ def bench_shape(s: Shape, runner, args, timing) -> dict:
     from lowbit_pipe.attention import crossover as X
     from lowbit_pipe.kernels import attention8 as A
     from lowbit_pipe.kernels import qkv_fp8 as Q
-    from lowbit_pipe.kernels.cudnn_fp8_attention import PlanKey, reference_from_codes
+    from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key, reference_from_codes
     from lowbit_pipe.timing import time_ms
 
     row: dict = {"shape": s.name, **asdict(s), "checks": {}, "ms": {}, "x_sdpa": {}, "failures": [], "notes": []}
     q, k, v, mask = inputs(s)
     sm = 1.0 / math.sqrt(s.dim)
-    key = PlanKey(torch.cuda.current_device(), s.batch, s.heads, s.tokens, s.dim, s.masked, sm)
+    key = plan_key(torch.cuda.current_device(), s.batch, s.heads, s.tokens, s.dim, s.masked)
     t0 = time.perf_counter()
     why = runner.why_not(key)
     row["graph_build_s"] = round(time.perf_counter() - t0, 3)
@@ -201,12 +201,12 @@ def make_router(runner, args, table, measure: bool):
     from lowbit_pipe.attention import crossover as X
     from lowbit_pipe.attention.route import NO_KERNEL, attend8
     from lowbit_pipe.kernels.attention8 import GPU_CONFIGS
-    from lowbit_pipe.kernels.cudnn_fp8_attention import PlanKey
+    from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key
 
     dev = torch.cuda.current_device()
 
     def cudnn_why_not(s):
-        return runner.why_not(PlanKey(dev, s.batch, s.heads, s.tokens, s.head_dim, s.masked, s.head_dim ** -0.5))
+        return runner.why_not(plan_key(dev, s.batch, s.heads, s.tokens, s.head_dim, s.masked))
 
     paths = [X.Path8(X.CUDNN, "cudnn", f"{X.CUDNN} ({runner.version})", cudnn_why_not, runner),
              X.Path8("fp8", "triton", "triton_fp8", lambda s: None if s.head_dim in GPU_CONFIGS else NO_KERNEL,

@@ -60,7 +60,7 @@ def test_the_kernel_matches_its_torch_model_and_bf16_attention(runner, b, h, n, 
 
     q, k, v = _qkv(b, h, n, d, seed=n)
     sm = d ** -0.5
-    key = runner.plan_key(q, False, sm)
+    key = runner.plan_key(q, False)
     assert runner.why_not(key) is None, runner.why_not(key)
     out = runner(q, k, v)
     assert out.dtype == torch.bfloat16 and out.stride() == q.stride() and not torch.isnan(out).any()
@@ -85,7 +85,7 @@ def test_masked_keys_are_left_out_whatever_they_hold(runner):
     mask = torch.ones(2, 1536, dtype=torch.bool, device="cuda")
     mask[0, 77:512] = False
     mask[1, 300:512] = False
-    key = runner.plan_key(q, True, 128 ** -0.5)
+    key = runner.plan_key(q, True)
     why = runner.why_not(key)
     if why is not None:
         pytest.fail(f"cuDNN refused the padding mask: {why} (the router then sends masked calls to the Triton kernel)")
@@ -102,7 +102,7 @@ def test_a_batch_without_an_attended_key_gives_nan_as_torch_does(runner):
     q, k, v = _qkv(2, 2, 256, 64, seed=7)
     mask = torch.ones(2, 256, dtype=torch.bool, device="cuda")
     mask[1] = False
-    if runner.why_not(runner.plan_key(q, True, 64 ** -0.5)) is not None:
+    if runner.why_not(runner.plan_key(q, True)) is not None:
         pytest.skip("cuDNN refused the padding mask here")
     out = runner(q, k, v, key_mask=mask)
     assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
@@ -115,12 +115,12 @@ def test_the_router_is_never_slower_than_the_models_attention(runner, tmp_path):
     the fastest path here."""
     from lowbit_pipe.attention import crossover as X
     from lowbit_pipe.attention.route import NO_KERNEL, attend8
-    from lowbit_pipe.kernels.cudnn_fp8_attention import PlanKey
+    from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key
     from lowbit_pipe.timing import TimingSettings, time_ms
 
     dev = torch.cuda.current_device()
     paths = [X.Path8(X.CUDNN, "cudnn", "cudnn_fp8 (test)", lambda s: runner.why_not(
-                PlanKey(dev, s.batch, s.heads, s.tokens, s.head_dim, s.masked, s.head_dim ** -0.5)), runner),
+                plan_key(dev, s.batch, s.heads, s.tokens, s.head_dim, s.masked)), runner),
              X.Path8("fp8", "triton", "triton_fp8", lambda s: None if s.head_dim in (64, 128) else NO_KERNEL,
                      lambda q, k, v, sm, m: attend8(q, k, v, "fp8", sm, m))]
     router = X.AttentionRouter(paths, torch.device("cuda", dev), X.load_table(torch.device("cuda"), str(tmp_path)))

@@ -268,12 +268,12 @@ def _router(attention_format: str, device: torch.device, head_dims: tuple[int, .
     """The per-shape choice among cuDNN's kernel (when `cudnn`), the Triton kernel and the model's own attention."""
     paths = []
     if cudnn is not None:
-        from lowbit_pipe.kernels.cudnn_fp8_attention import PlanKey
+        from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key
 
         index = device.index if device.index is not None else torch.cuda.current_device()
 
         def cudnn_why_not(s: CallShape) -> str | None:
-            return cudnn.why_not(PlanKey(index, s.batch, s.heads, s.tokens, s.head_dim, s.masked, s.head_dim ** -0.5))
+            return cudnn.why_not(plan_key(index, s.batch, s.heads, s.tokens, s.head_dim, s.masked))
 
         paths.append(Path8(CUDNN, "cudnn", f"{CUDNN} ({cudnn.version})", cudnn_why_not, cudnn))
     served = head_dims or ()

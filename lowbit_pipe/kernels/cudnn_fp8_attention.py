@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import struct
 import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -66,7 +67,7 @@ def import_cudnn() -> Any:
 
 @dataclass(frozen=True)
 class PlanKey:
-    """What a built cuDNN graph is specific to."""
+    """What a built cuDNN graph is specific to (`plan_key`: the softmax scale as the fp32 cuDNN takes)."""
 
     device: int
     batch: int
@@ -75,6 +76,15 @@ class PlanKey:
     head_dim: int
     masked: bool
     sm_scale: float
+
+
+def plan_key(device: int, batch: int, heads: int, tokens: int, head_dim: int, masked: bool,
+             sm_scale: float | None = None) -> PlanKey:
+    """The key of a call form; sm_scale None: 1 / sqrt(head_dim). The scale is rounded to fp32 (cuDNN's), so
+    head_dim ** -0.5 and 1 / sqrt(head_dim), which differ in the last float64 bit, name one graph."""
+    sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(head_dim)
+    return PlanKey(int(device), int(batch), int(heads), int(tokens), int(head_dim), bool(masked),
+                   struct.unpack("f", struct.pack("f", sm))[0])
 
 
 @dataclass
@@ -114,10 +124,10 @@ class CudnnFP8Attention:
 
     # ----------------------------------------------------------------------------------------------- plans
     @staticmethod
-    def plan_key(q: torch.Tensor, masked: bool, sm_scale: float) -> PlanKey:
+    def plan_key(q: torch.Tensor, masked: bool, sm_scale: float | None = None) -> PlanKey:
         b, h, n, d = q.shape
-        return PlanKey(q.device.index if q.device.index is not None else torch.cuda.current_device(), int(b), int(h),
-                       int(n), int(d), bool(masked), float(sm_scale))
+        index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+        return plan_key(index, b, h, n, d, masked, sm_scale)
 
     def why_not(self, key: PlanKey) -> str | None:
         """Why cuDNN cannot run this form (None: it can). Builds its graph the first time (host work only)."""
@@ -201,8 +211,7 @@ class CudnnFP8Attention:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None,
                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q kᵀ * sm_scale) v for [B, H, N, D] q, k, v (any strides), in q's dtype and layout."""
-        sm = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-        key = self.plan_key(q, key_mask is not None, sm)
+        key = self.plan_key(q, key_mask is not None, sm_scale)
         why = self.why_not(key)
         if why is not None:
             raise RuntimeError(f"cuDNN FP8 attention cannot run {key}: {why}")
