@@ -357,7 +357,8 @@ def _child() -> None:
             torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-5, atol=1e-5,
                                        msg=f"{name}, {what}")
         got, ref = Q.quantize_qkv_fp8(q, k, v, mask), Q.reference_qkv_fp8(q, k, v, mask)
-        torch.testing.assert_close(got.scales, ref.scales, rtol=1e-6, atol=0, msg=f"scales, {what}")
+        torch.testing.assert_close(got.scales[:Q.DESCALE_O + 1, 0], ref.scales[:Q.DESCALE_O + 1, 0], rtol=1e-6, atol=0,
+                                   msg=f"scales, {what}")
         for name in ("q8", "k8", "v8"):
             a, r = getattr(got, name), getattr(ref, name)
             assert a.shape == (b, n, h, d) and a.dtype == torch.float8_e4m3fn and a.is_contiguous(), (name, what)

@@ -70,7 +70,7 @@ def test_the_kernel_matches_its_torch_model_and_bf16_attention(runner, b, h, n, 
     for name in ("q8", "k8", "v8"):
         differ = (getattr(qkv, name).view(torch.uint8) != getattr(ref, name).view(torch.uint8)).float().mean()
         assert differ < 1e-3, (name, float(differ))
-    torch.testing.assert_close(qkv.scales, ref.scales, rtol=1e-6, atol=0)
+    torch.testing.assert_close(qkv.scales[:Q.DESCALE_O + 1, 0], ref.scales[:Q.DESCALE_O + 1, 0], rtol=1e-6, atol=0)
     # cuDNN vs the torch model of its arithmetic on the same codes: P and O rounding flips only
     model = reference_from_codes(qkv, sm, torch.float32)
     assert _rel(out, model) < 0.03, _rel(out, model)

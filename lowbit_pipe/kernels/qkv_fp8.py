@@ -313,7 +313,8 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     if stats is None:
         stats = qkv_stats(q, k, v, key_mask, count)
     q8, k8, v8 = (torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn, device=dev) for _ in range(3))
-    scales = torch.zeros(SCALE_ROWS, SCALE_STRIDE, dtype=torch.float32, device=dev)
+    # rows DESCALE_Q..DESCALE_O written by the kernel, AMAX_S / AMAX_O by cuDNN; the other columns are padding
+    scales = torch.empty(SCALE_ROWS, SCALE_STRIDE, dtype=torch.float32, device=dev)
     valid = key_mask.view(torch.uint8) if key_mask is not None else scales
     _quantize_kernel[(triton.cdiv(n, QUANT_BLOCK), b * h)](
         q, k, v, valid, pos if pos is not None else scales, stats.k_mean, stats.v_mean, stats.amax, scales, q8, k8, v8,
