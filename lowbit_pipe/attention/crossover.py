@@ -215,11 +215,11 @@ class AttentionRouter:
         runs[STOCK] = stock_attention
         times = dict(times)
         try:
-            q, k, v, key_mask = self.inputs(shape, self.device)
+            x = self.inputs(shape, self.device)  # q, k, v, key_mask
             for name, run in runs.items():
                 if name not in times:
-                    times[name] = float(self.timer(lambda run=run: run(q, k, v, None, key_mask), self.device))
-            del q, k, v, key_mask
+                    times[name] = float(self.timer(lambda run=run, x=x: run(x[0], x[1], x[2], None, x[3]), self.device))
+            del x
         except Exception as err:  # a failed measurement must not fail the model's call
             self.measure_errors[shape.label()] = f"{type(err).__name__}: {str(err)[:300]}"
             return times
