@@ -17,11 +17,12 @@ The choice, per shape, once (then remembered):
    saved, unless the call is being captured into a CUDA graph or measuring is off.
 4. Otherwise the default rule (DEFAULT_MIN_TOKENS), from the figures measured on an H100 (issue 43, one run):
    cuDNN's kernel alone ran 0.84x torch's bf16 attention at 24 heads x 1280 tokens, 1.17-1.23x at 4608 and 1.42x
-   at 16896 (48 heads x 128); its q, k, v quantization costs about a fifth of the bf16 attention's time at 4608
-   tokens (three tensors read twice, written once in 8 bits, the output read and written once), and falls as
-   1/tokens. The Triton kernel's whole call: 0.22x at 1280, 0.77-0.85x at 4608, 1.13-1.16x at 16896. A masked call
-   is slower in torch (a boolean mask keeps SDPA off its cuDNN backend): 8-bit attention gained 4 % on the whole
-   Krea 2 forward with the text mask and lost 2 % without it, so masked calls take 8-bit paths from fewer tokens.
+   at 16896 (48 heads x 128). Its q, k, v quantization is estimated, not measured, at about a fifth of the bf16
+   attention's time at 4608 tokens (three tensors read twice and written once in 8 bits, the output read and
+   written once, at ~3 TB/s), falling as 1/tokens: hence 8192 tokens, not 4608. The Triton kernel's whole call:
+   0.22x at 1280, 0.77-0.85x at 4608, 1.13-1.16x at 16896. torch's masked SDPA is the slower: 8-bit attention
+   gained 4 % on the whole Krea 2 forward with the text mask and lost 2 % without it, so masked calls take 8-bit
+   paths from fewer tokens. bench/attention_route_gpu.py says where this rule's choice would be slower.
 
 Under torch.compile a routed call is one custom op (`lowbit_pipe::routed_attention`, a fake impl giving q's
 layout) whose implementation picks, counts and runs the path when the graph runs: the choice needs no constant
