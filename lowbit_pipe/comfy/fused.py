@@ -41,7 +41,8 @@ computes whatever model it sits in).
 
 On CUDA, ComfyUI's apply_rope / apply_rope1 already run as one comfy-kitchen kernel (its CUDA backend), so the
 RoPE part replaces one one-pass kernel by another; the norms are where passes are saved (Krea 2's upcast copy,
-norm and cast back; FLUX.1's copy of the strided q / k before torch's fused norm). Not timed on a GPU yet.
+norm and cast back; for FLUX.1 and Qwen-Image torch's own norm is one kernel already, on a strided q / k perhaps
+after a copy: little to gain there). Not timed on a GPU yet.
 """
 
 from __future__ import annotations
