@@ -256,6 +256,7 @@ class AttentionConfig:
     arch_keep: bool = True
     # The uncompiled path: the norms of known classes (Krea 2's RMSNorm, diffusers' RMSNorm) and the processors' RoPE
     # (apply_rotary_emb) as one-pass kernels on CUDA (lowbit_pipe.kernels.norm_rope); torch.compile fuses them anyway.
+    # On a ComfyUI model: ComfyUI's own RMSNorms and RoPE (Krea 2, FLUX.1, Qwen-Image; lowbit_pipe.comfy.fused).
     # Independent of `format`: bf16 attention gets it too.
     fused_norm_rope: bool = False
 

@@ -113,18 +113,24 @@ def rebound_class(stock_cls: type, rebinds: dict[str, Any], suffix: str, what: s
     against a copy of its globals with `rebinds` applied: nothing of the processor's code is copied, and its
     module's globals stay as they were. A class made by this function can be the stock class of another (the
     copy carries the first one's rebinds)."""
-    call = stock_cls.__call__
-    scope = dict(call.__globals__)  # the processor module's globals, some rebound; the module keeps its own
+    rebound = rebound_function(stock_cls.__call__, rebinds, f"{stock_cls.__name__}{suffix}.__call__")
+    return type(f"{stock_cls.__name__}{suffix}", (stock_cls,), {
+        "__call__": rebound, "__module__": __name__, "__doc__": f"{stock_cls.__name__} {what}."})
+
+
+def rebound_function(func: Callable[..., Any], rebinds: dict[str, Any], qualname: str) -> Callable[..., Any]:
+    """A new function of `func`'s code object, defaults and closure, run against a copy of its globals with
+    `rebinds` applied (the module's own globals stay as they were)."""
+    scope = dict(func.__globals__)
     scope.update(rebinds)
     # Without a module name torch.compile guards these globals as this very dict; with the module's name it would
     # look them up on the module (sys.modules), where they are the stock functions.
     scope.pop("__name__", None)
-    rebound = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
-    rebound.__kwdefaults__ = call.__kwdefaults__
-    rebound.__qualname__ = f"{stock_cls.__name__}{suffix}.__call__"
-    rebound.__doc__ = call.__doc__
-    return type(f"{stock_cls.__name__}{suffix}", (stock_cls,), {
-        "__call__": rebound, "__module__": __name__, "__doc__": f"{stock_cls.__name__} {what}."})
+    rebound = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+    rebound.__kwdefaults__ = func.__kwdefaults__
+    rebound.__qualname__ = qualname
+    rebound.__doc__ = func.__doc__
+    return rebound
 
 
 def processor_for(stock: Any, cls: type) -> Any:
