@@ -259,6 +259,10 @@ class AttentionConfig:
     # On a ComfyUI model: ComfyUI's own RMSNorms and RoPE (Krea 2, FLUX.1, Qwen-Image; lowbit_pipe.comfy.fused).
     # Independent of `format`: bf16 attention gets it too.
     fused_norm_rope: bool = False
+    # On a GPU, the kernel per call shape: "auto" the fastest of cuDNN's FP8 attention (fp8 only, the `cudnn` extra),
+    # the Triton kernel and the model's own attention, from times measured once per device and cached beside the speed
+    # table (quantize.speed_cache); "cudnn" / "triton" that kernel wherever it serves (lowbit_pipe.attention.crossover).
+    route: str = "auto"
 
 
 @dataclass
