@@ -256,8 +256,13 @@ class AttentionConfig:
     arch_keep: bool = True
     # The uncompiled path: the norms of known classes (Krea 2's RMSNorm, diffusers' RMSNorm) and the processors' RoPE
     # (apply_rotary_emb) as one-pass kernels on CUDA (lowbit_pipe.kernels.norm_rope); torch.compile fuses them anyway.
+    # On a ComfyUI model: ComfyUI's own RMSNorms and RoPE (Krea 2, FLUX.1, Qwen-Image; lowbit_pipe.comfy.fused).
     # Independent of `format`: bf16 attention gets it too.
     fused_norm_rope: bool = False
+    # On a GPU, the kernel per call shape: "auto" the fastest of cuDNN's FP8 attention (fp8 only, the `cudnn` extra),
+    # the Triton kernel and the model's own attention, from times measured once per device and cached beside the speed
+    # table (quantize.speed_cache); "cudnn" / "triton" that kernel wherever it serves (lowbit_pipe.attention.crossover).
+    route: str = "auto"
 
 
 @dataclass

@@ -92,6 +92,12 @@ def format_summary(report: dict[str, Any]) -> str:
         calls = ", ".join(f"{k} {v}" for k, v in (att.get("calls") or {}).items())
         lines.append(f"attention: {att['format']} on {att.get('modules', 0)} modules" +
                      (f" (calls: {calls})" if calls else "") + (f"; {att['note']}" if att.get("note") else ""))
+    fused = att.get("fused_norm_rope")
+    if fused:  # counts as applied (the kernels run later, when the model does: CUDA, eager)
+        lines.append(f"fused norm / RoPE kernels (eager, CUDA): {fused.get('norm_modules', 0)} norm modules, "
+                     f"{fused.get('rope_modules', fused.get('rope_processors', 0))} attention "
+                     f"{'modules' if 'rope_modules' in fused else 'processors'}"
+                     + (f" of {fused['code']}" if fused.get("code") else ""))
     plan = report.get("plan")
     if plan:
         lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])

@@ -163,6 +163,10 @@ def _check_attention(recipe: Recipe) -> None:
     if a.fused_norm_rope and "quantize" not in recipe.pipeline:
         raise RecipeError("attention.fused_norm_rope", f"is applied by the quantize stage, which the pipeline "
                                                        f"{list(recipe.pipeline)} lacks: add 'quantize', or set it false")
+    from lowbit_pipe.attention.crossover import ROUTES
+
+    if a.route not in ROUTES:
+        raise RecipeError("attention.route", f"must be one of {list(ROUTES)}, got '{a.route}'")
 
 
 def _check_device(path: str, device: str | None) -> None:

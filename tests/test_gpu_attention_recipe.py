@@ -1,6 +1,7 @@
 """The recipe's `attention:` on a GPU (Hopper or newer; skipped elsewhere): the tiny models in bf16 on CUDA run the
-Triton 8-bit attention kernel through their diffusers processors, eager and compiled (regional, Inductor), and
-teardown gives back the stock attention bit for bit.
+Triton 8-bit attention kernel through their diffusers processors (route="triton": the kernel wherever it serves),
+eager and compiled (regional, Inductor), and teardown gives back the stock attention bit for bit. The default
+route picks per call shape (lowbit_pipe.attention.crossover); cuDNN's FP8 path: tests/test_gpu_cudnn_attention.py.
 
     python3 -m pytest -q tests/test_gpu_attention_recipe.py
 """
@@ -38,7 +39,7 @@ def test_the_kernel_serves_the_joint_attention_and_teardown_restores(tiny_model,
     arch, inputs = _inputs(model)
     before = _out(model, arch, inputs)
     ledger = Ledger()
-    applied = apply_attention(model, qk_format, ledger)
+    applied = apply_attention(model, qk_format, ledger, route="triton")
     after = _out(model, arch, inputs)
     calls = dict(applied.calls)
     assert calls.get(qk_format, 0) >= 2, calls  # the joint blocks (head dim 64) run the kernel
@@ -62,8 +63,12 @@ def test_a_compiled_run_with_8bit_attention(tiny_model, tmp_path):
                                          "pipeline=[load,detect,quantize,compile,evaluate]"], model=model,
                              run_dir=tmp_path / "run")
     share = result.report["evaluate"]["attention"]
-    # the compiled blocks count their calls once, when traced (lowbit_pipe.attention.route.count_call)
-    assert share["calls"].get("fp8 (traced)", 0) > 0 and share["cosine"] > 0.999, share
+    # the default route: a routed call in a compiled block is one custom op that picks, counts and runs it when
+    # the graph runs (lowbit_pipe.attention.crossover), so calls are counted one by one, never as "(traced)";
+    # at these 272 tokens the model's own attention may well be the faster
+    assert sum(share["calls"].values()) > 0 and not any("(traced)" in c for c in share["calls"]), share
+    assert share["cosine"] > 0.999, share
+    assert result.report["attention"]["route"]["shapes"], result.report["attention"]
     assert result.report["evaluate"]["latency_ms"] is not None
     proof = lowbit_pipe.teardown(result)
     assert proof["unfreed"] == [] and proof["errors"] == [], proof

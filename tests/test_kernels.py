@@ -872,6 +872,31 @@ def case_norm_rope() -> None:
         _close(rope(xf, cos, sin, seq_dim), apply_rotary_emb(xf, (cos, sin), sequence_dim=seq_dim), 1e-6,
                f"rope fp32 sequence_dim={seq_dim}")
 
+    # ComfyUI's forms (lowbit_pipe.comfy.fused; against ComfyUI's own code in tests/test_comfy_fused.py): the norm
+    # reading a strided view (q sliced out of a packed qkv; a permuted [B, L, H, D]) into a contiguous result, and
+    # RoPE as 2x2 matrices [B, 1, L', D/2, 2, 2] (fp32 freqs; bf16 freqs computed in bf16), trimmed to L tokens
+    from lowbit_pipe.kernels.norm_rope import reference_rope_pairs, row_layout, rope_pairs
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 5e-3)):
+        qkv = (torch.randn(2, 7, 3 * 2 * 64, generator=gen) * 3).to(dtype)
+        q = qkv.view(2, 7, 3, 2, 64).permute(2, 0, 3, 1, 4)[0]
+        perm = (torch.randn(2, 7, 2, 64, generator=gen) * 3).to(dtype).permute(0, 2, 1, 3)
+        assert row_layout(q) is not None and row_layout(perm) is not None and not q.is_contiguous()
+        w = torch.randn(64, generator=gen) * 0.1
+        for view in (q, perm):
+            got = rms_norm(view, w, 1e-6, 1.0)
+            assert got.is_contiguous()
+            _close(got, reference_rms_norm(view, w, 1e-6, 1.0), tol, f"rms_norm strided view {dtype}")
+        angles = torch.rand(2, 1, 11, 32, generator=gen) * 6
+        freqs = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).view(2, 1, 11, 32, 2, 2)
+        x = torch.randn(2, 3, 9, 64, generator=gen).to(dtype)
+        for fdtype in (torch.float32, torch.bfloat16):  # bf16 freqs: four bf16 casts, each truncated here
+            f = freqs.to(fdtype)
+            _close(rope_pairs(x, f), reference_rope_pairs(x, f), tol if fdtype == torch.float32 else 2e-2,
+                   f"rope_pairs x {dtype} freqs {fdtype}")
+        _close(rope_pairs(x, freqs[:1, :, :1]), reference_rope_pairs(x, freqs[:1, :, :1]), tol,
+               f"rope_pairs one batch, one token of freqs (broadcast) {dtype}")
+
     # The whole tiny Krea 2 with both applied: the kernels on CPU tensors here (the interpreter), equal to the
     # stock forward but for rounding; teardown puts every forward and processor back.
     from lowbit_pipe.arch import detect_model

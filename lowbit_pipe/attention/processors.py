@@ -25,8 +25,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.route import (ATTENTION_FORMATS, STOCK, attend8, count_call, kernel_head_dims, route_call,
-                                         traced_counting)
+from lowbit_pipe.attention.crossover import (CUDNN, ROUTES, AttentionRouter, CallShape, Path8, load_table,
+                                             routed_attention_op)
+from lowbit_pipe.attention.route import (ATTENTION_FORMATS, NO_KERNEL, STOCK, attend8, call_form, count_call,
+                                         kernel_head_dims, traced_counting)
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
 
@@ -34,15 +36,24 @@ DISPATCH_GLOBAL = "dispatch_attention_fn"
 
 
 class Dispatch8:
-    """`dispatch_attention_fn`'s signature ([B, N, H, D] tensors, as diffusers' dispatch takes them): sdpa8 where
-    it serves the call, the stock dispatch otherwise; `calls` counts each path (format, or the stock reason)."""
+    """`dispatch_attention_fn`'s signature ([B, N, H, D] tensors, as diffusers' dispatch takes them): 8-bit attention
+    where it serves the call, the stock dispatch otherwise; `calls` counts each path (the Triton kernel's format,
+    "cudnn_fp8", or the stock reason). On a GPU `router` (lowbit_pipe.attention.crossover) picks the path per call
+    shape; without one the Triton kernel serves wherever it runs."""
 
     def __init__(self, qk_format: str, stock: Callable[..., torch.Tensor], calls: Counter,
-                 head_dims: tuple[int, ...] | None = None) -> None:
+                 head_dims: tuple[int, ...] | None = None, router: Any = None, cudnn: Any = None) -> None:
         self.qk_format = qk_format
         self.stock = stock
         self.calls = calls
         self.head_dims = head_dims  # what the kernel serves on the model's GPU, looked up once (not in traced code)
+        self.router = router
+        self.cudnn = cudnn  # lowbit_pipe.kernels.cudnn_fp8_attention.CudnnFP8Attention, when the router may pick it
+        self.cudnn_attend = None
+        if cudnn is not None:
+            from lowbit_pipe.kernels.cudnn_fp8_attention import attend
+
+            self.cudnn_attend = attend
         self.count_key = traced_counting(calls)
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
@@ -53,18 +64,27 @@ class Dispatch8:
         if enable_gqa and k.dim() == 4 and q.shape[1] != k.shape[1] and q.shape[1] % k.shape[1] == 0:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-        why, key_mask = route_call(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                   head_dims=self.head_dims)
+        why, key_mask = call_form(q, k, v, mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
         if why is None and attention_kwargs:
             why = "backend-specific attention_kwargs"
         if why is None and parallel_config is not None:
             why = "context parallelism"
+        path = self.qk_format
+        if why is None and q.is_cuda:
+            if self.router is not None:
+                if torch.compiler.is_compiling():  # one op: picked, counted and run when the graph runs
+                    return routed_attention_op(q, k, v, scale, key_mask, self.router.key).transpose(1, 2)
+                path, why = self.router.pick(q, key_mask is not None)
+            elif q.shape[-1] not in (self.head_dims if self.head_dims is not None else kernel_head_dims(q.device)):
+                why = NO_KERNEL
         if why is not None:
             count_call(self.calls, f"stock: {why}", self.count_key)
             return self.stock(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa, attention_kwargs=attention_kwargs, backend=backend,
                               parallel_config=parallel_config)
-        count_call(self.calls, self.qk_format, self.count_key)
+        count_call(self.calls, path, self.count_key)
+        if path == CUDNN:
+            return self.cudnn_attend(self.cudnn, q, k, v, scale, key_mask).transpose(1, 2)
         return attend8(q, k, v, self.qk_format, scale, key_mask).transpose(1, 2)
 
 
@@ -93,18 +113,24 @@ def rebound_class(stock_cls: type, rebinds: dict[str, Any], suffix: str, what: s
     against a copy of its globals with `rebinds` applied: nothing of the processor's code is copied, and its
     module's globals stay as they were. A class made by this function can be the stock class of another (the
     copy carries the first one's rebinds)."""
-    call = stock_cls.__call__
-    scope = dict(call.__globals__)  # the processor module's globals, some rebound; the module keeps its own
+    rebound = rebound_function(stock_cls.__call__, rebinds, f"{stock_cls.__name__}{suffix}.__call__")
+    return type(f"{stock_cls.__name__}{suffix}", (stock_cls,), {
+        "__call__": rebound, "__module__": __name__, "__doc__": f"{stock_cls.__name__} {what}."})
+
+
+def rebound_function(func: Callable[..., Any], rebinds: dict[str, Any], qualname: str) -> Callable[..., Any]:
+    """A new function of `func`'s code object, defaults and closure, run against a copy of its globals with
+    `rebinds` applied (the module's own globals stay as they were)."""
+    scope = dict(func.__globals__)
     scope.update(rebinds)
     # Without a module name torch.compile guards these globals as this very dict; with the module's name it would
     # look them up on the module (sys.modules), where they are the stock functions.
     scope.pop("__name__", None)
-    rebound = types.FunctionType(call.__code__, scope, call.__name__, call.__defaults__, call.__closure__)
-    rebound.__kwdefaults__ = call.__kwdefaults__
-    rebound.__qualname__ = f"{stock_cls.__name__}{suffix}.__call__"
-    rebound.__doc__ = call.__doc__
-    return type(f"{stock_cls.__name__}{suffix}", (stock_cls,), {
-        "__call__": rebound, "__module__": __name__, "__doc__": f"{stock_cls.__name__} {what}."})
+    rebound = types.FunctionType(func.__code__, scope, func.__name__, func.__defaults__, func.__closure__)
+    rebound.__kwdefaults__ = func.__kwdefaults__
+    rebound.__qualname__ = qualname
+    rebound.__doc__ = func.__doc__
+    return rebound
 
 
 def processor_for(stock: Any, cls: type) -> Any:
@@ -122,6 +148,9 @@ class AppliedAttention:
     modules: dict[str, tuple[nn.Module, Any, Any]] = field(default_factory=dict)  # name -> (module, stock, 8-bit)
     kept: dict[str, str] = field(default_factory=dict)  # attention module name -> why it keeps its own attention
     calls: Counter = field(default_factory=Counter)
+    router: AttentionRouter | None = None  # on a GPU: the path per call shape (lowbit_pipe.attention.crossover)
+    cudnn: Any = None  # lowbit_pipe.kernels.cudnn_fp8_attention.CudnnFP8Attention: its graphs, handles, workspaces
+    notes: list[str] = field(default_factory=list)
 
     @contextlib.contextmanager
     def stock(self) -> Iterator[None]:
@@ -138,8 +167,15 @@ class AppliedAttention:
                 module.set_processor(proc)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"format": self.format, "modules": len(self.modules), "kept": dict(self.kept),
-                "calls": dict(sorted(self.calls.items()))}
+        out = {"format": self.format, "modules": len(self.modules), "kept": dict(self.kept),
+               "calls": dict(sorted(self.calls.items()))}
+        if self.router is not None:
+            out["route"] = self.router.as_dict()
+        if self.cudnn is not None:
+            out["cudnn"] = self.cudnn.as_dict()
+        if self.notes:
+            out["notes"] = list(self.notes)
+        return out
 
 
 def attention_modules(root: nn.Module) -> dict[str, nn.Module]:
@@ -154,12 +190,18 @@ def arch_keep(arch: Any, enabled: bool) -> tuple[str, ...]:
 
 
 def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, layers: list[str] | tuple[str, ...] = ("*",),
-                    path: str = "attention", keep: tuple[str, ...] = ()) -> AppliedAttention | None:
+                    path: str = "attention", keep: tuple[str, ...] = (), route: str = "auto",
+                    speed_cache: str | None = None, measure: bool = True) -> AppliedAttention | None:
     """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) and not `keep`
     (the arch's attention_keep) an 8-bit processor, each swap recorded in `ledger`. "bf16" changes nothing (None).
-    `path`: the recipe key, in errors."""
+    `path`: the recipe key, in errors. On a GPU, `route` picks the kernel per call: "auto" by speed at the call's
+    shape (cuDNN's FP8 attention, the Triton kernel, or the model's own attention where it is faster; measured
+    times cached under `speed_cache`, see lowbit_pipe.attention.crossover; `measure`: time shapes the cache
+    lacks), "cudnn" / "triton" that kernel wherever it serves."""
     if attention_format not in ATTENTION_FORMATS:
         raise ValueError(f"{path}.format must be one of {list(ATTENTION_FORMATS)}, got {attention_format!r}")
+    if route not in ROUTES:
+        raise ValueError(f"{path}.route must be one of {list(ROUTES)}, got {route!r}")
     if attention_format == STOCK:
         return None
     try:
@@ -169,6 +211,10 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
     applied = AppliedAttention(attention_format)
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     head_dims = kernel_head_dims(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        applied.cudnn = _cudnn_runner(attention_format, device, route, path, applied.notes)
+        applied.router = _router(attention_format, device, head_dims, applied.cudnn, route, speed_cache, measure,
+                                 applied.notes, applied.calls)
     classes: dict[type, type] = {}
     for name, module in attention_modules(root).items():
         if not any(matches(p, name) for p in layers):
@@ -185,7 +231,7 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
         stock_cls = type(stock)
         if stock_cls not in classes:
             dispatch = Dispatch8(attention_format, stock_cls.__call__.__globals__[DISPATCH_GLOBAL], applied.calls,
-                                 head_dims)
+                                 head_dims, applied.router, applied.cudnn)
             classes[stock_cls] = processor_class(stock_cls, dispatch)
         proc = processor_for(stock, classes[stock_cls])
         swap_processor(ledger, name, module, stock, proc)
@@ -197,8 +243,60 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
 
 def _forget(applied: AppliedAttention) -> None:
     """After the swaps are undone (they were recorded before this entry, so unwind reaches them after it): drop
-    the references to the modules and processors, so nothing of the run is kept alive by this object."""
+    the references to the modules and processors, so nothing of the run is kept alive by this object; release
+    cuDNN's graphs, workspaces and handles."""
     applied.modules.clear()
+    if applied.cudnn is not None:
+        applied.cudnn.close()
+
+
+def _cudnn_runner(attention_format: str, device: torch.device, route: str, path: str, notes: list[str]) -> Any:
+    """cuDNN's FP8 attention for attention.format=fp8 on Hopper or newer, or None (why in `notes`). Missing, the
+    Triton kernel serves instead; with route "cudnn" it is an error."""
+    if attention_format != "fp8" or route == "triton":
+        return None
+    if torch.cuda.get_device_capability(device) < (9, 0):
+        notes.append("cuDNN's FP8 attention not used: it needs Hopper or newer")
+        return None
+    try:
+        from lowbit_pipe.kernels.cudnn_fp8_attention import CudnnFP8Attention
+
+        return CudnnFP8Attention()
+    except ImportError as err:
+        if route == "cudnn":
+            raise ImportError(f"{path}.route=cudnn: {err}") from None
+        notes.append(f"cuDNN's FP8 attention not used ({err}); the Triton kernel and the model's own attention serve")
+        return None
+
+
+def _router(attention_format: str, device: torch.device, head_dims: tuple[int, ...] | None, cudnn: Any, route: str,
+            speed_cache: str | None, measure: bool, notes: list[str], calls: Counter) -> AttentionRouter:
+    """The per-shape choice among cuDNN's kernel (when `cudnn`), the Triton kernel and the model's own attention."""
+    paths = []
+    if cudnn is not None:
+        from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+
+        def cudnn_why_not(s: CallShape) -> str | None:
+            return cudnn.why_not(plan_key(index, s.batch, s.heads, s.tokens, s.head_dim, s.masked))
+
+        paths.append(Path8(CUDNN, "cudnn", f"{CUDNN} ({cudnn.version})", cudnn_why_not, cudnn))
+    served = head_dims or ()
+
+    def triton_why_not(s: CallShape) -> str | None:
+        return None if s.head_dim in served else NO_KERNEL
+
+    def triton_run(q, k, v, sm_scale, key_mask):
+        return attend8(q, k, v, attention_format, sm_scale, key_mask)
+
+    paths.append(Path8(attention_format, "triton", f"triton_{attention_format}", triton_why_not, triton_run))
+    table = None
+    try:
+        table = load_table(device, speed_cache)
+    except Exception as err:  # the user's cache file, unreadable: not ours to replace
+        notes.append(f"attention speed table not used ({err}); the default rule decides, nothing is saved")
+    return AttentionRouter(paths, device, table, route=route, measure=measure, calls=calls)
 
 
 def swap_processor(ledger: Ledger, name: str, module: nn.Module, stock: Any, proc: Any) -> None:

@@ -7,7 +7,9 @@ outside that (another mask, cross-attention of another length, dropout) runs the
 and says why (`route_call`): nothing is approximated that sdpa8 does not compute. On a CUDA device where the
 Triton kernel does not run (before Hopper, a head dim other than 64 / 128) the call runs the model's own
 attention too: sdpa8's torch reference there is the kernel's oracle, not a fast path. On the CPU sdpa8's
-reference runs (what the error measurements and the tests use).
+reference runs (what the error measurements and the tests use). On a GPU, which 8-bit kernel serves a call
+`call_form` admits -- cuDNN's FP8 attention, the Triton kernel, or neither where the model's own attention is
+faster at the call's shape -- is lowbit_pipe.attention.crossover's choice.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+NO_KERNEL = "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
 STOCK = "bf16"  # attention.format for the model's own attention, whatever its dtype
 ATTENTION_FORMATS = (STOCK, "int8", "fp8")  # int8 / fp8: the format of Q·Kᵀ (P·V is fp8 in both)
 
@@ -46,6 +49,18 @@ def route_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any =
     """(why this [B, H, N, D] call runs the model's own attention, None when sdpa8 serves it; `mask` as the
     [B, N] key mask sdpa8 takes, or None). `head_dims`: what `kernel_head_dims` says for q's device, looked up
     once by a caller that torch.compile traces (None: here)."""
+    why, key_mask = call_form(q, k, v, mask=mask, dropout_p=dropout_p, is_causal=is_causal)
+    if why is None and q.is_cuda and q.shape[-1] not in (head_dims if head_dims is not None
+                                                         else kernel_head_dims(q.device)):
+        return NO_KERNEL, None
+    return why, key_mask
+
+
+def call_form(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any = None, dropout_p: float = 0.0,
+              is_causal: bool = False) -> tuple[str | None, torch.Tensor | None]:
+    """`route_call` without the kernel's device and head-dim check: (why no 8-bit attention computes this call,
+    None when one can; the [B, N] key mask). Which 8-bit kernel, if any, serves it on a GPU is the router's
+    choice (lowbit_pipe.attention.crossover)."""
     key_mask = None
     if mask is not None:
         key_mask = key_padding(mask, q.shape[0], k.shape[-2]) if q.dim() == 4 else None
@@ -59,8 +74,6 @@ def route_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: Any =
         return "q, k, v of different shapes (cross-attention or grouped heads)", None
     if q.dtype != k.dtype or q.dtype != v.dtype or not q.is_floating_point():
         return "q, k, v of different dtypes", None
-    if q.is_cuda and q.shape[-1] not in (head_dims if head_dims is not None else kernel_head_dims(q.device)):
-        return "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)", None
     return None, key_mask
 
 

@@ -5,18 +5,23 @@ casts back (another); `apply_rotary_emb` builds the rotated copy (negate, stack)
 fp32 elementwise ops before the cast back. Uncompiled, each op is a kernel reading and writing the whole tensor:
 on the full-size Krea 2 they are most of the 90 ms of eager elementwise time per forward
 (bench/results/forward_profile_eager_h200.md). Under torch.compile Inductor fuses the same chains by itself, so
-the callers use these kernels in eager only.
+the callers use these kernels in eager only. ComfyUI's own model code (lowbit_pipe.comfy.fused) uses the same
+norm, reading its strided q / k views directly, and `rope_pairs` for its RoPE form.
 
-Both compute in fp32 what the torch code computes, and round once to the output dtype:
+Each computes in fp32 what the torch code computes, and rounds once to the output dtype:
 
-    rms_norm:  y = x * rsqrt(mean(x^2) + eps) * (weight + offset)      (Krea 2: offset 1, zero-centred weight;
+    rms_norm:   y = x * rsqrt(mean(x^2) + eps) * (weight + offset)     (Krea 2: offset 1, zero-centred weight;
                                                                          diffusers' RMSNorm: x̂ rounded first
                                                                          when its weight is 16-bit, as it does)
-    rope:      y[2i]   = x[2i]   * cos[2i]   - x[2i+1] * sin[2i]        (interleaved pairs: FLUX, Krea 2)
-               y[2i+1] = x[2i+1] * cos[2i+1] + x[2i]   * sin[2i+1]
+    rope:       y[2i]   = x[2i]   * cos[2i]   - x[2i+1] * sin[2i]       (interleaved pairs: diffusers' FLUX,
+                y[2i+1] = x[2i+1] * cos[2i+1] + x[2i]   * sin[2i+1]      Krea 2)
+    rope_pairs: y[2i+r] = F[i,r,0] * x[2i] + F[i,r,1] * x[2i+1]         (ComfyUI: freqs as 2x2 matrices F per
+                                                                         pair; 16-bit F computes in F's dtype,
+                                                                         as ComfyUI's torch code does)
 
-The fp32 sums may round differently from torch's (order, fused multiply-add): within an fp32 ulp or two, so
-the rounded outputs agree but for a rare bf16 ulp (tests/test_kernels.py, case norm_rope).
+The fp32 sums may round differently from torch's (order, fused multiply-add, 1 / sqrt against rsqrt): within an
+fp32 ulp or a few, so the rounded outputs agree but for a rare bf16 ulp (tests/test_kernels.py, case norm_rope;
+tests/test_comfy_fused.py against ComfyUI's own modules and functions).
 """
 
 from __future__ import annotations
@@ -30,13 +35,20 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset,
-                     WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset, N1, N2, SX0, SX1, SX2,
+                     WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr, STRIDED: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
     ok = (rows < M)[:, None] & (cols < D)[None, :]
     offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if STRIDED:  # x's rows as three strided dims (a permuted or sliced view); the output is contiguous
+        r = rows.to(tl.int64)
+        x_rows = (r // (N1 * N2)) * SX0 + ((r // N2) % N1) * SX1 + (r % N2) * SX2
+        x_offs = x_rows[:, None] + cols[None, :]
+    else:
+        x_offs = offs
+    x = tl.load(x_ptr + x_offs, mask=ok, other=0.0).to(tl.float32)
     dt = out_ptr.dtype.element_ty
     y = x * (1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps))[:, None]
     if WEIGHT:
@@ -64,6 +76,34 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, S, ROW_DIV,
     tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, M, D, L, ROWS_PER_BATCH, F_BATCH, F_TOKEN,
+                       ROUND16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < M)[:, None] & (cols < D)[None, :]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
+    even = (cols % 2 == 0)[None, :]
+    x0 = tl.where(even, x, partner)  # the pair's first element
+    x1 = tl.where(even, partner, x)
+    # rows of x [B, H, L, D]: token l = row % L, batch b = row // (H L); the row's 2x2 matrix row r = col % 2 sits
+    # at freqs[b, 0, l, col // 2, r, :], i.e. elements 2 col and 2 col + 1 of the token's D / 2 x 2 x 2 block
+    r64 = rows.to(tl.int64)
+    f_offs = ((r64 // ROWS_PER_BATCH) * F_BATCH + (r64 % L) * F_TOKEN)[:, None] + 2 * cols[None, :]
+    f0 = tl.load(f_ptr + f_offs, mask=ok, other=0.0).to(tl.float32)
+    f1 = tl.load(f_ptr + f_offs + 1, mask=ok, other=0.0).to(tl.float32)
+    if ROUND16:  # 16-bit freqs: the torch code computes in their dtype (x cast to it, the first product rounded)
+        cdt = f_ptr.dtype.element_ty
+        x0 = x0.to(cdt).to(tl.float32)
+        x1 = x1.to(cdt).to(tl.float32)
+        y = ((f0 * x0).to(cdt).to(tl.float32) + f1 * x1).to(cdt)
+    else:
+        y = f0 * x0 + f1 * x1
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def _blocks(d: int) -> tuple[int, int, int]:
     """(BLOCK_M, BLOCK_D, num_warps): about 4096 elements per program, whole rows."""
     block_d = triton.next_power_of_2(d)
@@ -76,18 +116,51 @@ def kernel_serves(x: torch.Tensor, d: int) -> bool:
     return x.is_cuda and x.dtype in DTYPES and x.is_contiguous() and 0 < d <= MAX_DIM and x.numel() > 0
 
 
+def row_layout(x: torch.Tensor) -> tuple[int, int, int, int, int] | None:
+    """x's rows (every dim but the last) as at most three strided dims, for `rms_norm` on a view: (N1, N2, SX0,
+    SX1, SX2), row r at element (r // (N1 N2)) SX0 + (r // N2 % N1) SX1 + (r % N2) SX2. None when the last dim
+    is not unit-stride or more than three strided dims remain (adjacent dims that step evenly are merged: a
+    permuted [B, L, H, D] -> [B, H, L, D] view, or q sliced out of a packed qkv, is three)."""
+    if x.dim() == 0 or (x.shape[-1] > 1 and x.stride(-1) != 1):
+        return None
+    merged: list[tuple[int, int]] = []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = (merged[-1][0] * size, stride)
+        else:
+            merged.append((size, stride))
+    if len(merged) > 3:
+        return None
+    merged = [(1, 0)] * (3 - len(merged)) + merged
+    (_, s0), (n1, s1), (n2, s2) = merged
+    return n1, n2, s0, s1, s2
+
+
+def norm_serves(x: torch.Tensor, d: int) -> bool:
+    """`rms_norm` takes x (CUDA, a 16/32-bit float, rows up to MAX_DIM) contiguous or as a view whose rows are
+    three strided dims (`row_layout`). Device and autograd are the caller's to check."""
+    return (x.dtype in DTYPES and 0 < d <= MAX_DIM and x.numel() > 0 and x.shape[-1] == d
+            and (x.is_contiguous() or row_layout(x) is not None))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float = 0.0, *,
              round_first: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm over x's last dim (x contiguous, CUDA), fp32 math, the result in `out_dtype` (x's by default).
-    `weight` None: no scale. `round_first`: x̂ rounded to `out_dtype` before the weight multiplies (diffusers'
-    RMSNorm with a 16-bit weight)."""
+    """RMSNorm over x's last dim (x CUDA, contiguous or a strided view `row_layout` takes), fp32 math, the result
+    contiguous in `out_dtype` (x's by default). `weight` None: no scale; a weight of any float dtype is read as
+    fp32, plus `offset`. `round_first`: x̂ rounded to `out_dtype` before the weight multiplies (diffusers' RMSNorm
+    with a 16-bit weight)."""
     d = x.shape[-1]
     out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
     m = x.numel() // d
+    strided = not x.is_contiguous()
+    n1, n2, s0, s1, s2 = row_layout(x) if strided else (1, 1, 0, 0, 0)
     block_m, block_d, warps = _blocks(d)
     _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight if weight is not None else x, out, m, d, float(eps),
-                                                 float(offset), WEIGHT=weight is not None, ROUND_FIRST=round_first,
-                                                 BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+                                                 float(offset), n1, n2, s0, s1, s2, WEIGHT=weight is not None,
+                                                 ROUND_FIRST=round_first, STRIDED=strided, BLOCK_M=block_m,
+                                                 BLOCK_D=block_d, num_warps=warps)
     return out
 
 
@@ -102,6 +175,24 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
     block_m, block_d, warps = _blocks(d)
     _rope_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, m, d, s_len, row_div,
                                              BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return out
+
+
+def rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's RoPE form (comfy.ldm.flux.math apply_rope / apply_rope1: FLUX.1, Krea 2, Qwen-Image) of x [B, H, L,
+    D] contiguous, with `freqs` [Bf, 1, Lf, D/2, 2, 2] (Bf 1 or B; Lf >= L, its first L tokens used, or 1) whose last
+    three dims are contiguous: y[.., 2i + r] = freqs[b, 0, l, i, r, 0] x[.., 2i] + freqs[b, 0, l, i, r, 1] x[..,
+    2i + 1]. In freqs' dtype as the torch code computes it (fp32: one rounding, to x's dtype; 16-bit: x cast to
+    it and the first product rounded to it, then the second added and rounded), the result in x's dtype."""
+    b, h, l_len, d = x.shape
+    out = torch.empty_like(x)
+    m = x.numel() // d
+    block_m, block_d, warps = _blocks(d)
+    f_batch = freqs.stride(0) if freqs.shape[0] > 1 else 0
+    f_token = freqs.stride(2) if freqs.shape[2] > 1 else 0
+    _rope_pairs_kernel[(triton.cdiv(m, block_m),)](x, freqs, out, m, d, l_len, h * l_len, f_batch, f_token,
+                                                   ROUND16=freqs.dtype != torch.float32, BLOCK_M=block_m,
+                                                   BLOCK_D=block_d, num_warps=warps)
     return out
 
 
@@ -125,3 +216,13 @@ def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequen
     real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
     rotated = torch.stack([-imag, real], dim=-1).flatten(3)
     return (x.float() * cos.reshape(shape) + rotated.float() * sin.reshape(shape)).to(x.dtype)
+
+
+def reference_rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """The torch form of `rope_pairs` (ComfyUI's apply_rope1 arithmetic: in freqs' dtype, the first product
+    rounded, then a multiply-add; the result in x's dtype)."""
+    f = freqs[:, :, : x.shape[2]]
+    xc = x.to(freqs.dtype)
+    x0, x1 = xc[..., 0::2], xc[..., 1::2]  # [B, H, L, D/2]
+    rows = [torch.addcmul(f[..., r, 0] * x0, f[..., r, 1], x1) for r in (0, 1)]
+    return torch.stack(rows, dim=-1).flatten(-2).to(x.dtype)

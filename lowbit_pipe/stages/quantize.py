@@ -352,10 +352,19 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
                 "note": "a streamed run has no model in memory; the attention format is run time only (exports never "
                         "carry it)"}
     if ctx.native:
-        note = "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"
-        if cfg.fused_norm_rope:
-            note += "; attention.fused_norm_rope changes diffusers' modules and processors only, not ComfyUI's model code"
-        return {"format": fmt, "applied": False, "note": note}
+        out = {"format": STOCK, **by} if fmt == STOCK else {
+            "format": fmt, "applied": False,
+            "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
+        if cfg.fused_norm_rope:  # ComfyUI's own norm and attention modules (lowbit_pipe.comfy.fused)
+            from lowbit_pipe.comfy.fused import apply_comfy_fused_norm_rope
+
+            fused = apply_comfy_fused_norm_rope(ctx.transformer, ctx.ledger)
+            out["fused_norm_rope"] = fused.as_dict()
+            if not fused.norms and not fused.ropes:
+                warnings.warn("attention.fused_norm_rope: no ComfyUI norm or attention module of a known class "
+                              "(Krea 2, FLUX.1, Qwen-Image, comfy.ops RMSNorm) in this natively named model",
+                              stacklevel=2)
+        return out
     fused = {}
     if cfg.fused_norm_rope:  # before the 8-bit processors, which then build on these (processors.rebound_class)
         from lowbit_pipe.attention.fused import apply_fused_norm_rope
@@ -363,7 +372,8 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
         fused = {"fused_norm_rope": apply_fused_norm_rope(ctx.transformer, ctx.ledger).as_dict()}
     if fmt == STOCK:
         return {"format": STOCK, **by, **fused}
-    applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep))
+    applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep),
+                              route=cfg.route, speed_cache=ctx.recipe.quantize.speed_cache)
     ctx.attention = applied
     ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
                       check=lambda: True if ctx.attention is None else "still set")

@@ -1,0 +1,115 @@
+"""`attention.fused_norm_rope` on ComfyUI's own model code (lowbit_pipe.comfy.fused), in a real ComfyUI 0.29.0 imported
+in a child process on the CPU with the kernels run by Triton's interpreter (slow): the fused norms and RoPE equal
+ComfyUI's own functions and modules for Krea 2, FLUX.1 and Qwen-Image (bf16 bit for bit, with the interpreter's
+bf16 cast made to round as the GPU's does; fp32 within two ulps), whole tiny forwards fused equal unfused, the
+ledger restores every class by identity, and the Quantize node applies it where its recipe asks and Purge undoes
+it."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+import lowbit_pipe
+from comfyui_harness import ROOT, run_child, unpack
+
+pytestmark = pytest.mark.slow
+
+sys.path.insert(0, str(ROOT / "bench"))
+from comfy_check import TINY  # noqa: E402  (tiny configs ComfyUI's model detection accepts)
+
+CHILD = Path(__file__).with_name("comfyui_fused_child.py")
+ARCHS = ("krea2", "flux1", "qwen_image")
+NODE_ARCHS = ("krea2", "flux1")  # the Quantize node's path (files ComfyUI's loader detects)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory) -> dict:
+    pytest.importorskip("triton")
+    tmp = tmp_path_factory.mktemp("fused")
+    comfyui = unpack(tmp / "comfyui")
+    models = {}
+    for arch in NODE_ARCHS:
+        models[arch] = str(tmp / f"{arch}.safetensors")
+        lowbit_pipe.run("default", [*TINY[arch], "pipeline=[load,detect,export]", f"export.path={models[arch]}"],
+                        run_dir=tmp / f"float_{arch}")
+    out = run_child(CHILD, {"comfyui": str(comfyui), "models": models}, tmp / "child", timeout=1500)
+    assert "error" not in out, out.get("traceback")
+    return out
+
+
+def _close(name: str, u: dict) -> bool:
+    """bf16 outputs: ComfyUI's bit for bit but for a rare one-ulp flip (the fp32 math inside rounds differently:
+    rsqrt against 1 / sqrt, a fused multiply-add). fp32 outputs: those differences themselves, a few fp32 ulps
+    (RoPE's near-zero outputs, where the two products cancel, compare by the largest error over the largest
+    value instead)."""
+    if "bfloat16" in name.split(" x ")[-1]:
+        return u["max_ulps"] <= 1 and u["share_diff"] < 0.01
+    return u["max_err_over_max"] < 1e-6 and (u["max_ulps"] <= 4 or name.startswith("rope "))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_norms_equal_comfyuis_own_modules(result, arch):
+    r = result[f"kernels {arch}"]
+    norms = {k: v for k, v in r.items() if k.startswith("norm ")}
+    assert len(norms) >= 4, norms
+    for name, v in norms.items():
+        assert v["kernel"] and v["contiguous"], (name, v)  # the kernel ran, and returned ComfyUI's layout
+        assert _close(name, v), (name, v)
+    # the real layouts: Krea 2's and FLUX.1's q / k norms read a strided view
+    assert any(v["strided_input"] for v in norms.values()) == (arch != "qwen_image"), norms
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_rope_equals_comfyuis_apply_rope(result, arch):
+    r = result[f"kernels {arch}"]
+    ropes = {k: v for k, v in r.items() if k.startswith("rope ")}
+    assert len(ropes) == 4, ropes  # freqs fp32 / bf16 x x fp32 / bf16
+    for name, v in ropes.items():
+        assert v["kernel"] and v["reference_equals_torch_form"], (name, v)
+        for against in ("vs_apply_rope", "vs_torch_form"):
+            for u in v[against]:
+                assert _close(name, u), (name, against, u)
+    for dtype in ("float32", "bfloat16"):
+        assert r[f"unwind {dtype}"] == {"errors": [], "unfreed": [], "classes_restored": True}, r[f"unwind {dtype}"]
+
+
+@pytest.mark.parametrize("case", [f"{a} {d}" for a in ARCHS for d in ("float32", "bfloat16")]
+                         + ["flux1 bfloat16 manual_cast", "flux1 float32 manual_cast weight patch"])
+def test_a_whole_fused_forward_equals_the_unfused_one_and_unwinding_restores_it(result, case):
+    r = result[f"forward {case}"]
+    calls = r["calls"]
+    assert calls["norm_kernel_calls"] > 0 and calls["rope_kernel_calls"] > 0, calls
+    assert calls["norm_modules"] == sum(1 for c in r["fused"].values() if c.endswith("Fused"))
+    assert calls["rope_modules"] == sum(1 for c in r["fused"].values() if c.endswith("FusedRope")) > 0
+    if "bfloat16" in case:
+        assert r["ulps"]["share_diff"] < 0.01 and r["rel"] < 1e-2, r  # bf16: bit-equal but for rare flips
+    else:
+        assert r["rel"] < 1e-5, r
+    assert r["errors"] == [] and r["unfreed"] == [] and r["restored"] == len(r["fused"]) + 1, r
+    assert r["classes_restored"] and r["forwards_restored"] and r["after_undo_equal"], r
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_under_torch_compile_comfyuis_own_code_is_traced(result, arch):
+    """ComfyUI's TorchCompileModel compiles the diffusion model: the fused classes trace ComfyUI's code (Inductor
+    fuses it itself), with the unfused model's graphs and graph breaks and its output."""
+    r = result[f"compiled {arch}"]
+    assert r["breaks"][0] == r["breaks"][1] and r["graphs"][0] == r["graphs"][1] > 0, r
+    assert r["equal"] and r["kernel_calls"] == 0, r
+
+
+@pytest.mark.parametrize("arch", NODE_ARCHS)
+def test_the_quantize_node_applies_it_on_its_own_tree_and_purge_undoes_it(result, arch):
+    r = result[f"node {arch}"]
+    fused = r["report"]["fused_norm_rope"]
+    assert fused["code"] == "ComfyUI's (comfy/ldm)" and fused["norm_modules"] > 0 and fused["rope_modules"] > 0
+    assert "not ComfyUI's model code" not in str(r["report"])
+    assert r["summary_line"] and f"{fused['norm_modules']} norm modules" in r["summary_line"], r["summary_line"]
+    assert r["fused_on_tree"] and r["float_tree_untouched"]
+    # on the CPU the kernels do not run: ComfyUI's own code, bit for bit what the node samples without the key
+    assert r["max_diff_vs_unfused_node"] == 0.0
+    assert r["purge"]["proven"] and r["purge"]["unfreed"] == [], r["purge"]
+    assert r["no_fused_class_left"] and r["classes_restored"], r
