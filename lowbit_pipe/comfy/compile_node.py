@@ -230,13 +230,13 @@ class RegionalCompile:
         report.graph_breaks += after["graph_breaks"] - before["graph_breaks"]
         if report.calls == 1:
             report.first_call_s, report.graphs = seconds, graphs
-        else:
-            report.recompiles += graphs
-            if report.calls == 2:
-                report.second_call_s = seconds
-                self._tell(report.text())
-        if report.calls == 1:
-            self._tell(report.text())
+            self._tell(f"{report.made_by}: first model call {seconds:.2f} s (compile included: {graphs} graphs, "
+                       f"{report.graph_breaks} graph breaks)")
+            return out
+        report.recompiles += graphs
+        if report.calls == 2:
+            report.second_call_s = seconds
+            self._tell(f"{report.made_by}: second model call {seconds:.3f} s ({graphs} graphs compiled)")
         return out
 
     def _tell(self, text: str) -> None:
