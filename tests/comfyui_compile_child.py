@@ -4,15 +4,16 @@
 
 job: {"comfyui": folder, "models": {arch: float file (native names)}, "loras": {arch: {"a", "b": peft LoRA files
 of one rank, "c": another rank}}, "backend": the backend of the graph / guard checks, "inductor": [archs to
-sample once with inductor]}
+sample once with inductor], "files": {case: quantized Krea 2 file}}
 
 ComfyUI runs with its PyTorch attention (`--use-pytorch-cross-attention`, what it picks on a GPU; on a CPU its
 default is sub-quadratic attention, which asks psutil for free memory: a graph break in ComfyUI's code, not
 the pack's). Per architecture, through ComfyUI's own sampling path (comfy.sample.sample, 2 Euler steps, cfg 1):
 Quantize -> LoRA residual -> Compile, with dynamo's own counters around each sampling; the MODEL given to
 Compile, a strength change, a same-rank swap, another rank, weights moved the way ComfyUI's loaders move them,
-a dynamic-VRAM MODEL (its non-dynamic delegate), Purge, and a MODEL no pack node made. Results go to
-result.json.
+a dynamic-VRAM MODEL (its non-dynamic delegate), Purge, and a MODEL no pack node made; then quantized files
+opened with Load Diffusion Model. The pack's loader registration is installed, as the node pack does at
+ComfyUI's start. Results go to result.json.
 """
 
 from __future__ import annotations
@@ -182,12 +183,53 @@ def _per_arch(arch: str, path: str, loras: dict[str, str], backend: str, inducto
     return out
 
 
+def _files(files: dict[str, str], backend: str) -> dict[str, Any]:
+    """Quantized files opened with Load Diffusion Model (the pack registered): a lowbit kind compiles like the Quantize
+    node's layers; a rotated lowbit kind is refused at the node, naming a layer."""
+    import comfy.sample
+    import comfy.sd
+
+    from lowbit_pipe.comfy.compile_node import LowbitCompile
+    from lowbit_pipe.comfy.nodes import LowbitExampleInputs, LowbitPurge
+    from lowbit_pipe.stages.compile import dynamo_counters
+
+    out: dict[str, Any] = {}
+    for case, path in files.items():
+        model = comfy.sd.load_diffusion_model(path)
+        cond, latent = LowbitExampleInputs().make(model, 64, 64, 8, 1, 0)
+
+        def sample(m: Any) -> Any:
+            image = comfy.sample.fix_empty_latent_channels(m, latent["samples"])
+            noise = comfy.sample.prepare_noise(image, 1)
+            return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", cond, cond, image, disable_pbar=True,
+                                       seed=1).float()
+
+        eager = sample(model)
+        try:
+            (comp,) = LowbitCompile().compile(model, backend, unique_id=f"file_{case}")["result"]
+        except ValueError as err:
+            out[case] = {"refused": str(err)}
+            continue
+        before = dynamo_counters()
+        got = sample(comp)
+        out[case] = {"counts": {k: v - before[k] for k, v in dynamo_counters().items()},
+                     "vs_eager": _rel(got, eager), "purge_text": LowbitPurge().purge(comp)["result"][1],
+                     "after_purge_max_diff": float((sample(model) - eager).abs().max())}
+    return out
+
+
 def check(job: dict[str, Any]) -> dict[str, Any]:
     import comfy.cli_args
 
     comfy.cli_args.args.use_pytorch_cross_attention = True  # read when comfy.model_management is imported
-    return {arch: _per_arch(arch, path, job["loras"][arch], job["backend"], arch in job.get("inductor", []))
-            for arch, path in job["models"].items()}
+    from lowbit_pipe.comfy import install_into_comfyui
+
+    registration = install_into_comfyui()  # as the node pack does at ComfyUI's start: lowbit kinds load
+    out = {arch: _per_arch(arch, path, job["loras"][arch], job["backend"], arch in job.get("inductor", []))
+           for arch, path in job["models"].items()}
+    out["files"] = _files(job.get("files", {}), job["backend"])
+    registration.uninstall()
+    return out
 
 
 def main(argv: list[str]) -> int:

@@ -171,12 +171,23 @@ def comfy(tmp_path_factory) -> dict:
                                        rel=0.05)
             save_file(state, str(tmp / f"{arch}_{tag}.safetensors"), metadata=meta)
             job["loras"][arch][tag] = str(tmp / f"{arch}_{tag}.safetensors")
+    job["files"] = {}
+    for case, spec in FILES.items():  # quantized Krea 2 files, opened in the child with Load Diffusion Model
+        path = tmp / f"krea2_{case}.safetensors"
+        overrides = [f"quantize.default.{k}={v}" for k, v in spec.items()]
+        lowbit_pipe.run("default", [*TINY["krea2"], "pipeline=[load,detect,quantize,export]", f"export.path={path}",
+                                    "quantize.arch_keep_float=true", *overrides], run_dir=tmp / f"file_{case}")
+        job["files"][case] = str(path)
     out = run_child(CHILD, job, tmp / "child", timeout=1800)
     assert "error" not in out, out.get("traceback")
     return out
 
 
 NOTHING = {"graphs": 0, "graph_breaks": 0, "frames": 0}
+# A lowbit kind (per-row fp8: the pack's own layout, as Load Diffusion Model loads it with the pack) and a rotated
+# one (NVFP4 + ConvRot), which torch.compile cannot trace through the layout yet.
+FILES = {"fp8_row": {"format": "fp8", "granularity": "row", "activations": "static"},
+         "nvfp4_convrot": {"format": "nvfp4", "rotation": "convrot"}}
 
 
 @pytest.mark.slow
@@ -267,3 +278,14 @@ def test_inductor_compiles_the_quantized_blocks_on_the_cpu(comfy):
     assert '"proven": true' in r["inductor_purge_text"] and '"retained_bytes": 0' in r["inductor_purge_text"]
     print(f"\ninductor, tiny Krea 2 on the CPU: first model call {report['first_call_s']:.1f} s (compile included), "
           f"second {report['second_call_s']:.3f} s")
+
+
+@pytest.mark.slow
+def test_a_quantized_file_compiles_and_a_rotated_lowbit_kind_is_refused_naming_a_layer(comfy):
+    r = comfy["files"]
+    fp8 = r["fp8_row"]
+    assert fp8["counts"] == {"graphs": 1, "graph_breaks": 0, "frames": 1}, fp8["counts"]
+    assert fp8["vs_eager"] < 1e-5 and fp8["after_purge_max_diff"] == 0.0
+    assert '"proven": true' in fp8["purge_text"] and '"retained_bytes": 0' in fp8["purge_text"]
+    refused = r["nvfp4_convrot"]["refused"]
+    assert "lowbit_pipe kinds with a rotation loaded from a file" in refused and "'blocks.0." in refused, refused

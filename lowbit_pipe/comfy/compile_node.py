@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import json
 import logging
 import time
 import weakref
@@ -146,11 +147,13 @@ class CompileReport:
     graph_breaks: int = 0  # graph breaks, all calls
     recompiles: int = 0  # graphs compiled by later calls
     uncompiled: list[str] = field(default_factory=list)  # block classes met at run time that were not compiled
+    notes: list[str] = field(default_factory=list)
 
     def plan(self) -> str:
-        return (f"{self.made_by}: {self.blocks} blocks ({', '.join(self.paths)}; {', '.join(self.classes)}) of "
-                f"{self.arch or 'an unknown architecture'} compiled with {self.backend}"
-                f"{'' if self.mode == 'default' else f' ({self.mode})'} at the first model call")
+        mode = "" if self.mode == "default" else f" ({self.mode})"
+        return "; ".join([f"{self.made_by}: {self.blocks} blocks ({', '.join(self.paths)}; {', '.join(self.classes)}) "
+                          f"of {self.arch or 'an unknown architecture'} compiled with {self.backend}{mode} at the "
+                          "first model call", *self.notes])
 
     def text(self) -> str:
         if self.first_call_s is None:
@@ -324,19 +327,32 @@ def compile_model(model: Any, backend: str = "inductor", mode: str = "default", 
     if not paths:
         raise ValueError(f"{made_by}: no repeated blocks found in {type(source).__name__} (no ModuleList of blocks): "
                          "compile the whole model with ComfyUI's TorchCompileModel instead")
+    rotated = _rotated_file_layers(source, paths)
+    if rotated:
+        raise ValueError(f"{made_by}: {len(rotated)} layers of the blocks are lowbit_pipe kinds with a rotation loaded "
+                         f"from a file (e.g. '{rotated[0]}'): torch.compile cannot trace them yet (their rotation "
+                         "matrix is made inside the layout's dispatch). Quantize the float model with Quantize "
+                         "(lowbit_pipe) in the graph and compile that, or sample this MODEL uncompiled")
     state = node_runs.state_of(source)
     if state is None:  # a MODEL no pack node made: a run of this node's own, around a copy of its tree
         model, state = _own_run(model, source, made_by, node_id)
     out = _non_dynamic_clone(model)
-    out.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, STOCK_COMPILE_KEY)  # one compile of the blocks, not two
+    notes = []
+    if out.get_wrappers(WrappersMP.APPLY_MODEL, STOCK_COMPILE_KEY):  # one compile of the blocks, not two
+        out.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, STOCK_COMPILE_KEY)
+        notes.append("replaces ComfyUI's TorchCompileModel on this MODEL")
     out.remove_wrappers_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY)  # this node on its own MODEL: replaced
     tree = out.get_model_object("diffusion_model")
     blocks = [b for p in paths for b in tree.get_submodule(p)]
     classes = list(dict.fromkeys(type(b) for b in blocks))
-    report = CompileReport(made_by, backend, mode, arch, paths, len(blocks), tuple(c.__name__ for c in classes))
     options: dict[str, Any] = {"backend": backend}
     if mode != "default":
-        options["mode"] = mode
+        if backend == "inductor":
+            options["mode"] = mode
+        else:
+            notes.append(f"mode {mode} is inductor's: {backend} ignores it")
+    report = CompileReport(made_by, backend, mode, arch, paths, len(blocks), tuple(c.__name__ for c in classes),
+                           notes=notes)
     compiled = RegionalCompile(paths, classes, options, report, node_id)
     _record(state.run, compiled, report)
     out.add_wrapper_with_key(WrappersMP.APPLY_MODEL, WRAPPER_KEY, _wrapper(compiled))
@@ -372,6 +388,23 @@ def _own_run(model: Any, source: nn.Module, made_by: str, node_id: str | None) -
     run.ledger.record("comfy_tree", f"{made_by}: diffusion model copy (node state)",
                       lambda: node_runs.drop_state(tree), check=lambda: node_runs.state_gone(tree))
     return model_with_tree(model, tree, run.clone_id), state
+
+
+def _rotated_file_layers(tree: nn.Module, paths: tuple[str, ...]) -> list[str]:
+    """Layers in the blocks whose weight is the pack's LowbitLayout QuantizedTensor (a lowbit kind loaded from a
+    file) with a rotation: under torch.compile its dispatch meets a rotation matrix that is no fake tensor."""
+    from lowbit_pipe.formats.common import record_rotation
+
+    found = []
+    for path in paths:
+        for name, module in tree.get_submodule(path).named_modules():
+            weight = getattr(module, "_parameters", {}).get("weight")
+            if getattr(weight, "_layout_cls", None) != "LowbitLayout":
+                continue
+            record = json.loads(getattr(weight._params, "record", "{}") or "{}")
+            if record_rotation(record, name)[0] != "none":
+                found.append(f"{path}.{name}")
+    return found
 
 
 def _non_dynamic_clone(model: Any) -> Any:
