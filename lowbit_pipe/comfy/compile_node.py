@@ -219,12 +219,12 @@ class RegionalCompile:
 
     def _timed(self, executor: Any, args: tuple, kwargs: dict) -> Any:
         report = self.report
-        report.calls += 1
         before = dynamo_counters()
-        timed = report.calls <= 2
         start = time.perf_counter()
-        out = executor(*args, **kwargs)
-        if timed:
+        out = executor(*args, **kwargs)  # a call that fails is no call: the next one is still the first
+        report.calls += 1
+        seconds = 0.0
+        if report.calls <= 2:
             if isinstance(out, torch.Tensor) and out.is_cuda:
                 torch.cuda.synchronize(out.device)
             seconds = time.perf_counter() - start
