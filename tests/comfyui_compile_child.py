@@ -218,6 +218,59 @@ def _files(files: dict[str, str], backend: str) -> dict[str, Any]:
     return out
 
 
+def _qwen_image() -> dict[str, Any]:
+    """ComfyUI's own Qwen-Image class (comfy/ldm/qwen_image) at a tiny size, seeded, quantized (int8) in place, its
+    blocks compiled the way the node's wrapper compiles them (no Qwen-Image file of a size ComfyUI detects is small
+    enough, and the pack's example inputs are Krea 2's and FLUX.1's): the blocks found, one graph, no graph break."""
+    import comfy.ops
+    import torch
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    import lowbit_pipe
+    from lowbit_pipe.comfy.compile_node import CompileReport, RegionalCompile, _record, block_lists
+    from lowbit_pipe.comfy.node_runs import NodeRun
+    from lowbit_pipe.ledger import Ledger
+    from lowbit_pipe.stages.compile import dynamo_counters
+
+    torch._dynamo.reset()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        tree = QwenImageTransformer2DModel(num_layers=2, attention_head_dim=32, num_attention_heads=2,
+                                           joint_attention_dim=64, axes_dims_rope=(8, 12, 12), dtype=torch.float32,
+                                           operations=comfy.ops.disable_weight_init)
+        with torch.no_grad():
+            for param in tree.parameters():
+                param.normal_(0, 0.05)
+        x, t, context = torch.randn(1, 16, 1, 8, 8), torch.rand(1), torch.randn(1, 8, 64)
+    arch, paths = block_lists(tree)
+    ledger = Ledger()
+    lowbit_pipe.quantize(tree, {"default": {"format": "int8"}}, ledger=ledger)
+    with torch.inference_mode():
+        eager = tree(x, t, context)
+    blocks = [b for p in paths for b in tree.get_submodule(p)]
+    classes = list(dict.fromkeys(type(b) for b in blocks))
+    report = CompileReport("qwen", "aot_eager", "default", arch, paths, len(blocks), tuple(c.__name__ for c in classes))
+    compiled = RegionalCompile(paths, classes, {"backend": "aot_eager"}, report, None)
+    _record(NodeRun(ledger, "qwen", None), compiled, report)
+
+    class Executor:  # ComfyUI's APPLY_MODEL executor: class_obj is the BaseModel
+        class_obj = torch.nn.Module()
+
+        def __call__(self, *args: Any) -> Any:
+            return self.class_obj.diffusion_model(*args)
+
+    executor = Executor()
+    executor.class_obj.diffusion_model = tree
+    before = dynamo_counters()
+    with torch.inference_mode():
+        got = compiled.run(executor, (x, t, context), {})
+    counts = {k: v - before[k] for k, v in dynamo_counters().items()}
+    teardown = ledger.unwind()
+    quantized = sum(type(m).__name__ == "QuantLinear" for m in blocks[0].modules())
+    return {"arch": arch, "paths": list(paths), "quantized": quantized, "counts": counts, "max_diff": float((got - eager).abs().max()), "proven": teardown.proven,
+            "unfreed": teardown.unfreed}
+
+
 def check(job: dict[str, Any]) -> dict[str, Any]:
     import comfy.cli_args
 
@@ -228,6 +281,7 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
     out = {arch: _per_arch(arch, path, job["loras"][arch], job["backend"], arch in job.get("inductor", []))
            for arch, path in job["models"].items()}
     out["files"] = _files(job.get("files", {}), job["backend"])
+    out["qwen_image"] = _qwen_image()
     registration.uninstall()
     return out
 

@@ -4,7 +4,8 @@ Without ComfyUI (fast): which blocks each architecture compiles, and the compile
 way ComfyUI's APPLY_MODEL wrapper calls it (blocks compiled for the call only, one graph per block class, the
 ledger's teardown dropping and proving everything). In a real ComfyUI 0.29.0 imported in a child process (slow):
 the node through ComfyUI's own sampling path on tiny Krea 2 and FLUX.1 in ComfyUI's layout, with dynamo's own
-counters (graphs, graph breaks, frames) around each sampling.
+counters (graphs, graph breaks, frames) around each sampling, quantized files opened with Load Diffusion Model, and
+ComfyUI's own Qwen-Image class.
 """
 
 from __future__ import annotations
@@ -30,6 +31,21 @@ def test_the_blocks_are_the_architectures_repeated_blocks(tiny_model, arch):
     model = tiny_model(arch)
     found, paths = block_lists(model)
     assert found == arch and paths == get_arch(arch).policy.block_paths
+
+
+def test_a_class_named_as_diffusers_but_without_its_config_is_detected_by_its_keys(tiny_model):
+    """ComfyUI's Qwen-Image class has the diffusers class's name: no `config`, so its keys decide."""
+    from lowbit_pipe.arch import detect_module
+
+    model = tiny_model("qwen_image")
+    comfy_like = type("QwenImageTransformer2DModel", (nn.Module,), {"forward": lambda self, x: x})()
+    comfy_like.transformer_blocks = model.transformer_blocks
+    for name, child in model.named_children():
+        if name != "transformer_blocks":
+            comfy_like.add_module(name, child)
+    found = detect_module(comfy_like)
+    assert found is not None and found.arch.id == "qwen_image" and found.config.num_layers == 2
+    assert block_lists(comfy_like) == ("qwen_image", ("transformer_blocks",))
 
 
 def test_an_unknown_model_compiles_its_lists_of_alike_blocks():
@@ -289,3 +305,11 @@ def test_a_quantized_file_compiles_and_a_rotated_lowbit_kind_is_refused_naming_a
     assert '"proven": true' in fp8["purge_text"] and '"retained_bytes": 0' in fp8["purge_text"]
     refused = r["nvfp4_convrot"]["refused"]
     assert "lowbit_pipe kinds with a rotation loaded from a file" in refused and "'blocks.0." in refused, refused
+
+
+@pytest.mark.slow
+def test_comfyuis_qwen_image_class_compiles_its_transformer_blocks(comfy):
+    r = comfy["qwen_image"]
+    assert r["arch"] == "qwen_image" and r["paths"] == ["transformer_blocks"] and r["quantized"] > 0
+    assert r["counts"] == {"graphs": 1, "graph_breaks": 0, "frames": 1}, r["counts"]
+    assert r["max_diff"] == 0.0 and r["proven"] and r["unfreed"] == []
