@@ -265,8 +265,8 @@ def _qwen_image() -> dict[str, Any]:
     with torch.inference_mode():
         got = compiled.run(executor, (x, t, context), {})
     counts = {k: v - before[k] for k, v in dynamo_counters().items()}
-    teardown = ledger.unwind()
     quantized = sum(type(m).__name__ == "QuantLinear" for m in blocks[0].modules())
+    teardown = ledger.unwind()
     return {"arch": arch, "paths": list(paths), "quantized": quantized, "counts": counts, "max_diff": float((got - eager).abs().max()), "proven": teardown.proven,
             "unfreed": teardown.unfreed}
 
