@@ -498,6 +498,75 @@ def test_gptq_and_svdquant_recipes_run_in_the_quantize_node(comfy, recipe):
     assert '"gptq"' in report and "in ComfyUI's layout" in report
 
 
+# ---------------------------------------------------------------------------------------------- compile
+@pytest.fixture(scope="module")
+def attention_server(comfy):
+    """The same ComfyUI, pack and models, with ComfyUI's PyTorch attention: what ComfyUI runs on a GPU. Its CPU
+    default, sub-quadratic attention, asks psutil for the free memory inside every attention call, a graph break in
+    ComfyUI's own code that would hide whether the pack's layers break a graph."""
+    server = cs.ComfyUIServer.start(comfy.src, comfy.base, python=comfy.python,
+                                    args=("--cpu", "--use-pytorch-cross-attention"))
+    yield server
+    server.stop()
+
+
+def _first_calls(log: str, node: str) -> list[tuple[float, int, int]]:
+    """(seconds, graphs, graph breaks) of each first model call the Compile node `node` reported in the log."""
+    import re
+
+    pattern = (rf"lowbit_pipe compile: Compile \(lowbit_pipe\) node {re.escape(node)}: first model call ([\d.]+) s "
+               r"\(compile included: (\d+) graphs, (\d+) graph breaks\)")
+    return [(float(s), int(g), int(b)) for s, g, b in re.findall(pattern, log)]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_compile_node_compiles_once_keeps_a_strength_change_and_purge_ends_it(comfy, attention_server, arch):
+    """Quantize -> LoRA residual -> Compile (lowbit_pipe) -> KSampler in the server: the first call compiles one
+    graph per block class with no graph break and samples what the uncompiled MODEL samples; a new LoRA strength
+    (the LoRA and Compile nodes re-run) compiles nothing; Purge after it is proven, and the re-queued workflow
+    compiles again (dynamo's caches were reset) and samples the same."""
+    server = attention_server
+    server.free()
+    classes = {"krea2": 1, "flux1": 2}[arch]
+    info = server.object_info("LowbitCompile")["LowbitCompile"]
+    assert info["display_name"] == "Compile (lowbit_pipe)" and info["description"]
+
+    def graph(strength: float, *, eager: bool = True, purge: bool = False) -> dict[str, Any]:
+        g = {"m": loader(arch), "q": quantize(["m", 0]),
+             "r": lowbit_lora(["q", 0], f"{arch}_peft.safetensors", strength),
+             "c": {"class_type": "LowbitCompile", "inputs": {"model": ["r", 0], "backend": "aot_eager"}},
+             **sampler_nodes(arch, ["c", 0], 6, "cc_", float_model=["m", 0])}
+        if eager:
+            g.update(sampler_nodes(arch, ["r", 0], 6, "ce_", float_model=["m", 0]))
+        if purge:
+            g["p"] = {"class_type": "LowbitPurge", "inputs": {"model": ["c", 0], "after": ["cc_k", 0]}}
+        return g
+
+    def run(g: dict[str, Any]) -> tuple[dict[str, Any], list[tuple[float, int, int]]]:
+        start = len(server.log())
+        entry = server.run(g)
+        return entry, _first_calls(server.log()[start:], "c")
+
+    entry, calls = run(graph(1.0))
+    assert "compiled with aot_eager at the first model call" in server.texts(entry, "c")[0]
+    assert len(calls) == 1 and calls[0][1:] == (classes, 0), calls
+    assert rel(server.latent(entry, "cc_s"), server.latent(entry, "ce_s")) < 1e-5
+
+    entry, calls = run(graph(0.5))  # another strength: the LoRA node and Compile re-run
+    assert len(calls) == 1 and calls[0][1:] == (0, 0), f"a strength change recompiled: {calls}"
+    half = server.latent(entry, "cc_s")
+    assert rel(half, server.latent(entry, "ce_s")) < 1e-5
+
+    entry, _ = run(graph(0.5, eager=False, purge=True))
+    text = server.texts(entry, "p")[0]
+    assert '"proven": true' in text and '"retained_bytes": 0' in text and '"unfreed": []' in text, text
+    entry, calls = run(graph(0.5, eager=False, purge=True))  # re-queued: Quantize re-runs by itself
+    assert len(calls) == 1 and calls[0][1:] == (classes, 0), f"nothing compiled after the purge's reset: {calls}"
+    assert rel(server.latent(entry, "cc_s"), half) < 1e-6
+    assert '"proven": true' in server.texts(entry, "p")[0]
+    print(f"\n{arch}: first model call {calls[0][0]:.2f} s with aot_eager on the CPU (compile included)")
+
+
 # ---------------------------------------------------------------------------------------------- soak
 
 

@@ -160,11 +160,13 @@ class ModuleArch:
 
 def detect_module(model: nn.Module) -> ModuleArch | None:
     """A live module's architecture: by its diffusers class, else by its state dict's keys (a ComfyUI
-    model's diffusion_model has native names and its own class); None when nothing matches."""
+    model's diffusion_model has native names and its own class); None when nothing matches. A class of the
+    diffusers name without a diffusers `config` goes by its keys: ComfyUI's Qwen-Image class is named
+    `QwenImageTransformer2DModel` too."""
     from lowbit_pipe.arch.registry import detect_model
 
     arch = detect_model(model)
-    if arch is not None:
+    if arch is not None and getattr(model, "config", None) is not None:
         return ModuleArch(arch, arch.config_from_model(model), native=False)
     state = model.state_dict()
     try:

@@ -647,10 +647,13 @@ def _models_dir(kind: str) -> Path | None:
     return next((p for p in folders if p.name == kind), folders[0])
 
 
+from lowbit_pipe.comfy.compile_node import LowbitCompile  # noqa: E402 - its own module; registered here
+
 NODE_CLASS_MAPPINGS = {"LowbitQuantize": LowbitQuantize, "LowbitLoRA": LowbitLoRA, "LowbitExport": LowbitExport,
                        "LowbitPurge": LowbitPurge, "LowbitExampleInputs": LowbitExampleInputs,
-                       "LowbitAttention8": LowbitAttention8}
+                       "LowbitAttention8": LowbitAttention8, "LowbitCompile": LowbitCompile}
 NODE_DISPLAY_NAME_MAPPINGS = {"LowbitQuantize": "Quantize (lowbit_pipe)", "LowbitLoRA": "LoRA residual (lowbit_pipe)",
                               "LowbitExport": "Export quantized (lowbit_pipe)", "LowbitPurge": "Purge (lowbit_pipe)",
                               "LowbitExampleInputs": "Example inputs (lowbit_pipe)",
-                              "LowbitAttention8": "8-bit attention (lowbit_pipe)"}
+                              "LowbitAttention8": "8-bit attention (lowbit_pipe)",
+                              "LowbitCompile": "Compile (lowbit_pipe)"}

@@ -87,7 +87,7 @@ def reset_compile_state() -> None:
         code_cache.cache_clear(purge=False)
 
 
-def _dynamo_empty_check() -> Any:
+def dynamo_empty_check() -> Any:
     """A check that dynamo's code tracker is empty after the reset, or None where this torch lacks it."""
     from torch._dynamo import convert_frame
 
@@ -111,7 +111,7 @@ def compile_modules(root: nn.Module, names: list[str], cfg: CompileConfig, ledge
             raise ValueError(f"compile: '{name or type(root).__name__}' is already compiled")
     if modules:
         ledger.cache("torch.compile (dynamo caches, process-wide reset)", reset_compile_state, nbytes=None,
-                     is_empty=_dynamo_empty_check(), caveat=DYNAMO_CAVEAT)
+                     is_empty=dynamo_empty_check(), caveat=DYNAMO_CAVEAT)
     for name, module in modules:
         compiled = torch.compile(module._call_impl, **kwargs)
         label = f"{name or type(root).__name__} (torch.compile)"
