@@ -81,9 +81,10 @@ class LinearPlan:
     """How a layer's forward runs, as far as its record, the names of its stored tensors and its run-time settings
     fix it: resolved once by `Format.linear_plan`, so a call reads attributes instead of parsing the record.
 
-    A QuantLinear keeps one and resolves it again when what it reads changes (its device, `compute`,
-    `prepacked`, a load). Nothing in it comes from tensor values, so tensors replaced by others of the same
-    names and shapes (a LoRA bake, or its undo, which swap buffer slots directly) leave it valid."""
+    A QuantLinear keeps one and resolves it again where what it reads may change (a device move, `compute`, a
+    load). Nothing in it comes from tensor values, so tensors replaced by others of the same names and shapes (a
+    LoRA bake, or its undo, which swap buffer slots directly) leave it valid; and the device facts are used only
+    for an input on the device they were taken for, so tensors moved without `_apply` leave it correct too."""
 
     shape: tuple[int, int]  # logical (out_features, in_features)
     rotation: str  # the rotation the stored weight carries ("none", or one of ROTATIONS), and its group
