@@ -24,7 +24,7 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import dispatch
 
@@ -107,18 +107,19 @@ class AWQW4A16(Format):
     def codes(self, q: QuantizedWeight) -> torch.Tensor:
         return common.unpack_nibbles(q.tensors["weight"], even_high=False)
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        scale, zero = self._grid(q)
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        scale, zero = self._grid(q)  # nothing to read from the record: `plan` has nothing to add
         return decode(self.codes(q), scale.repeat_interleave(GROUP, 1), zero.repeat_interleave(GROUP, 1))
 
-    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor, plan: LinearPlan | None = None) -> torch.Tensor:
         t = q.tensors
         if not dispatch.decode_supported(x, t["weight"]):
-            return super().dequantize_like(q, x)
+            return super().dequantize_like(q, x, plan)
         return dispatch.awq_weight(t["weight"], t["weight_scale"], t["weight_zeros"], q.shape[1], x.dtype)
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        return self.weight_only_linear(x, q, bias)
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
+        return self.weight_only_linear(x, q, bias, plan=plan)
 
     def grid_rounder(self, q: QuantizedWeight) -> GridRounder:
         scale, zero = self._grid(q)

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats.common import check_finite_weight, record_rotation, spec_rotation
-from lowbit_pipe.kernels import rotation
+from lowbit_pipe.kernels import dispatch, rotation
 from lowbit_pipe.kernels.reference import low_rank_delta, positive_scale
 
 ROTATIONS = ("none", "convrot", "quarot", "hadanorm")
@@ -76,6 +76,30 @@ class QuantizedWeight:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+@dataclass(frozen=True)
+class LinearPlan:
+    """How a layer's forward runs, as far as its record, the names of its stored tensors and its run-time settings
+    fix it: resolved once by `Format.linear_plan`, so a call reads attributes instead of parsing the record.
+
+    A QuantLinear keeps one and resolves it again where what it reads may change (a device move, `compute`, a
+    load). Nothing in it comes from tensor values, so tensors replaced by others of the same names and shapes (a
+    LoRA bake, or its undo, which swap buffer slots directly) leave it valid; and the device facts are used only
+    for an input on the device they were taken for, so tensors moved without `_apply` leave it correct too."""
+
+    shape: tuple[int, int]  # logical (out_features, in_features)
+    rotation: str  # the rotation the stored weight carries ("none", or one of ROTATIONS), and its group
+    group: int
+    activations: str  # one of ACTIVATION_MODES (`Format.activation_mode`)
+    per_tensor: bool  # dynamic activation scales from the whole call (`Format.act_per_tensor`)
+    compute: str | None  # QuantizedWeight.compute
+    device: torch.device | None  # the device `facts` were settled for; None: nothing settled
+    facts: dispatch.DeviceFacts | None
+
+    def facts_for(self, x: torch.Tensor) -> dispatch.DeviceFacts | None:
+        """The settled device facts when x is on the device they were taken for, else None (decided per call)."""
+        return self.facts if self.facts is not None and x.device == self.device else None
+
+
 MAX_RECORD_BYTES = 65536  # a `.comfy_quant` record is a few hundred bytes of JSON: a larger one is refused unparsed
 
 
@@ -126,12 +150,15 @@ class Format(ABC):
         """Quantize a float weight [out, in] (any float dtype)."""
 
     @abstractmethod
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        """Float32 weight [out, in] in the ORIGINAL (unrotated) basis."""
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        """Float32 weight [out, in] in the ORIGINAL (unrotated) basis. `plan`: q's, already resolved (a layer's
+        forward), so the record is not read again; None: read from q."""
 
     @abstractmethod
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        """y = x W^T + b with this format's weight and activation quantization; returns x.dtype."""
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
+        """y = x W^T + b with this format's weight and activation quantization; returns x.dtype. `plan`:
+        `linear_plan(q)` as a layer settled it; None resolves it from q on this call."""
 
     @abstractmethod
     def from_tensors(self, tensors: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> QuantizedWeight:
@@ -169,6 +196,24 @@ class Format(ABC):
         if problem:
             raise FormatError(f"{self.name}: {problem}")
         return w
+
+    # ---- the forward's plan -----------------------------------------------------------------
+    def stored_rotation(self, q: QuantizedWeight) -> tuple[str, int]:
+        """(kind, group) the stored weight is rotated with, from its record; formats whose rotation is part of the
+        format (ConvRot's) override it."""
+        return record_rotation(q.record, q.format)
+
+    def linear_plan(self, q: QuantizedWeight, device: torch.device | None = None) -> LinearPlan:
+        """What `linear` and `dequantize` read from q's record and settings, resolved once. `device`: settle the
+        device facts of the GPU paths for it (a layer's device); None leaves them to each call."""
+        kind, group = self.stored_rotation(q)
+        facts = dispatch.device_facts(device) if device is not None else None
+        return LinearPlan(q.shape, kind, group, self.activation_mode(q), self.act_per_tensor(q), q.compute, device,
+                          facts)
+
+    def rotation_of(self, q: QuantizedWeight, plan: LinearPlan | None) -> tuple[str, int]:
+        """(kind, group) from the plan when there is one, else from q's record."""
+        return (plan.rotation, plan.group) if plan is not None else self.stored_rotation(q)
 
     # ---- activations ------------------------------------------------------------------------
     def activation_mode(self, q: QuantizedWeight) -> str:
@@ -225,17 +270,18 @@ class Format(ABC):
         return None
 
     def weight_only_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
-                           lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                           lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                           plan: LinearPlan | None = None) -> torch.Tensor:
         """Activations "none": x @ dequantize(W)^T in x's dtype (what stock ComfyUI computes for a
         weight-only layer), on any device; a LoRA branch is added after."""
-        w = self.dequantize_like(q, x)
+        w = self.dequantize_like(q, x, plan)
         y = F.linear(x, w, bias.to(x.dtype) if bias is not None else None)
         return y + low_rank_delta(x, *lora) if lora is not None else y
 
-    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor, plan: LinearPlan | None = None) -> torch.Tensor:
         """The dequantized weight [N, K] in x's dtype on x's device, for a weight-only matmul: `dequantize` in torch;
         formats with a GPU decode kernel (kernels.decode) override it for GPU inputs, with the same values."""
-        return self.dequantize(q).to(device=x.device, dtype=x.dtype)
+        return self.dequantize(q, plan).to(device=x.device, dtype=x.dtype)
 
     def logical_shape(self, weight_shape: tuple[int, ...], record: dict[str, Any]) -> tuple[int, int]:
         """Logical (out, in) of a layer from its stored `weight` shape (formats whose record says more override)."""

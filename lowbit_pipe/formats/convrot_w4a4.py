@@ -21,7 +21,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP = 256
@@ -68,14 +68,19 @@ class ConvRotW4A4(Format):
         """Signed int4 codes [N, K] as int8."""
         return common.to_signed4(common.unpack_nibbles(q.tensors["weight"], even_high=False)).to(torch.int8)
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        w_rot = self.codes(q).float() * q.tensors["weight_scale"].float().reshape(-1, 1)
-        return rotation.unrotate_weight(w_rot, "convrot", int(q.record.get("convrot_groupsize", GROUP)))
+    def stored_rotation(self, q: QuantizedWeight) -> tuple[str, int]:
+        return "convrot", int(q.record.get("convrot_groupsize", GROUP))  # part of the format, not a marker
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias)
-        group, static = int(q.record.get("convrot_groupsize", GROUP)), q.tensors.get("input_scale")
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        w_rot = self.codes(q).float() * q.tensors["weight_scale"].float().reshape(-1, 1)
+        return rotation.unrotate_weight(w_rot, "convrot", self.rotation_of(q, plan)[1])
+
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
+        plan = plan if plan is not None else self.linear_plan(q)
+        if plan.activations == "none":
+            return self.weight_only_linear(x, q, bias, plan=plan)
+        group, static = plan.group, q.tensors.get("input_scale")
         codes = q.runtime.get("int8_codes")  # prepacked: the GEMM reads int8 codes, no unpacking per tile
         if dispatch.int8_supported(x, "convrot"):  # GPU: ConvRot + int4 quant; the GEMM unpacks int4 (or not)
             w = codes if codes is not None else q.tensors["weight"]

@@ -27,7 +27,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 
@@ -73,32 +73,34 @@ class FP8(Format):
             record = {**common.lowbit_kind(record, self.name), "lowbit_granularity": "row"}
         return QuantizedWeight(self.name, (n, k), {"weight": q, "weight_scale": scale}, record)
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
         w_rot = q.tensors["weight"].float() * q.tensors["weight_scale"].float()
-        kind, group = common.record_rotation(q.record, q.format)
+        kind, group = self.rotation_of(q, plan)
         return rotation.unrotate_weight(w_rot, kind, group)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
-               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               lora: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
         """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (on Hopper the
         fp8 GEMM's initial accumulator, else an in-place addmm_ into cuBLAS's output); on the CPU
         added after the reference as (x @ down^T) @ up^T."""
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias, lora)
-        kind, group = common.record_rotation(q.record, q.format)
-        if kind == "hadanorm" and dispatch.fp8_supported(x, q.tensors["weight"], "none"):
-            t = q.tensors
-            return dispatch.hadanorm_linear(
-                x, group, lambda xr: dispatch.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"), bias),
-                self.hadanorm_rowsums(q, group), lora)
-        if dispatch.fp8_supported(x, q.tensors["weight"], kind):  # GPU: Triton quant + fp8 GEMM
+        plan = plan if plan is not None else self.linear_plan(q)
+        if plan.activations == "none":
+            return self.weight_only_linear(x, q, bias, lora, plan)
+        kind, group = plan.rotation, plan.group
+        t, facts = q.tensors, plan.facts_for(x)
+        if kind == "hadanorm" and dispatch.fp8_supported(x, t["weight"], "none", facts):
+            def unrotated(xr: torch.Tensor) -> torch.Tensor:
+                return dispatch.fp8_linear(xr, t["weight"], t["weight_scale"], t.get("input_scale"), bias, facts=facts)
+            return dispatch.hadanorm_linear(x, group, unrotated, self.hadanorm_rowsums(q, group), lora)
+        if dispatch.fp8_supported(x, t["weight"], kind, facts):  # GPU: Triton quant + fp8 GEMM
             down, up = lora if lora is not None else (None, None)
-            return dispatch.fp8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"),
-                                       bias, kind, group, lora_down=down, lora_up=up)
+            return dispatch.fp8_linear(x, t["weight"], t["weight_scale"], t.get("input_scale"), bias, kind, group,
+                                       lora_down=down, lora_up=up, facts=facts)
         if lora is not None:
-            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
+            return self.linear(x, q, bias, plan=plan) + reference.low_rank_delta(x, *lora)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
-        y = reference.fp8_linear(x_rot, q.tensors["weight"], q.tensors["weight_scale"], q.tensors.get("input_scale"))
+        y = reference.fp8_linear(x_rot, t["weight"], t["weight_scale"], t.get("input_scale"))
         if mu is not None:
             y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)

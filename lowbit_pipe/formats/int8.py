@@ -21,7 +21,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 
@@ -64,18 +64,20 @@ class Int8(Format):
         record = common.rotation_record({"format": self.comfy_name}, self.name, kind, group, stock_convrot=True)
         return QuantizedWeight(self.name, (n, k), {"weight": codes, "weight_scale": scale}, record)
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
         w_rot = q.tensors["weight"].float() * q.tensors["weight_scale"].float()
-        kind, group = common.record_rotation(q.record, q.format)
+        kind, group = self.rotation_of(q, plan)
         return rotation.unrotate_weight(w_rot, kind, group)
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
-               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               lora: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
         """`lora` (down [R, K], up [N, R]): a LoRA residual fused into the GPU path (GEMM epilogue);
         elsewhere added after the reference as (x @ down^T) @ up^T."""
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias, lora)
-        kind, group = common.record_rotation(q.record, q.format)
+        plan = plan if plan is not None else self.linear_plan(q)
+        if plan.activations == "none":
+            return self.weight_only_linear(x, q, bias, lora, plan)
+        kind, group = plan.rotation, plan.group
         static = q.tensors.get("input_scale")
         w, ws = q.tensors["weight"], q.tensors["weight_scale"]
         if kind == "hadanorm" and dispatch.int8_supported(x, "none"):
@@ -83,12 +85,11 @@ class Int8(Format):
                                             self.hadanorm_rowsums(q, group), lora)
         if dispatch.int8_supported(x, kind):  # GPU: Triton quant (+rotation) and INT8 GEMM
             down, up = lora if lora is not None else (None, None)
-            return dispatch.int8_linear(x, q.tensors["weight"], q.tensors["weight_scale"], bias, kind, group,
-                                        lora_down=down, lora_up=up, input_scale=static)
+            return dispatch.int8_linear(x, w, ws, bias, kind, group, lora_down=down, lora_up=up, input_scale=static)
         if lora is not None:
-            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
+            return self.linear(x, q, bias, plan=plan) + reference.low_rank_delta(x, *lora)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
-        y = reference.int8_linear_fp32(x_rot, q.tensors["weight"], q.tensors["weight_scale"], static)
+        y = reference.int8_linear_fp32(x_rot, w, ws, static)
         if mu is not None:
             y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
         return common.out_dtype_result(y, bias, x.dtype)

@@ -27,7 +27,7 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
@@ -99,28 +99,29 @@ class MXFP8(Format):
     def _dequantize_rotated(self, q: QuantizedWeight) -> torch.Tensor:
         return dequantize_blocks(q.tensors["weight"], self._exponents(q))
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        kind, group = common.record_rotation(q.record, q.format)
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        kind, group = self.rotation_of(q, plan)
         return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
 
-    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+    def dequantize_like(self, q: QuantizedWeight, x: torch.Tensor, plan: LinearPlan | None = None) -> torch.Tensor:
         t = q.tensors
-        kind, _ = common.record_rotation(q.record, q.format)
+        kind, _ = self.rotation_of(q, plan)
         if kind != "none" or not dispatch.decode_supported(x, t["weight"]):  # rotated: unrotated in torch
-            return super().dequantize_like(q, x)
+            return super().dequantize_like(q, x, plan)
         return dispatch.mxfp8_weight(t["weight"], t["weight_scale"], x.dtype)
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias)
-        kind, group = common.record_rotation(q.record, q.format)
-        t = q.tensors
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
+        plan = plan if plan is not None else self.linear_plan(q)
+        if plan.activations == "none":
+            return self.weight_only_linear(x, q, bias, plan=plan)
+        kind, group, facts, t = plan.rotation, plan.group, plan.facts_for(x), q.tensors
         if kind == "hadanorm" and dispatch.mxfp8_supported(x, t["weight"], "none"):
             def unrotated(xr: torch.Tensor) -> torch.Tensor:
-                return dispatch.mxfp8_linear(xr, t["weight"], t["weight_scale"], bias)
+                return dispatch.mxfp8_linear(xr, t["weight"], t["weight_scale"], bias, facts=facts)
             return dispatch.hadanorm_linear(x, group, unrotated, self.hadanorm_rowsums(q, group))
         if dispatch.mxfp8_supported(x, t["weight"], kind):  # GPU: Triton fake quant + decode, bf16 tensor cores
-            return dispatch.mxfp8_linear(x, t["weight"], t["weight_scale"], bias, kind, group)
+            return dispatch.mxfp8_linear(x, t["weight"], t["weight_scale"], bias, kind, group, facts=facts)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = fake_quant(x_rot) @ self._dequantize_rotated(q).to(x.device).t()
         if mu is not None:

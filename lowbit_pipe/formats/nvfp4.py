@@ -37,20 +37,24 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448
 NVFP4_COMPUTE = ("auto", "weight_only", "nvfp4", "fp8")  # recipe quantize.nvfp4_compute (recipe.py says what each does)
 
 
-def computes_weight_only(mode: str, compute: str | None, x: torch.Tensor) -> bool:
-    """Whether an nvfp4 layer whose record says activations `mode` runs weight-only for input x under `compute`."""
+def computes_weight_only(mode: str, compute: str | None, x: torch.Tensor,
+                         facts: dispatch.DeviceFacts | None = None) -> bool:
+    """Whether an nvfp4 layer whose record says activations `mode` runs weight-only for input x under `compute`.
+    `facts`: x's device's, settled by the layer (None: asked of the device here)."""
     if compute == "fp8":
         return False
     if compute == "weight_only" or (compute != "nvfp4" and mode == "none"):
         return True
-    return compute in (None, "auto") and dispatch.lacks_fp4(x.device)
+    if compute not in (None, "auto"):
+        return False
+    return facts.lacks_fp4 if facts is not None else dispatch.lacks_fp4(x.device)
 
 
 def _roundup(x: int, m: int) -> int:
@@ -103,33 +107,33 @@ class NVFP4(Format):
         n, k = q.shape
         return w[:n, :k]
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        kind, group = common.record_rotation(q.record, q.format)
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        kind, group = self.rotation_of(q, plan)
         return rotation.unrotate_weight(self._dequantize_rotated(q), kind, group)
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
         """NVFP4 activations emulated (dynamic: a global scale per token, or per call where the record asks for it
         (`act_per_tensor`); static: the stored input_scale), or weight-only (record `full_precision_matrix_mult`, or
         `q.compute`: see computes_weight_only)."""
-        kind, group = common.record_rotation(q.record, q.format)
-        if q.compute == "fp8":
-            return self._fp8_compute_linear(x, q, bias, kind, group)
-        if computes_weight_only(self.activation_mode(q), q.compute, x):
+        plan = plan if plan is not None else self.linear_plan(q)
+        kind, group, facts, t = plan.rotation, plan.group, plan.facts_for(x), q.tensors
+        if plan.compute == "fp8":
+            return self._fp8_compute_linear(x, q, bias, plan)
+        if computes_weight_only(plan.activations, plan.compute, x, facts):
             if dispatch.nvfp4_supported(x, kind):  # GPU: decode kernel + cuBLAS, or the register-decode GEMM
-                t = q.tensors
                 return dispatch.nvfp4_weight_only_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"],
-                                                         q.shape[0], bias, kind, group)
-            return self.weight_only_linear(x, q, bias)
+                                                         plan.shape[0], bias, kind, group)
+            return self.weight_only_linear(x, q, bias, plan=plan)
         if dispatch.nvfp4_supported(x, kind):  # GPU: Triton act emulation + register-decoded NVFP4 GEMM
-            t = q.tensors
             return dispatch.nvfp4_linear(x, t["weight"], t["weight_scale"], t["weight_scale_2"], t.get("input_scale"),
-                                         q.shape[0], bias, kind, group, per_tensor=self.act_per_tensor(q))
+                                         plan.shape[0], bias, kind, group, per_tensor=plan.per_tensor)
         x_rot, mu = rotation.rotate_activation(x, kind, group)
-        n, k = q.shape
-        kp = q.tensors["weight"].shape[1] * 2
+        n, k = plan.shape
+        kp = t["weight"].shape[1] * 2
         if kp != k:
             x_rot = torch.nn.functional.pad(x_rot, (0, kp - k))
-        xq = reference.nvfp4_fake_quant(x_rot, q.tensors.get("input_scale"), self.act_per_tensor(q))[..., :k]
+        xq = reference.nvfp4_fake_quant(x_rot, t.get("input_scale"), plan.per_tensor)[..., :k]
         y = xq @ self._dequantize_rotated(q).t()
         if mu is not None:
             y = y + rotation.mean_correction(mu, self.hadanorm_rowsums(q, group))
@@ -149,23 +153,24 @@ class NVFP4(Format):
         bound = block.amax(dim=1) * q.tensors["weight_scale_2"].float() * reference.E2M1_MAX
         return reference.positive_scale(bound, reference.FP8_E4M3_MAX)
 
-    def _fp8_compute_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, kind: str,
-                            group: int) -> torch.Tensor:
+    def _fp8_compute_linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
+                            plan: LinearPlan) -> torch.Tensor:
         """Compute "fp8" (Hopper has fp8 tensor cores, no FP4): the weight's e2m1 x block x global values rounded to
         e4m3 under a per-row scale, per-token fp8 activations (a static NVFP4 input_scale does not apply), an fp8
         GEMM. More error than NVFP4 weights alone: the weight's second rounding plus the activations'."""
-        n, k = q.shape
+        (n, k), kind, group = plan.shape, plan.rotation, plan.group
         row_scale = q.runtime.get("fp8_row_scale")  # the layer's derived buffer; a bare QuantizedWeight computes it
         if row_scale is None:
             row_scale = self.fp8_row_scale(q)
-        t = q.tensors
+        t, facts = q.tensors, plan.facts_for(x)
         fused = kind if kind != "hadanorm" else "none"
-        if dispatch.nvfp4_supported(x, fused) and dispatch.fp8_shape_supported(x, n, k, fused):
+        if dispatch.nvfp4_supported(x, fused) and dispatch.fp8_shape_supported(x, n, k, fused, facts):
             w8 = dispatch.nvfp4_fp8_weight(t["weight"], t["weight_scale"], t["weight_scale_2"], row_scale, n, k)
             if kind == "hadanorm":
-                return dispatch.hadanorm_linear(x, group, lambda xr: dispatch.fp8_linear(xr, w8, row_scale, None, bias),
-                                                self.hadanorm_rowsums(q, group))
-            return dispatch.fp8_linear(x, w8, row_scale, None, bias, kind, group)
+                return dispatch.hadanorm_linear(
+                    x, group, lambda xr: dispatch.fp8_linear(xr, w8, row_scale, None, bias, facts=facts),
+                    self.hadanorm_rowsums(q, group))
+            return dispatch.fp8_linear(x, w8, row_scale, None, bias, kind, group, facts=facts)
         w8 = reference.fp8_quantize(self._dequantize_rotated(q), row_scale.reshape(-1, 1))
         x_rot, mu = rotation.rotate_activation(x, kind, group)
         y = reference.fp8_linear(x_rot, w8, row_scale)

@@ -34,7 +34,7 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import dispatch, reference
 from lowbit_pipe.kernels.reference import SVDQUANT_GROUP as GROUP, SVDQUANT_INT4_MAX as INT4_MAX
@@ -130,23 +130,25 @@ class SVDQuantW4A4(Format):
         scale = q.tensors["weight_scale"].t().to(dtype).unsqueeze(-1)  # [N, K/64, 1]
         return (self.codes(q).to(dtype).view(n, k // GROUP, GROUP) * scale).view(n, k)
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        t = q.tensors
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        t = q.tensors  # nothing to read from the record: `plan` has nothing to add
         smooth = t["weight_smooth_factor"].float()
         return self._residual(q, torch.float32) / smooth + t["weight_proj_up"].float() @ t["weight_proj_down"].float().t()
 
     def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None,
-               lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+               lora: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
         """`lora` (down [R, K], up [N, R]): a LoRA residual; on the GPU concatenated to the SVD branch
         (dispatch.svdquant_linear), elsewhere added after the reference as (x @ down^T) @ up^T."""
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias, lora)
+        plan = plan if plan is not None else self.linear_plan(q)
+        if plan.activations == "none":
+            return self.weight_only_linear(x, q, bias, lora, plan)
         t = q.tensors
-        n, k = q.shape
+        n, k = plan.shape
         if dispatch.svdquant_supported(x, t["weight"]):
-            return dispatch.svdquant_linear(x, t, n, bias, lora)
+            return dispatch.svdquant_linear(x, t, n, bias, lora, plan.facts_for(x))
         if lora is not None:
-            return self.linear(x, q, bias) + reference.low_rank_delta(x, *lora)
+            return self.linear(x, q, bias, plan=plan) + reference.low_rank_delta(x, *lora)
         dtype = t["weight_scale"].dtype
         x2 = x.reshape(-1, k).to(dtype)
         branch = x2.float() @ t["weight_proj_down"].float()

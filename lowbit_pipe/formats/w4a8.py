@@ -34,6 +34,7 @@ fixed table (tested).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -41,7 +42,7 @@ import torch
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
 from lowbit_pipe.formats.registry import register
-from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, QuantizedWeight
+from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP_SIZE = 16
@@ -182,6 +183,16 @@ def decode_int8_grid(tensors: dict[str, torch.Tensor], k: int, bits: int, group_
     return values.reshape(n, k).round().clamp(-127, 127).to(torch.int8)
 
 
+@dataclass(frozen=True)
+class W4A8Plan(LinearPlan):
+    """LinearPlan plus the layer's geometry (record fields and tensor shapes, which a bake or a load keeps)."""
+
+    k: int
+    bits: int
+    group_size: int
+    asymmetric: bool  # a stored weight_correction: computed as a float linear (comfy-kitchen's way)
+
+
 @register
 class W4A8(Format):
     name = "w4a8"
@@ -221,9 +232,21 @@ class W4A8(Format):
         bits = q.tensors["weight"].shape[1] * 8 // k
         return k, bits, group_size, int(q.record.get("convrot_groupsize", CONVROT_GROUP))
 
-    def _rotated(self, q: QuantizedWeight) -> torch.Tensor:
+    def stored_rotation(self, q: QuantizedWeight) -> tuple[str, int]:
+        return "convrot", int(q.record.get("convrot_groupsize", CONVROT_GROUP))  # always rotated: part of the format
+
+    def linear_plan(self, q: QuantizedWeight, device: torch.device | None = None) -> W4A8Plan:
+        base = super().linear_plan(q, device)
         k, bits, group_size, _ = self._geometry(q)
-        w8 = decode_int8_grid(q.tensors, k, bits, group_size).float()
+        return W4A8Plan(**{f.name: getattr(base, f.name) for f in fields(base)}, k=k, bits=bits,
+                        group_size=group_size, asymmetric="weight_correction" in q.tensors)
+
+    def _resolved(self, q: QuantizedWeight, plan: LinearPlan | None) -> W4A8Plan:
+        return plan if isinstance(plan, W4A8Plan) else self.linear_plan(q)
+
+    def _rotated(self, q: QuantizedWeight, plan: W4A8Plan) -> torch.Tensor:
+        k, group_size = plan.k, plan.group_size
+        w8 = decode_int8_grid(q.tensors, k, plan.bits, group_size).float()
         w = w8 * q.tensors["weight_s_channel"].float().reshape(-1, 1)
         corr = q.tensors.get("weight_correction")
         if corr is not None:
@@ -231,15 +254,18 @@ class W4A8(Format):
             w = (w.reshape(n, k // group_size, group_size) + corr.float().t().unsqueeze(-1)).reshape(n, k)
         return w
 
-    def dequantize(self, q: QuantizedWeight) -> torch.Tensor:
-        return rotation.unrotate_weight(self._rotated(q), "convrot", self._geometry(q)[3])
+    def dequantize(self, q: QuantizedWeight, plan: LinearPlan | None = None) -> torch.Tensor:
+        plan = self._resolved(q, plan)
+        return rotation.unrotate_weight(self._rotated(q, plan), "convrot", plan.group)
 
-    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.activation_mode(q) == "none":
-            return self.weight_only_linear(x, q, bias)
-        k, bits, group_size, cgroup = self._geometry(q)
-        if "weight_correction" in q.tensors:  # asymmetric: comfy-kitchen runs it as a float linear
-            y = x.float() @ self.dequantize(q).t()
+    def linear(self, x: torch.Tensor, q: QuantizedWeight, bias: torch.Tensor | None, *,
+               plan: LinearPlan | None = None) -> torch.Tensor:
+        plan = self._resolved(q, plan)
+        if plan.activations == "none":
+            return self.weight_only_linear(x, q, bias, plan=plan)
+        k, bits, group_size, cgroup = plan.k, plan.bits, plan.group_size, plan.group
+        if plan.asymmetric:  # comfy-kitchen runs it as a float linear
+            y = x.float() @ self.dequantize(q, plan).t()
             return common.out_dtype_result(y, bias, x.dtype)
         w8 = q.runtime.get("int8_grid")  # prepacked, or decoded per call
         static = q.tensors.get("input_scale")

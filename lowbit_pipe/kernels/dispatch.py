@@ -44,7 +44,8 @@ unquantized input (what stock ComfyUI computes on GPUs without FP4 tensor cores)
 weight-only layers never reach this module: Format.weight_only_linear dequantizes and calls F.linear, the
 same on every device. nvfp4's fp8 compute (quantize.nvfp4_compute=fp8) decodes its weight to e4m3 per row
 (kernels.decode) and runs the fp8 path below.
-No module state, no environment switches: each call decides from its arguments.
+No module state, no environment switches: each call decides from its arguments. What depends on the device
+alone (`DeviceFacts`) a caller may settle once and pass in: a quantized layer does (formats.base.LinearPlan).
 
 LoRA residual (`lora_down` [R, K], `lora_up` [N, R], activation dtype, strengths folded in):
 `int8_linear` / `fp8_linear` add `(x @ down^T) @ up^T` (x unrotated) inside the linear. A branch
@@ -82,6 +83,23 @@ def _rows(x: torch.Tensor) -> int:
 
 def _gpu_input(x: torch.Tensor) -> bool:
     return x.is_cuda and x.dtype in FLOAT_DTYPES and x.dim() >= 1 and x.shape[-1] > 0
+
+
+@dataclass(frozen=True)
+class DeviceFacts:
+    """What the paths below decide from a device alone. torch.cuda.get_device_properties costs host time on
+    every eager call, so a quantized layer settles these once for its device and passes them in; None
+    (every bare call) decides per call, with the same answers."""
+    fp8_triton_gemm: bool  # `fp8_triton_gemm` of an input on this device
+    lacks_fp4: bool  # `lacks_fp4` of this device
+
+
+def device_facts(device: torch.device) -> DeviceFacts:
+    """The DeviceFacts of `device`: the same answers as fp8_triton_gemm / lacks_fp4 for an input on it."""
+    if device.type != "cuda":
+        return DeviceFacts(fp8_triton_gemm=True, lacks_fp4=False)
+    major = torch.cuda.get_device_properties(device).major
+    return DeviceFacts(fp8_triton_gemm=major == 9, lacks_fp4=major < 10)
 
 
 # ---------------------------------------------------------------------------
@@ -225,7 +243,7 @@ def mxfp8_supported(x: torch.Tensor, weight: torch.Tensor, rot: str) -> bool:
 
 def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, exponents: torch.Tensor, bias: torch.Tensor | None,
                  rot: str = "none", group: int | None = None,
-                 compute_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                 compute_dtype: torch.dtype = torch.bfloat16, facts: DeviceFacts | None = None) -> torch.Tensor:
     """mxfp8 with dynamic activations on a GPU without MX tensor cores (Hopper): the activations' MXFP8 fake
     quantization (kernels.act_dequant.mxfp8_act) and the weight's decode (kernels.decode.mxfp8_decode), both
     exact in bf16 (e4m3 codes times powers of two), multiplied on bf16 tensor cores: exact products, an fp32
@@ -239,7 +257,7 @@ def mxfp8_linear(x: torch.Tensor, weight: torch.Tensor, exponents: torch.Tensor,
     x2 = rotate(x.reshape(-1, k), rot, group)
     act = launcher(mxfp8_act_op, mxfp8_act)(x2, compute_dtype)
     w = launcher(mxfp8_decode_op, mxfp8_decode)(weight, exponents, compute_dtype)
-    if fp8_triton_gemm(x):
+    if fp8_triton_gemm(x, facts):
         y = launcher(float_gemm_op, float_gemm)(act, w, bias, x.dtype)
     else:
         y = F.linear(act, w).float()
@@ -253,7 +271,8 @@ def svdquant_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def svdquant_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], n: int, bias: torch.Tensor | None,
-                    lora: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                    lora: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    facts: DeviceFacts | None = None) -> torch.Tensor:
     """svdquant_w4a4 on 16-bit tensor cores: the eager contract's two dequantized operands, each formed bit for bit
     by a Triton kernel (activations: kernels.act_dequant.svdquant_act, or under torch.compile the torch reference,
     which Inductor fuses; residual: kernels.decode.svdquant_decode, the layer's weight decoded per call into a
@@ -277,7 +296,7 @@ def svdquant_linear(x: torch.Tensor, tensors: dict[str, torch.Tensor], n: int, b
         up = torch.cat([up, lora[1].to(dtype)], dim=1)
         lora = None
     xa = x2 @ down_t
-    if fp8_triton_gemm(x):
+    if fp8_triton_gemm(x, facts):
         y = launcher(float_gemm_op, float_gemm)(act, w, bias, x.dtype, xa, up.t())
     else:
         y = F.linear(act, w, bias.to(dtype) if bias is not None else None)
@@ -303,31 +322,34 @@ def hadanorm_linear(x: torch.Tensor, group: int, linear: Callable[[torch.Tensor]
 # fp8: per-token (or static) e4m3 activations; Triton fp8 GEMM on Hopper, cuBLAS elsewhere
 # ---------------------------------------------------------------------------
 
-def fp8_triton_gemm(x: torch.Tensor) -> bool:
+def fp8_triton_gemm(x: torch.Tensor, facts: DeviceFacts | None = None) -> bool:
     """The Triton fp8 GEMM: TMA and fp8 wgmma need sm90; measured on the H200 only, so other GPUs
     keep cuBLAS (get_device_properties: torch.compile constant-folds it). CPU tensors reach
-    fp8_linear only from the interpreter tests (fp8_supported says no to them)."""
+    fp8_linear only from the interpreter tests (fp8_supported says no to them). `facts`: x's device's, settled."""
+    if facts is not None:
+        return facts.fp8_triton_gemm
     return not x.is_cuda or torch.cuda.get_device_properties(x.device).major == 9
 
 
-def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str) -> bool:
-    return w.is_contiguous() and fp8_shape_supported(x, *w.shape, rot)
+def fp8_supported(x: torch.Tensor, w: torch.Tensor, rot: str, facts: DeviceFacts | None = None) -> bool:
+    return w.is_contiguous() and fp8_shape_supported(x, *w.shape, rot, facts)
 
 
-def fp8_shape_supported(x: torch.Tensor, n: int, k: int, rot: str) -> bool:
+def fp8_shape_supported(x: torch.Tensor, n: int, k: int, rot: str, facts: DeviceFacts | None = None) -> bool:
     """fp8_supported for an [n, k] e4m3 weight made contiguous at call time (nvfp4's fp8 compute decodes one)."""
     if not (_gpu_input(x) and rot in FUSED_ROTATIONS and k % 16 == 0):
         return False
-    return fp8_triton_gemm(x) or (n % 16 == 0 and _rows(x) >= FP8_MIN_M)
+    return fp8_triton_gemm(x, facts) or (n % 16 == 0 and _rows(x) >= FP8_MIN_M)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_scale: torch.Tensor | None,
                bias: torch.Tensor | None, rot: str = "none", group: int | None = None,
-               lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None) -> torch.Tensor:
+               lora_down: torch.Tensor | None = None, lora_up: torch.Tensor | None = None,
+               facts: DeviceFacts | None = None) -> torch.Tensor:
     """Hopper: the Triton fp8 GEMM (scales, bias and the LoRA branch inside; any out dtype).
     Elsewhere torch._scaled_mm with row-wise scales (activation [M, 1], weight [1, N]; bf16 out), or
     tensor-wise when both scales are scalars (any out dtype); the weight goes in as w.t(): the
-    column-major [K, N] operand cuBLAS wants, without a copy."""
+    column-major [K, N] operand cuBLAS wants, without a copy. `facts`: x's device's, settled by the layer."""
     from lowbit_pipe.kernels.fp8_gemm import fp8_gemm, fp8_gemm_op
 
     k = x.shape[-1]
@@ -336,7 +358,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     pair = _lora_pair(x, lora_down, lora_up)
     a = quantize_activations(x2, "fp8", rot, group, input_scale, pair[0] if pair else None)
     q, s, xa = a.codes, a.scale, a.xa
-    if fp8_triton_gemm(x):
+    if fp8_triton_gemm(x, facts):
         y = launcher(fp8_gemm_op, fp8_gemm)(q, w, s, w_scale, bias, x.dtype,
                                             *((xa, pair[1].t()) if pair is not None else ()))
         return y.reshape(*x.shape[:-1], n)
