@@ -43,7 +43,7 @@ class Patcher:
 
     def __init__(self, model: nn.Module):
         self.model, self.patches, self.injections, self.is_injected = model, {}, {}, False
-        self.load_device = torch.device("cpu")
+        self.load_device = self.offload_device = torch.device("cpu")
 
     def get_model_object(self, name: str) -> nn.Module:
         return self.model.get_submodule(name)

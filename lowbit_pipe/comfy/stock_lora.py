@@ -151,6 +151,11 @@ class ResidualInjection:
             return
         for h in entry[1]:
             h.remove()
+        offload = getattr(patcher, "offload_device", None)
+        if offload is not None and not self.injected():  # the factors leave the GPU with the model, as ComfyUI's do
+            for stack in self.stacks.values():
+                if stack.down is not None and stack.down.device != torch.device(offload):
+                    stack.to(offload)
 
     def injected(self) -> int:
         """How many loaded models carry this injection's hooks now."""
