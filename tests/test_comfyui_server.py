@@ -419,7 +419,7 @@ def test_a_stock_lora_on_a_quantized_model_samples_what_the_lora_residual_node_s
         floating = sample(comfy, arch, {"m": loader(arch)}, ["m", 0], 5, f"gf_{arch}_")
         lora, out = f"{arch}_peft.safetensors", f"lowbit/stock_lora_{arch}.safetensors"
 
-        def stock_lora(model: list) -> dict[str, Any]:
+        def stock_lora(model: list, lora: str = lora) -> dict[str, Any]:
             return {"class_type": "LoraLoaderModelOnly", "inputs": {"model": model, "lora_name": lora,
                                                                    "strength_model": 0.8}}
 
