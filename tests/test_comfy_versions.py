@@ -145,6 +145,7 @@ def _run_pack(tmp_path: Path, quant_ops: str | None, ops: str, prelude: str = ""
     (root / "custom_nodes").mkdir()
     (root / "comfy" / "__init__.py").write_text("")
     (root / "comfy" / "ops.py").write_text(ops)
+    (root / "comfy" / "model_patcher.py").write_text("class ModelPatcher:\n    pass\n")  # every ComfyUI has one
     if quant_ops is not None:
         (root / "comfy" / "quant_ops.py").write_text(quant_ops)
     shim = install(root)

@@ -31,9 +31,18 @@ def register_loader(log: logging.Logger | None = None) -> Any:
         return _refused(log, f"this ComfyUI has no mixed-precision loader: importing comfy.quant_ops / comfy.ops "
                              f"failed ({err})")
     try:
-        return registry.install(comfy.quant_ops, comfy.ops)
+        import comfy.model_patcher as model_patcher  # noqa: PLC0415
+    except ImportError as err:
+        model_patcher, patcher_error = None, err
+    try:
+        registration = registry.install(comfy.quant_ops, comfy.ops, model_patcher)
     except IncompatibleComfyUI as err:
         return _refused(log, str(err))
+    if model_patcher is None:
+        log.warning("lowbit_pipe: importing comfy.model_patcher failed (%s): ComfyUI's own LoRA loaders on quantized "
+                    "layers are not turned into exact residual branches (ComfyUI rounds them into the weights); use "
+                    "'LoRA residual (lowbit_pipe)'", patcher_error)
+    return registration
 
 
 def _refused(log: logging.Logger, why: str) -> None:

@@ -35,6 +35,7 @@ from omegaconf import OmegaConf
 from lowbit_pipe.comfy import node_runs
 from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
 from lowbit_pipe.comfy.patchers import model_with_tree, release_weights, unload_from_comfy
+from lowbit_pipe.comfy.stock_lora import STOCK_LORA_NOTE
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.tempfiles import move
 
@@ -69,10 +70,13 @@ GUARD_KEY = "lowbit_pipe_weight_patches"
 
 
 def _guard_weight_patches(model: Any) -> None:
-    """A stock LoRA loader placed after Quantize adds weight patches to quantized layers, which ComfyUI would then
-    apply to packed codes while loading the model (garbage, or a crash half-way that leaves the shared model
-    patched). A wrapper on the MODEL's sampling preparation (carried by every clone ComfyUI makes of it) refuses
-    such a MODEL before ComfyUI loads anything, saying what to do. ComfyUIs without sampling wrappers get none."""
+    """The backstop behind the stock-LoRA conversion (lowbit_pipe.comfy.stock_lora, installed with the loader
+    registration): ComfyUI's LoRA loaders after Quantize get exact residual branches there, and no weight patch
+    reaches a quantized layer. One that does anyway (a ComfyUI the registration refused, a node that writes a
+    MODEL's `patches` itself) would be applied by ComfyUI to packed codes while loading the model (garbage, or a
+    crash half-way that leaves the shared model patched). A wrapper on the MODEL's sampling preparation (carried
+    by every clone ComfyUI makes of it) refuses such a MODEL before ComfyUI loads anything, naming a key and
+    saying what to do. ComfyUIs without sampling wrappers get none."""
     try:
         from comfy.patcher_extension import WrappersMP, add_wrapper_with_key
     except ImportError:  # outside ComfyUI, or a ComfyUI before patcher extensions
@@ -86,16 +90,17 @@ def _guard_weight_patches(model: Any) -> None:
 
 
 def _refuse_patched_quantized(executor: Any, model: Any, *args: Any, **kwargs: Any) -> Any:
-    from lowbit_pipe.comfy import weight_patches
+    from lowbit_pipe.comfy import stock_lora, weight_patches
 
     tree = model.get_model_object("diffusion_model")
-    quantized = {name for name, m in tree.named_modules() if isinstance(m, QuantLinear)}
+    quantized = {name for name, m in tree.named_modules() if stock_lora.is_quantized(m)}
     hit = [k for k in model.patches if weight_patches._layer_of(k if isinstance(k, str) else k[0]) in quantized]
     if hit:
         raise weight_patches.UnsupportedPatchError(
-            f"{len(hit)} ComfyUI weight patches (a LoRA loaded after Quantize (lowbit_pipe)) target quantized layers, "
-            f"e.g. '{hit[0]}': ComfyUI cannot patch packed weights. Load the LoRA with 'LoRA residual (lowbit_pipe)' "
-            "instead (exact branches), or before Quantize (it turns ComfyUI's LoRA into the same branches)")
+            f"{len(hit)} ComfyUI weight patches target quantized layers, e.g. '{hit[0]}', and did not become residual "
+            "branches (this pack turns those of ComfyUI's LoRA loaders into exact branches where its registration "
+            "runs: see the log at start): ComfyUI cannot patch packed weights. Load the LoRA with 'LoRA residual "
+            "(lowbit_pipe)' instead (exact branches), or before Quantize")
     return executor(model, *args, **kwargs)
 
 
@@ -373,7 +378,8 @@ def _hollow(tree: Any, float_tree: Any) -> None:
 class LowbitExport:
     DESCRIPTION = ("Writes the model as a .safetensors file in ComfyUI's layout into models/diffusion_models, where "
                    "Load Diffusion Model lists it (lowbit_* kinds need this node pack installed to load). LoRA "
-                   "branches go into a LoRA file beside it (models/loras) that stock LoRA loaders read.")
+                   "branches go into a LoRA file beside it (models/loras) that stock LoRA loaders read. "
+                   + STOCK_LORA_NOTE)
     CATEGORY = CATEGORY
     RETURN_TYPES = ("STRING",)
     RETURN_NAMES = ("path",)
@@ -422,6 +428,7 @@ class LowbitExport:
         patched = len(getattr(model, "patches", {}) or {})
         if patched:
             lines.append(f"note: {patched} ComfyUI weight patches on float layers are not in the file")
+        lines += _stock_lora_lines(model, figures)
         text = "\n".join(lines)
         return _ui(text, (shown,))
 
@@ -438,6 +445,21 @@ def _shown(path: Path) -> str:
         return str(path.resolve().relative_to(base.resolve()))
     except ValueError:
         return path.name
+
+
+def _stock_lora_lines(model: Any, figures: dict[str, Any]) -> list[str]:
+    """What Export says about ComfyUI's own LoRA loaders: branches they made on this MODEL are not in the file, and
+    what they do to a quantized file without this pack."""
+    from lowbit_pipe.comfy.stock_lora import injections_of
+
+    lines = []
+    layers = {layer for injection in injections_of(model) for layer in injection.stacks}
+    if layers:
+        lines.append(f"note: a LoRA from ComfyUI's own loader (exact branches on {len(layers)} quantized layers) is not "
+                     "in the file: load it again on the exported file")
+    if figures.get("quantized_layers"):
+        lines.append(f"LoRA on this file: {STOCK_LORA_NOTE}")
+    return lines
 
 
 # ============================================================================================== Purge

@@ -3,7 +3,7 @@
 Stock ComfyUI refuses a file holding any `lowbit_<name>` record as a whole: `comfy/ops.py`
 `_load_quantized_module` looks the record's `format` up in `comfy.quant_ops.QUANT_ALGOS` (KeyError),
 and past that has one hard-coded branch per stock format. `install(quant_ops, ops)` changes exactly
-three things, each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
+three things (four with `model_patcher`), each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
 
 1. the `LowbitLayout` comfy-kitchen layout (class and op handlers) is registered with comfy-kitchen's
    registry, the one ComfyUI's `quant_ops` re-exports (`lowbit_pipe.comfy.layout.register`);
@@ -20,7 +20,12 @@ three things, each recorded with its undo in a `lowbit_pipe.ledger.Ledger`:
    LowbitLayout QuantizedTensor, with the module attributes ComfyUI's Linear.forward reads; every other
    record (or none) goes to the original function untouched. `ops._quantized_weight_state_dict` (ComfyUI's
    re-save) is wrapped too, so a re-saved lowbit layer keeps its whole record rather than only the keys
-   ComfyUI knows.
+   ComfyUI knows;
+4. with `model_patcher` (ComfyUI's `comfy.model_patcher` module; `install_into_comfyui` and the node pack pass
+   it), `ModelPatcher.add_patches` is wrapped (`lowbit_pipe.comfy.stock_lora`): ComfyUI's stock LoRA loaders on
+   a quantized layer give exact residual branches (a ComfyUI injection on that MODEL) instead of a LoRA rounded
+   into the quantized weight, and refuse, naming the key, a patch kind a branch cannot express;
+   `ModelPatcher.add_hook_patches` too, refusing hook LoRAs on quantized layers.
 
 `Registration.uninstall()` unwinds the ledger: the same function objects are back, the dict entries
 and the layout are gone, and the ledger's teardown report says so. Installing twice returns the
@@ -30,8 +35,8 @@ first, still active, Registration (nothing is wrapped twice).
 comfy-kitchen it cannot work with: no QUANT_ALGOS / layout registry / `_load_quantized_module`, a ComfyUI
 that ignores `quantize_input` (before 0.27.0), a comfy-kitchen older than 0.2.13 (`compat` has the figures).
 
-The two ComfyUI modules are parameters so tests can pass stand-ins; `install_into_comfyui()` imports
-`comfy.quant_ops` and `comfy.ops` itself (the node pack calls `compat.register_loader()`, which logs a
+The ComfyUI modules are parameters so tests can pass stand-ins; `install_into_comfyui()` imports
+`comfy.quant_ops`, `comfy.ops` and `comfy.model_patcher` itself (the node pack calls `compat.register_loader()`, which logs a
 refusal instead of raising it). No ComfyUI code is imported here.
 """
 
@@ -47,7 +52,7 @@ import torch
 
 from comfy_kitchen.tensor import QuantizedTensor
 
-from lowbit_pipe.comfy import layout
+from lowbit_pipe.comfy import layout, stock_lora
 from lowbit_pipe.formats.comfy_versions import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
@@ -133,7 +138,7 @@ class Registration:
     ledger: Ledger
     kinds: tuple[str, ...]  # the QUANT_ALGOS entries added (loaded through LowbitLayout)
     layout: str = layout.LAYOUT_NAME
-    wrapped: tuple[str, ...] = ()  # names of the ops functions wrapped
+    wrapped: tuple[str, ...] = ()  # names of the ComfyUI functions wrapped
     active: bool = True
     installs: int = 1  # how many install calls returned this registration
     report: dict[str, Any] | None = field(default=None, repr=False)  # the teardown report, after uninstall
@@ -167,9 +172,10 @@ def installed(ops: Any) -> Registration | None:
     return None
 
 
-def install(quant_ops: Any, ops: Any) -> Registration:
+def install(quant_ops: Any, ops: Any, model_patcher: Any = None) -> Registration:
     """Register LowbitLayout, the QUANT_ALGOS entries of `kinds_to_register` and the loader wrapper into ComfyUI's
-    `comfy.quant_ops` / `comfy.ops` modules (or stand-ins with the same names). Idempotent. IncompatibleComfyUI
+    `comfy.quant_ops` / `comfy.ops` modules (or stand-ins with the same names), and with `model_patcher` (ComfyUI's
+    `comfy.model_patcher`) the stock-LoRA conversion (`stock_lora.install`). Idempotent. IncompatibleComfyUI
     (nothing changed) where `check_comfyui` refuses them."""
     existing = installed(ops)
     if existing is not None:
@@ -198,6 +204,9 @@ def install(quant_ops: Any, ops: Any) -> Registration:
         if callable(original_save):
             ledger.patch_function(ops, "_quantized_weight_state_dict", _state_dict_wrapper(original_save, reg))
             wrapped.append("_quantized_weight_state_dict")
+        patcher_class = getattr(model_patcher, "ModelPatcher", None)
+        if patcher_class is not None:
+            wrapped += stock_lora.install(ledger, patcher_class)
         reg.wrapped = tuple(wrapped)
     except BaseException:
         reg.active = False
@@ -239,10 +248,11 @@ def check_comfyui(quant_ops: Any, ops: Any) -> dict:
 def install_into_comfyui() -> Registration:
     """`install` into the running ComfyUI (imports `comfy.quant_ops` and `comfy.ops`): what the node pack's
     `__init__.py` calls at custom-node import time, before any model loads."""
-    import comfy.ops  # noqa: PLC0415 - ComfyUI is only there at run time
+    import comfy.model_patcher  # noqa: PLC0415 - ComfyUI is only there at run time
+    import comfy.ops  # noqa: PLC0415
     import comfy.quant_ops  # noqa: PLC0415
 
-    return install(comfy.quant_ops, comfy.ops)
+    return install(comfy.quant_ops, comfy.ops, comfy.model_patcher)
 
 
 # ---- the wrappers --------------------------------------------------------------------------------

@@ -8,8 +8,17 @@ such a patch would be applied to the packed weight (or crash on it), and a small
 grid anyway. So the Quantize node takes every plain low-rank patch of a layer it quantizes off the MODEL and
 puts it back as a residual branch with the same delta: delta = strength_patch * scale * up @ down, on the
 layer's float input. Patches on layers that stay float stay ComfyUI's. What cannot be a branch (DoRA, LoCon
-mid weights, LoKr / LoHa, full diffs, offsets, weight functions, strength_model != 1) on a quantized layer is
-refused with the layer named, before the MODEL is handed out.
+mid weights, LoKr / LoHa, full diffs, strength_model != 1, and, unless the caller gives the layers' shapes,
+offsets and weight functions) on a quantized layer is refused with the layer named, before the MODEL is handed
+out.
+
+With the layers' shapes (`read_patches(..., shape_of=)`), two more patch forms are plain low-rank ones:
+- an offset `(dim, start, size)`: ComfyUI applies the patch to `weight.narrow(dim, start, size)` (a diffusers
+  LoRA's q / k / v on FLUX's fused `qkv`, `linear1`: comfy/lora.py, `model_lora_keys_unet`); as a branch, `up`
+  (dim 0, output rows) or `down` (dim 1, input columns) zero-padded to the whole layer;
+- ComfyUI's `swap_scale_shift` function (comfy/utils.py: the two row halves of the delta swapped; FLUX's
+  `final_layer.adaLN_modulation.1` from diffusers' `norm_out.linear`): `up`'s row halves swapped.
+Any other weight function is refused.
 
 No ComfyUI import: the adapters are read by their documented fields (`name`, `weights`).
 """
@@ -17,7 +26,7 @@ No ComfyUI import: the adapters are read by their documented fields (`name`, `we
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -34,10 +43,11 @@ class LowRankPatch:
 
     layer: str  # native module name (no "diffusion_model." prefix)
     index: int  # its place in the layer's patch list (one LoRA loader node = one place, usually)
-    down: torch.Tensor  # [rank, in]
-    up: torch.Tensor  # [out, rank]
+    down: torch.Tensor  # [rank, in] (the whole layer's in: zero columns outside an input offset)
+    up: torch.Tensor  # [out, rank] (the whole layer's out: zero rows outside an output offset)
     scale: float  # alpha / rank, or 1 without alpha
     strength: float
+    alpha: float | None = None  # the adapter's alpha (None: ComfyUI's scale is 1)
 
 
 @dataclass
@@ -58,14 +68,21 @@ def _layer_of(key: str) -> str | None:
     return None
 
 
-def read_patches(patches: dict[Any, list[tuple]]) -> WeightPatches:
-    """Sort a ModelPatcher's `patches` dict."""
+ShapeOf = Callable[[str], "tuple[int, int] | None"]  # native layer name -> (out_features, in_features), None: no layer
+
+
+def read_patches(patches: dict[Any, list[tuple]], shape_of: ShapeOf | None = None) -> WeightPatches:
+    """Sort a ModelPatcher's `patches` dict. With `shape_of`, offsets and ComfyUI's `swap_scale_shift` are placed
+    on the whole layer (module doc); without, they are refused like any other patch form."""
     out = WeightPatches()
     for key, entries in patches.items():
         key = key if isinstance(key, str) else key[0]
         layer = _layer_of(key)
         for index, entry in enumerate(entries):
-            why = _not_low_rank(entry)
+            why = _not_low_rank(entry, placeable=shape_of is not None)
+            shape = shape_of(layer) if why is None and layer is not None and shape_of is not None else None
+            if why is None and shape_of is not None and shape is None:
+                why = "not a Linear layer's weight"
             if layer is None or why is not None:
                 out.other.setdefault(key, why or "not a Linear weight")
                 continue
@@ -73,13 +90,55 @@ def read_patches(patches: dict[Any, list[tuple]]) -> WeightPatches:
             up, down, alpha = adapter.weights[0], adapter.weights[1], adapter.weights[2]
             rank = int(down.shape[0])
             scale = float(alpha) / rank if alpha is not None else 1.0
-            out.low_rank.setdefault(layer, []).append(
-                LowRankPatch(layer, index, down.reshape(rank, -1), up.reshape(up.shape[0], rank), scale, strength))
+            down, up = down.reshape(rank, -1), up.reshape(up.shape[0], rank)
+            if shape is not None:
+                placed = _placed(down, up, shape, *(tuple(entry) + (None,) * 5)[3:5])
+                if isinstance(placed, str):
+                    out.other.setdefault(key, placed)
+                    continue
+                down, up = placed
+            out.low_rank.setdefault(layer, []).append(LowRankPatch(layer, index, down, up, scale, strength,
+                                                                   float(alpha) if alpha is not None else None))
     return out
 
 
-def _not_low_rank(entry: tuple) -> str | None:
+def _placed(down: torch.Tensor, up: torch.Tensor, shape: tuple[int, int], offset: Any,
+            function: Any) -> tuple[torch.Tensor, torch.Tensor] | str:
+    """The factors on the whole [out, in] layer: an offset's slice zero-padded, ComfyUI's swap_scale_shift as
+    swapped `up` halves; a reason string where the result would not be the delta ComfyUI computes."""
+    out_f, in_f = shape
+    if offset is not None:
+        dim, start, size = (int(v) for v in offset)
+        full = (out_f, in_f)[dim] if dim in (0, 1) else None
+        part = (up.shape[0], down.shape[1])[dim] if dim in (0, 1) else None
+        if full is None or part != size or start < 0 or start + size > full:
+            return f"an offset {tuple(offset)} that does not fit the {out_f}x{in_f} layer with {tuple(up.shape)} @ " \
+                   f"{tuple(down.shape)} factors"
+        if dim == 0:
+            up = torch.zeros(out_f, up.shape[1], dtype=up.dtype, device=up.device).index_copy_(
+                0, torch.arange(start, start + size, device=up.device), up)
+        else:
+            down = torch.zeros(down.shape[0], in_f, dtype=down.dtype, device=down.device).index_copy_(
+                1, torch.arange(start, start + size, device=down.device), down)
+    if up.shape[0] != out_f or down.shape[1] != in_f:
+        return f"factors {tuple(up.shape)} @ {tuple(down.shape)} that do not fit the {out_f}x{in_f} layer"
+    if function is not None:
+        if offset is not None or out_f % 2:
+            return "a weight function on part of a layer"
+        up = torch.cat([up[out_f // 2:], up[: out_f // 2]])  # swap_scale_shift of delta = of up's rows
+    return down, up
+
+
+def is_swap_scale_shift(function: Any) -> bool:
+    """ComfyUI's `comfy.utils.swap_scale_shift` (by its module and name: this module imports no ComfyUI)."""
+    return getattr(function, "__module__", None) == "comfy.utils" and getattr(function, "__name__", None) == "swap_scale_shift"
+
+
+def _not_low_rank(entry: tuple, placeable: bool = False) -> str | None:
     strength_patch, adapter, strength_model, offset, function = (tuple(entry) + (None,) * 5)[:5]
+    if isinstance(adapter, (tuple, list)):  # ComfyUI's tensor patches: ("diff", ...), ("set", ...), (tensor,), ...
+        kind = adapter[0] if len(adapter) == 2 and isinstance(adapter[0], str) else "diff"
+        return f"a full-weight '{kind}' patch (only plain LoRA can be a residual branch)"
     if getattr(adapter, "name", None) != "lora" or not isinstance(getattr(adapter, "weights", None), tuple):
         return f"a {type(adapter).__name__} patch (only plain LoRA can be a residual branch)"
     up, down, _alpha, mid, dora_scale, reshape = (tuple(adapter.weights) + (None,) * 6)[:6]
@@ -91,8 +150,10 @@ def _not_low_rank(entry: tuple) -> str | None:
         return "a LoRA that reshapes the weight"
     if not (isinstance(up, torch.Tensor) and isinstance(down, torch.Tensor)) or up.dim() != 2 or down.dim() != 2:
         return "a LoRA whose factors are not 2-D"
-    if offset is not None or function is not None:
+    if not placeable and (offset is not None or function is not None):
         return "a patch with an offset or a weight function"
+    if function is not None and not is_swap_scale_shift(function):
+        return f"a patch with a weight function ({getattr(function, '__qualname__', type(function).__name__)})"
     if float(strength_model) != 1.0:
         return f"strength_model {strength_model} (it scales the weight itself)"
     return None
