@@ -1,5 +1,6 @@
-"""What a new user meets on a fresh clone with the README's commands (issue 29, item 6): no silent no-op,
-refusals before any work, errors that say what to set, progress while it works."""
+"""What a new user meets on a fresh clone with the README's commands (issue 29, item 6; issue 45): no silent no-op,
+refusals before any work, errors that say what to set, progress while it works; a clone anywhere (any folder name,
+its venv inside, no ComfyUI archive) passes both README test commands and leaves no run folder behind."""
 
 from __future__ import annotations
 
@@ -338,3 +339,24 @@ def test_images_png_panels_are_labelled(tmp_path):
     grid = Image.open(tmp_path / "run" / "images.png").convert("RGB")
     title_band = grid.crop((0, 0, grid.size[0], LABEL_HEIGHT))
     assert len(set(title_band.getdata())) > 1  # text drawn on the band
+
+
+# ---- (g) a clone named lowbit_pipe with its venv inside (issue 45) ---------------------------------------------------
+
+def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the_path(tmp_path):
+    """tests/test_teardown.py's `_ours`: a venv inside a clone named lowbit_pipe (the default name) puts
+    "lowbit_pipe" in every torch file's path; torch's allocations are still not ours."""
+    from pathlib import Path
+
+    import torch
+
+    from test_teardown import is_ours
+
+    clone = tmp_path / "lowbit_pipe"
+    venv_torch = clone / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "_tensor.py"
+    package = clone / "lowbit_pipe"
+    assert not is_ours(str(venv_torch), (package,)) and is_ours(str(package / "stages" / "quantize.py"), (package,))
+    assert not is_ours(str(clone / "lowbit_pipe_extra" / "x.py"), (package,))  # a sibling folder, not the package
+    # with the folders this process imports from
+    assert is_ours(str(Path(lowbit_pipe.__file__).parent / "runner.py")) and is_ours(__import__("diffusers").__file__)
+    assert not is_ours(torch.__file__) and not is_ours("<frozen importlib._bootstrap>")
