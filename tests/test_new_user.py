@@ -261,14 +261,14 @@ def test_bfloat16_keeps_the_fp32_modules_and_a_forward_warns_nothing(tmp_path):
         assert torch.equal(arch.output_tensor(back.model(**inputs)), out)
 
 
-def test_compute_dtype_skips_the_fp32_modules(tiny_model):
+def test_compute_dtype_skips_the_fp32_modules(tiny_model, tmp_path):
     import torch
 
     from lowbit_pipe.arch.base import cast_keeping_fp32, compute_dtype
 
     wan = cast_keeping_fp32(tiny_model("wan"), torch.bfloat16)  # its first parameter is the fp32 modulation table
     assert next(wan.parameters()).dtype == torch.float32 and compute_dtype(wan) == torch.bfloat16
-    result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan)
+    result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan, run_dir=tmp_path / "run")
     assert result.context.dtype == torch.bfloat16  # a passed-in model computes in its own dtype
 
 
@@ -423,3 +423,49 @@ def test_require_archive_skips_or_under_ci_fails_and_each_real_comfyui_test_is_m
         assert "pytest.mark.comfyui" in (tests / name).read_text(), name
     assert "export LOWBIT_COMFYUI_REQUIRED=1" in (tests.parent / ".ci" / "run").read_text().splitlines()
 
+
+# ---- (i) tests leave no run folder in the user's runs/ (issue 45) ----------------------------------------------------
+
+# The tests that wrote run dirs into the working directory's runs/ (7 per `pytest` run): the ComfyUI nodes without
+# ComfyUI (nodes._run_dir falls back to ./runs) and lowbit_pipe.run without run_dir.
+LEAKED = ["test_comfy_nodes.py::test_quantize_lora_export_purge_on_a_comfyui_model",
+          "test_comfy_nodes.py::test_comfyui_lora_patches_become_exact_residual_branches",
+          "test_comfy_nodes.py::test_a_comfyui_dora_patch_on_a_quantized_layer_is_refused_naming_it",
+          "test_comfy_nodes.py::test_quantize_refuses_a_model_a_lowbit_node_made",
+          "test_comfy_nodes.py::test_a_model_with_comfyui_lora_patches_is_refused",
+          "test_new_user.py::test_compute_dtype_skips_the_fp32_modules"]
+
+
+@pytest.mark.slow  # about a minute on 2 busy cores: the tests themselves run in the default set
+def test_the_tests_that_wrote_run_folders_into_the_working_directory_write_them_under_tmp_path(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *[str(tests / t) for t in LEAKED]], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent),
+                                                                            os.environ.get("PYTHONPATH", "")])},
+                          timeout=600)
+    assert proc.returncode == 0 and f"{len(LEAKED)} passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.rglob("report.json")), sorted(tmp_path.rglob("*"))[:9]
+
+
+def test_every_lowbit_pipe_run_in_the_tests_names_its_run_dir():
+    """lowbit_pipe.run without run_dir writes runs/<date>/<time> under the working directory: a test names one (under
+    tmp_path), or changes into tmp_path first."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        source = path.read_text()
+        chdir = "monkeypatch.chdir(tmp_path)" in source
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("lowbit_pipe.run", "api.run") and not chdir:
+                keys = {k.arg for k in node.keywords}
+                if "run_dir" not in keys and None not in keys:
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
