@@ -469,3 +469,170 @@ def test_every_lowbit_pipe_run_in_the_tests_names_its_run_dir():
                 if "run_dir" not in keys and None not in keys:
                     offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+# ---- (j) raw and silent cases refused early, naming the key, or made explicit (issue 45) ---------------------------
+
+def test_compute_device_cuda_without_cuda_is_refused_before_any_work(monkeypatch, tmp_path):
+    import torch
+
+    from lowbit_pipe.preflight import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RecipeError) as err:
+        preflight(compose_recipe("default", ["quantize.compute_device=cuda"]))
+    assert err.value.path == "quantize.compute_device" and "no CUDA device" in str(err.value)
+    assert "quantize.compute_device=auto" in str(err.value)  # what to set instead
+    with pytest.raises(RecipeError, match="quantize.compute_device"):
+        lowbit_pipe.run("default", ["quantize.compute_device=cuda:1"], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    preflight(compose_recipe("default", ["quantize.compute_device=auto"]))  # the GPU when there is one: fine
+    preflight(compose_recipe("default", ["quantize.compute_device=cuda", "pipeline=[load,detect]"]))  # not used
+
+
+@pytest.mark.parametrize("key", list(__import__("lowbit_pipe.validate", fromlist=["MAX_COUNTS"]).MAX_COUNTS))
+def test_a_count_over_its_stated_bound_is_refused_naming_the_key_and_the_bound(key):
+    from lowbit_pipe.validate import MAX_COUNTS
+
+    bound = MAX_COUNTS[key]
+    with pytest.raises(RecipeError) as err:
+        compose_recipe("default", [f"{key}={bound + 1}"])
+    assert err.value.path == key and f"at most {bound:,}" in str(err.value) and "MAX_COUNTS" in str(err.value)
+    section, name = key.split(".")
+    assert getattr(getattr(compose_recipe("default", [f"{key}={bound}"]), section), name) == bound
+
+
+def test_fused_norm_rope_on_the_cpu_says_it_did_nothing_in_the_report_and_the_summary(tmp_path):
+    result = lowbit_pipe.run("default", ["attention.fused_norm_rope=true", "pipeline=[load,detect,quantize]"],
+                             run_dir=tmp_path / "run")
+    fused = result.report["attention"]["fused_norm_rope"]
+    assert "CUDA only" in fused["note"] and "on cpu" in fused["note"]
+    assert fused["norm_kernel_calls"] == 0 and fused["rope_kernel_calls"] == 0
+    said = [w["message"] for w in result.report["warnings"]]
+    assert any(m.startswith("attention.fused_norm_rope=true did nothing in this run") for m in said), said
+    assert "attention.fused_norm_rope=true did nothing" in (tmp_path / "run" / "summary.txt").read_text()
+    lowbit_pipe.teardown(result)
+
+
+def test_purge_on_a_folder_that_is_not_a_run_says_so_and_exits_1(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from lowbit_pipe.purge import main as purge_main
+
+    plain = tmp_path / "photos"
+    (plain / "sub").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stray = plain / f".model.safetensors.tmp-{dead.pid}"  # looks stale, but this is nobody's run: left alone
+    stray.write_bytes(b"\0" * 10)
+    assert purge_main([str(plain)]) == 1
+    out, err = capsys.readouterr()
+    assert "not a run folder" in err and str(plain) in err and "removed" not in out and stray.exists()
+    run = tmp_path / "runs" / "2026-01-01" / "10-00-00"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: default\n")  # what a run writes first
+    assert purge_main([str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert "would remove 0 stale temp file(s)" in capsys.readouterr().out
+    assert os.path.exists(stray)
+
+
+def test_stream_true_on_an_already_quantized_file_is_refused_before_the_work(tmp_path):
+    from lowbit_pipe.preflight import preflight
+
+    export = ["pipeline=[load,detect,quantize,export]"]
+    quantized = lowbit_pipe.run("default", [*export, f"export.path={tmp_path / 'q.safetensors'}"],
+                                run_dir=tmp_path / "q").export_path
+    with pytest.raises(RecipeError) as err:
+        preflight(compose_recipe("default", [f"model.path={quantized}", "model.stream=true", *export]))
+    assert err.value.path == "model.stream" and "16 quantized layers" in str(err.value)
+    assert "model.stream=auto or false" in str(err.value)
+    with pytest.raises(RecipeError, match="model.stream"):
+        lowbit_pipe.run("default", [f"model.path={quantized}", "model.stream=true", *export,
+                                    f"export.path={tmp_path / 'again.safetensors'}"], run_dir=tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    floating = lowbit_pipe.run("default", ["pipeline=[load,detect,export]", f"export.path={tmp_path / 'f.safetensors'}"],
+                               run_dir=tmp_path / "f").export_path
+    preflight(compose_recipe("default", [f"model.path={floating}", "model.stream=true", *export]))  # streams
+    preflight(compose_recipe("default", [f"model.path={quantized}", *export]))  # auto: loads it whole, as before
+
+
+def test_a_ratio_target_under_the_byte_floor_is_refused_before_calibration_and_timing(tmp_path, monkeypatch):
+    from lowbit_pipe import target_plan
+    from lowbit_pipe.errors import LowbitError
+
+    def calibrated(*args, **kwargs):
+        raise AssertionError("calibrated before the floor was checked")
+
+    monkeypatch.setattr(target_plan, "measure_options", calibrated)
+    cache = tmp_path / "speed"
+    with pytest.raises(LowbitError) as err:
+        lowbit_pipe.run("krea2_auto_speed_tiny", ["quantize.target.ratio=0.01", f"quantize.speed_cache={cache}"],
+                        run_dir=tmp_path / "run")
+    message = str(err.value)
+    assert "quantize.target.ratio" in message and "0.01 cannot be met" in message
+    assert "at least 0.4295 of the float transformer" in message and "before any calibration" in message
+    assert not cache.exists() or not list(cache.iterdir())  # refused before the speed table was timed
+
+
+def test_byte_floor_is_a_lower_bound_of_the_solvers_smallest_plan(tmp_path):
+    """The floor counts stored tensors from shapes; the solver's bytes (quantized_bytes) add records and derived
+    buffers: the floor never refuses a target the solver could meet (the README's ratio 0.45 among them)."""
+    from lowbit_pipe.candidates import Candidate
+    from lowbit_pipe.error_model import quantized_bytes
+    from lowbit_pipe.formats import get_format
+    from lowbit_pipe.ledger import tensor_bytes
+    from lowbit_pipe.policy import _spec, plan_layers
+    from lowbit_pipe.stages.detect import linear_shapes
+    from lowbit_pipe.target_plan import byte_floor, free_layers
+
+    ctx = lowbit_pipe.run("krea2_auto_speed_tiny", ["pipeline=[load,detect]"], run_dir=tmp_path / "run").context
+    cfg, model = ctx.recipe.quantize, ctx.transformer
+    names = free_layers(plan_layers(linear_shapes(model), cfg, ctx.policy, ctx.policy_name))
+    for candidates in ([Candidate(_spec(c)) for c in cfg.target.candidates],
+                       [Candidate(_spec(c)) for c in cfg.target.candidates] + [Candidate(None)]):
+        smallest = tensor_bytes(model)
+        for name in names:
+            lin = model.get_submodule(name)
+            smallest += min(tensor_bytes(lin) if c.spec is None else quantized_bytes(lin, c.spec) for c in candidates
+                            if c.spec is None or get_format(c.spec.format).supports_shape(*lin.weight.shape)) \
+                - tensor_bytes(lin)
+        floor = byte_floor(model, names, {}, candidates)
+        assert 0.98 * smallest <= floor <= smallest and floor < 0.45 * tensor_bytes(model)
+
+
+def test_run_dir_that_cannot_be_created_names_hydra_run_dir(tmp_path, monkeypatch):
+    from lowbit_pipe.preflight import check_run_dir
+
+    monkeypatch.chdir("/proc")  # not writable, even as root
+    with pytest.raises(RecipeError) as err:
+        check_run_dir(["quantize.default.format=int8"], multirun=False)
+    assert err.value.path == "hydra.run.dir" and "set hydra.run.dir=" in str(err.value) and "/proc" in str(err.value)
+    with pytest.raises(RecipeError, match="hydra.sweep.dir"):
+        check_run_dir([], multirun=True)
+    check_run_dir([f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S}}"], multirun=False)  # a writable one: fine
+    assert list(tmp_path.iterdir()) == []  # tried, not created
+
+
+def test_an_unknown_model_group_option_names_the_group_and_its_choices():
+    from lowbit_pipe.paths import tiny_models
+    from lowbit_pipe.preflight import check_groups
+
+    for args in (["model=tiny_sdxl"], ["+model=tiny_sdxl"], ["model=tiny_krea2,tiny_sdxl", "evaluate.samples=1"]):
+        with pytest.raises(RecipeError) as err:
+            check_groups(args)
+        assert err.value.path == "model" and "'tiny_sdxl' is no option of the config group 'model'" in str(err.value)
+        assert all(name in str(err.value) for name in tiny_models()) and "model.path=" in str(err.value)
+    check_groups(["model=tiny_flux1", "model.path=/x.safetensors", "model.stream=true"])
+    check_groups(["model=team_model", "hydra.searchpath=[file:///team/conf]"])  # a team folder may add options
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_refusals_of_issue_45_are_one_line_with_exit_2(tmp_path):
+    one_line_refusal(cli(["model=tiny_sdxl"], tmp_path), "model", "config group 'model'", "tiny_krea2")
+    one_line_refusal(cli(["quantize.compute_device=cuda", "quantize.calibration_samples=2"], tmp_path),
+                     "quantize.compute_device", "no CUDA device")
+    one_line_refusal(cli(["pipeline=[load]"], "/proc"), "hydra.run.dir", "/proc", "set hydra.run.dir=")
+    assert not (tmp_path / "runs").exists()
+
