@@ -636,3 +636,66 @@ def test_cli_refusals_of_issue_45_are_one_line_with_exit_2(tmp_path):
     one_line_refusal(cli(["pipeline=[load]"], "/proc"), "hydra.run.dir", "/proc", "set hydra.run.dir=")
     assert not (tmp_path / "runs").exists()
 
+
+# ---- (k) the README's first screen, and docs that agree (issue 45) -------------------------------------------------
+
+def _readme() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_the_readme_opens_with_what_it_does_and_a_quick_start_before_any_benchmark():
+    text = _readme()
+    lines = text.splitlines()
+    headings = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    assert lines[headings[0]] == "## Quick start", lines[headings[0]]
+    quick = lines[headings[0]:headings[1]]
+    assert len([line for line in quick if line.strip()]) <= 12, quick  # about ten lines
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    first_figure = next(i for i, line in enumerate(lines) if " ms " in line or "1.52x" in line or "H200" in line)
+    assert headings[1] < first_table and headings[1] < first_figure  # no benchmark before the quick start is over
+    assert "## Benchmarks" in lines and "| variant | ms | vs bf16 compiled | weight GB |" in lines  # kept, lower
+    commands = [line.strip() for line in quick if line.startswith("    python -m lowbit_pipe")]
+    assert commands and any("recipe=krea2_nvfp4 " in c for c in commands) and any("krea2_nvfp4_stock" in c for c in commands)
+
+
+@pytest.mark.parametrize("recipe, stock", [("default", True), ("krea2_nvfp4_stock", True), ("flux1_fp8", True),
+                                           ("krea2_nvfp4", False)])
+def test_the_readmes_comfyui_promise_matches_what_each_recipe_exports(recipe, stock):
+    """The first screen says which exports stock ComfyUI loads as they are and which need the node pack; each recipe
+    it names is judged by the `.comfy_quant` records its formats write (lowbit_pipe.loadable, what the export's
+    warning uses)."""
+    from lowbit_pipe.loadable import loadable
+    from lowbit_pipe.policy import _spec
+
+    q = compose_recipe(recipe).quantize
+    specs = [_spec(q.default), *([_spec(q.sensitive)] if q.sensitive is not None else []),
+             *(_spec(q.default, r) for r in q.rules if not r.keep)]
+    assert all(loadable(spec, "comfyui") for spec in specs) == stock
+    text = _readme()
+    first_screen = text[: text.index("## Set up")]
+    intro = first_screen[: first_screen.index("## Quick start")]
+    named = "the default recipe" if recipe == "default" else f"`{recipe}`"
+    stock_part, pack_part = intro.split("need this project's ComfyUI node pack")[0].split("Rotated NVFP4")
+    assert named in (stock_part if stock else pack_part), (named, intro)
+    quick = {line.split("#")[0].strip(): line.split("#", 1)[1] for line in first_screen.splitlines()
+             if line.startswith("    python -m lowbit_pipe")}
+    comment = quick.get("python -m lowbit_pipe" + ("" if recipe == "default" else f" recipe={recipe}"))
+    if comment is not None:  # the quick start's own word on the command's export
+        assert ("stock ComfyUI loads" in comment) == stock and ("node pack" in comment) == (not stock), comment
+
+
+def test_docs_layout_lists_every_packaged_recipe_and_team_md_agrees_with_cli_md_on_failed_sweep_jobs():
+    from pathlib import Path
+
+    from lowbit_pipe.paths import packaged_recipes
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    layout = (docs / "layout.md").read_text()
+    recipes_line = layout[layout.index("recipes/"): layout.index("lowbit_pipe/")]
+    assert [n for n in packaged_recipes() if n not in recipes_line] == []
+    cli_md, team = (docs / "cli.md").read_text(), " ".join((docs / "team.md").read_text().split())
+    assert "a failed job does not stop the others, whatever the\nlauncher" in cli_md
+    assert "ends the sweep before it is logged" not in team  # what team.md said: the CLI's exit ended the sweep
+    assert "a failed job is a FAILED run with its error, whatever the launcher" in team
