@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 import lowbit_pipe
-from lowbit_pipe.errors import RecipeError, StageError
+from lowbit_pipe.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
