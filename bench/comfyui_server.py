@@ -5,8 +5,8 @@
     latent = server.latent(entry, "9")                       # what a SaveLatent node wrote
     server.stop()
 
-`unpack(archive, dest)` unpacks a ComfyUI source archive (the test fixture is ComfyUI 0.29.0,
-../shared/comfyui-0.29.0.tar.xz); `install_pack(python, base_dir)` installs the node pack the way the
+`unpack(archive, dest)` unpacks a ComfyUI source archive (the test fixture is ComfyUI 0.29.0's source,
+../shared/comfyui-0.29.0.tar.xz or where LOWBIT_COMFYUI_ARCHIVE points: `find_archive`); `install_pack(python, base_dir)` installs the node pack the way the
 README tells a user to (`python -m lowbit_pipe.comfy install`).
 
 Run as a script, this file is the server's launcher: `python bench/comfyui_server.py COMFYUI_DIR [main.py
@@ -40,14 +40,21 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 ARCHIVE_NAME = "comfyui-0.29.0.tar.xz"
+ARCHIVE_ENV = "LOWBIT_COMFYUI_ARCHIVE"
+# Where to get it: the pinned release's source, as ComfyUI publishes it (a .tar.gz does as well as a .tar.xz;
+# the archive's top folder may have any name: unpack finds the folder holding main.py).
+RELEASE = ("ComfyUI 0.29.0's source release tarball (tag v0.29.0, upstream commit 4f874c5: "
+           "https://github.com/comfyanonymous/ComfyUI/archive/refs/tags/v0.29.0.tar.gz)")
 
 
 def archive_candidates(name: str = ARCHIVE_NAME) -> list[Path]:
-    """Where the ComfyUI source archive is looked for, in order: LOWBIT_COMFYUI_ARCHIVE (a copy elsewhere), a
-    `shared/` folder beside the checkout, beside the main checkout (for a git worktree elsewhere), inside it."""
-    env = os.environ.get("LOWBIT_COMFYUI_ARCHIVE")
-    out = [Path(env)] if env else []
-    out.append(ROOT.parent / "shared" / name)
+    """Where the ComfyUI source archive is looked for. LOWBIT_COMFYUI_ARCHIVE, when set, is the one place (a wrong
+    path is then reported, not replaced by another copy); otherwise, in order: a `shared/` folder beside the
+    checkout (where CI keeps it), beside the main checkout (for a git worktree elsewhere), inside it."""
+    env = os.environ.get(ARCHIVE_ENV)
+    if env:
+        return [Path(env).expanduser()]
+    out = [ROOT.parent / "shared" / name]
     proc = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--path-format=absolute", "--git-common-dir"],
                           capture_output=True, text=True)
     if proc.returncode == 0:
@@ -56,14 +63,21 @@ def archive_candidates(name: str = ARCHIVE_NAME) -> list[Path]:
     return list(dict.fromkeys(out))
 
 
+def how_to_enable(name: str = ARCHIVE_NAME) -> str:
+    """One line: where the archive was looked for and how to provide it."""
+    env = os.environ.get(ARCHIVE_ENV)
+    looked = f"{ARCHIVE_ENV}={env} names no file" if env else \
+        f"none at {', '.join(str(p) for p in archive_candidates(name))}"
+    return (f"no ComfyUI source archive ({looked}): to run the real-ComfyUI tests, download {RELEASE} and set "
+            f"{ARCHIVE_ENV}=/path/to/that/file, or put it at {ROOT.parent / 'shared' / name}")
+
+
 def find_archive(name: str = ARCHIVE_NAME) -> Path:
-    """The ComfyUI source archive; FileNotFoundError naming every place looked at."""
-    candidates = archive_candidates(name)
-    for path in candidates:
+    """The ComfyUI source archive; FileNotFoundError saying where it was looked for and how to provide it."""
+    for path in archive_candidates(name):
         if path.is_file():
             return path
-    raise FileNotFoundError(f"no ComfyUI source archive at {[str(p) for p in candidates]} (CI keeps it in a "
-                            "shared/ folder beside the checkout; set LOWBIT_COMFYUI_ARCHIVE to another copy)")
+    raise FileNotFoundError(how_to_enable(name))
 
 
 # The archive as found, or (when there is none) the first place looked at: callers check is_file() to skip.

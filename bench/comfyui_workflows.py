@@ -198,7 +198,7 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        src = cs.unpack(cs.ARCHIVE, tmp / "src")
+        src = cs.unpack(cs.find_archive(), tmp / "src")  # FileNotFoundError saying how to get it
         cs.install_pack(tmp / "base")
         server = cs.ComfyUIServer.start(src, tmp / "base", stand_ins=("av",),
                                         args=("--cpu", "--front-end-root", str(tmp)))

@@ -20,7 +20,7 @@ from lowbit_pipe.compose import cli_recipes, recipe_file_args, register_schema, 
 from lowbit_pipe.errors import LowbitError
 from lowbit_pipe.interrupts import Interrupted, OrderlyStop, as_interrupted
 from lowbit_pipe.paths import config_dir
-from lowbit_pipe.preflight import check_extras, preflight
+from lowbit_pipe.preflight import check_extras, check_groups, check_run_dir, preflight
 from lowbit_pipe.progress import Console
 from lowbit_pipe.runner import Runner
 
@@ -101,10 +101,13 @@ def main() -> None:
             flags, overrides = split_cli(sys.argv[1:])
             if not (flags.help or flags.hydra_help or flags.shell_completion):
                 check_extras(overrides)
+                check_groups(overrides)
                 sys.argv = sys.argv[:1] + recipe_file_args(sys.argv[1:], allow_resolvers=allow_resolvers)
                 overrides = recipe_file_args(overrides, allow_resolvers=allow_resolvers)
                 for recipe in cli_recipes(overrides, allow_resolvers=allow_resolvers):
                     preflight(recipe)
+                if not (flags.cfg or flags.info):  # those print, and make no run dir
+                    check_run_dir(overrides, multirun=flags.multirun)
         except LowbitError as err:
             print(f"lowbit_pipe: {err}", file=sys.stderr)
             sys.exit(2)

@@ -46,15 +46,54 @@ def _check_safetensors(key: str, path: str) -> None:
         raise RecipeError(key, str(err)) from None
 
 
-def _check_device(device: str | None) -> None:
+# What to set instead of a CUDA device this machine lacks, per key.
+_NO_CUDA_INSTEAD = {"model.device": "use model.device=cpu or auto",
+                    "quantize.compute_device": "use quantize.compute_device=auto (the GPU when there is one) or null "
+                                               "(where the weights are)"}
+
+
+def _check_device(device: str | None, key: str = "model.device") -> None:
     if device is None or not device.startswith("cuda"):
         return
     if not torch.cuda.is_available():
-        raise RecipeError("model.device", f"'{device}' asked for, but this machine has no CUDA device "
-                                          "(use model.device=cpu or auto)")
+        raise RecipeError(key, f"'{device}' asked for, but this machine has no CUDA device ({_NO_CUDA_INSTEAD[key]})")
     index = int(device.split(":", 1)[1]) if ":" in device else 0
     if index >= torch.cuda.device_count():
-        raise RecipeError("model.device", f"'{device}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
+        raise RecipeError(key, f"'{device}' asked for, but there are {torch.cuda.device_count()} CUDA devices")
+
+
+def _quantized_layers(path: str) -> int:
+    """How many quantized layers a single-file checkpoint or shard index says it holds, from its headers alone:
+    `.comfy_quant` records and ComfyUI's `_quantization_metadata` header (0 for a float file, or a header this
+    cannot read: the load stage names what is wrong with it)."""
+    import json
+
+    try:
+        files = shard_files(path) if path.endswith(".json") else [path]
+        headers = [read_header(f) for f in files]
+    except CheckpointError:
+        return 0
+    names = {k[: -len(".comfy_quant")] for h in headers for k in h.tensors if k.endswith(".comfy_quant")}
+    try:
+        described = json.loads(headers[0].metadata.get("_quantization_metadata") or "{}").get("layers") or {}
+    except (ValueError, AttributeError):
+        described = {}
+    return max(len(names), len(described) if isinstance(described, dict) else 0)
+
+
+def _check_stream_source(recipe: Recipe) -> None:
+    """model.stream=true over a file whose header says it is quantized already: a stream reads float checkpoints,
+    and would find out only at export, after the quantize stage's work."""
+    from lowbit_pipe.stream_choice import stream_mode
+
+    path = recipe.model.path
+    if path is None or Path(path).is_dir() or stream_mode(recipe.model.stream) != "true":
+        return
+    n = _quantized_layers(path)
+    if n:
+        raise RecipeError("model.stream", f"true, but {path} holds {n} quantized layers already (its header says so); "
+                                          "a stream reads float checkpoints: set model.stream=auto or false to load it "
+                                          "whole")
 
 
 def _writable_dir(path: Path) -> tuple[Path, str] | None:
@@ -157,11 +196,74 @@ def check_extras(overrides: list[str]) -> None:
                                            f"else pip install \"lowbit_pipe[{extra}]\")")
 
 
+def _override_values(arg: str) -> list[str]:
+    """The value(s) of one `key=value` command-line override: a sweep's values each (`a,b`), else the value."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        (parsed,) = OverridesParser.create().parse_overrides([arg])
+    except HydraException:
+        return []  # composing names what is wrong with it
+    if parsed.is_sweep_override():
+        return [str(v) for v in parsed.sweep_string_iterator()]
+    value = parsed.value()
+    return [value] if isinstance(value, str) else []
+
+
+def check_groups(overrides: list[str]) -> None:
+    """Refuse `model=<name>` naming no option of the `model` group, saying so and listing the options, before
+    Hydra's own message (which names the primary config, `config`, and lists nothing). A team folder added with
+    hydra.searchpath may hold more options: then Hydra decides."""
+    from lowbit_pipe.paths import tiny_models
+
+    keys = [a.lstrip("+~").partition("=")[0].strip() for a in overrides]
+    if any(k.startswith("hydra.searchpath") for k in keys):
+        return
+    choices = sorted(tiny_models())
+    for arg, key in zip(overrides, keys):
+        if key != "model" or "=" not in arg or arg.startswith("~"):
+            continue
+        for value in _override_values(arg.lstrip("+")):
+            if value not in choices:
+                raise RecipeError("model", f"'{value}' is no option of the config group 'model' (choices: "
+                                           f"{', '.join(choices)}); a weights file or diffusers folder goes in "
+                                           "model.path=...")
+
+
+def _hydra_dir(overrides: list[str], key: str, default: str) -> str:
+    """The value a command line gives the Hydra key `key` (hydra.run.dir, hydra.sweep.dir), else `default`."""
+    for arg in overrides:
+        k, _, value = arg.lstrip("+").partition("=")
+        if k.strip() == key:
+            return value.strip()
+    return default
+
+
+def check_run_dir(overrides: list[str], *, multirun: bool) -> None:
+    """Refuse a command line whose run dir cannot be created (the working directory, or the folder hydra.run.dir /
+    hydra.sweep.dir names, is not writable) in one line that says to set hydra.run.dir, before Hydra fails on it
+    with a traceback. The fixed part of the path is tried (up to the first `${...}`), as export.path's folder is."""
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    configured = "runs/multirun/${now:...}" if multirun else "runs/${now:...}"  # conf/config.yaml
+    value = _hydra_dir(overrides, key, configured)
+    fixed = Path(value.split("${", 1)[0] or ".")
+    folder = fixed if fixed.is_absolute() else Path.cwd() / fixed
+    blocked = _writable_dir(folder)
+    if blocked is not None:
+        where, why = blocked
+        raise RecipeError(key, f"cannot create the run dir ({value}) under {folder} ({where} is not a writable "
+                               f"directory: {why}): run from a writable directory, or set {key}=/a/writable/folder")
+
+
 def preflight(recipe: Recipe, *, model_given: bool = False) -> None:
     """Raise RecipeError (one line, naming the key and the path) for what can be refused without weights.
     `model_given`: a model object is passed in (model.path is then not read)."""
     if recipe.model.path is not None and not model_given:
         _check_model_path(recipe.model.path)
+        _check_stream_source(recipe)
     _check_device(recipe.model.device)
+    if "quantize" in recipe.pipeline:
+        _check_device(recipe.quantize.compute_device, "quantize.compute_device")
     _check_export(recipe)
     _check_loras(recipe)

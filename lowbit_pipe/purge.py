@@ -19,7 +19,9 @@ patch, hook, compiled graph or CUDA memory belongs to the process that made
 it; only that process can tear it down (through this module's `purge`, or
 `lowbit_pipe.teardown`), and the operating system reclaims all of it when that
 process exits. The CLI says so in its output rather than pretend otherwise.
-Exit status: 0 when done; 1 when a run dir is missing.
+A folder with no run under it (no recipe.yaml or report.json anywhere below: every run dir starts with its
+recipe.yaml) is not searched or cleaned: the CLI says "not a run folder" instead of "removed 0".
+Exit status: 0 when done; 1 when a run dir is missing or is not a run folder.
 """
 
 from __future__ import annotations
@@ -112,11 +114,27 @@ def recorded_teardown(run_dir: Path) -> list[dict[str, Any]]:
     return runs
 
 
+class NotARunFolder(ValueError):
+    """A folder with no run under it: nothing of this package's to clean there."""
+
+
+RUN_FILES = ("recipe.yaml", "report.json")  # what every run dir holds (recipe.yaml first, as the run starts)
+
+
+def is_run_folder(path: Path) -> bool:
+    """Whether `path` is a run dir or holds one (a sweep's root, runs/): a RUN_FILES file in it or below."""
+    return any(next(path.rglob(name), None) is not None for name in RUN_FILES)
+
+
 def purge_run_dir(run_dir: str | Path, *, dry_run: bool = False, min_age: float = 60.0) -> dict[str, Any]:
-    """Remove stale temporary files under `run_dir`; report them and the teardown each run recorded."""
+    """Remove stale temporary files under `run_dir`; report them and the teardown each run recorded.
+    FileNotFoundError when it does not exist; NotARunFolder when no run is under it (nothing is touched)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise FileNotFoundError(f"{run_dir}: no such run directory")
+    if not is_run_folder(run_dir):
+        raise NotARunFolder(f"{run_dir}: not a run folder (no {' or '.join(RUN_FILES)} in it or below; a run dir is "
+                            "runs/<date>/<time>/, or a sweep's folder): nothing removed")
     removed, nbytes = [], 0
     for path, why in leftover_files(run_dir, min_age):
         size = path.stat().st_size
@@ -144,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     for d in args.run_dirs:
         try:
             results.append(purge_run_dir(d, dry_run=args.dry_run, min_age=args.min_age))
-        except FileNotFoundError as err:
+        except (FileNotFoundError, NotARunFolder) as err:
             print(f"lowbit_pipe.purge: {err}", file=sys.stderr)
             rc = 1
     if args.json:

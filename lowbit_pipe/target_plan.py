@@ -204,6 +204,46 @@ def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
     return ExampleForward(ctx.transformer, inputs, ctx.arch.output_tensor, compiled, ctx.recipe.compile.backend)
 
 
+def byte_floor(model: nn.Module, names: list[str], fixed_specs: dict[str, FormatSpec],
+               candidates: list[Candidate]) -> int | None:
+    """A lower bound of any plan's bytes, from the layer shapes alone (no calibration, nothing timed): each free
+    layer at its smallest candidate that fits it (float when allowed), the rules' layers in their format, the rest
+    as it is; a quantized layer counted by its stored tensors and bias (its record and derived buffers, which the
+    solver adds, left out). None when some free layer has no candidate that fits (the solver names it)."""
+    total = tensor_bytes(model)
+    for name, specs in [*((n, [c.spec for c in candidates]) for n in names), *((n, [s]) for n, s in fixed_specs.items())]:
+        linear = model.get_submodule(name)
+        bias = tensor_bytes(linear.bias) if linear.bias is not None else 0
+        sizes = [tensor_bytes(linear) if spec is None else
+                 get_format(spec.format).storage_bytes(linear.out_features, linear.in_features, spec) + bias
+                 for spec in specs
+                 if spec is None or get_format(spec.format).supports_shape(linear.out_features, linear.in_features)]
+        if not sizes:
+            return None
+        total += min(sizes) - tensor_bytes(linear)
+    return total
+
+
+def _refuse_below_floor(model: nn.Module, names: list[str], fixed_specs: dict[str, FormatSpec],
+                        candidates: list[Candidate], target: Target) -> None:
+    """A bytes / ratio target under what the layer shapes allow: refused before the calibration and the speed
+    table (minutes on a large model), naming the key and the floor."""
+    if target.kind not in ("bytes", "ratio"):
+        return
+    floor = byte_floor(model, names, fixed_specs, candidates)
+    if floor is None:
+        return
+    float_bytes = tensor_bytes(model)
+    bound = target.value if target.kind == "bytes" else target.value * float_bytes
+    if floor > bound * (1 + 1e-9):
+        reach = f"{floor} bytes" if target.kind == "bytes" else f"{floor / float_bytes:.4f} of the float transformer"
+        raise RecipeError(target.key, f"{target.value:g} cannot be met with these candidates: the smallest plan they "
+                                      f"allow takes at least {reach} ({floor:,} of {float_bytes:,} bytes, counted from "
+                                      "the layer shapes, before any calibration; keep-float layers and the rules' "
+                                      "formats included): add smaller candidates under quantize.target.candidates, "
+                                      "or relax the target")
+
+
 def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],  # noqa: ANN001
                     quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
     """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
@@ -217,6 +257,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     names = free_layers(plans)
     candidates = [Candidate(_spec(c)) for c in t.candidates] + ([Candidate(None)] if t.allow_float else [])
     fixed_specs = {p.name: p.spec for p in plans if p.spec is not None and p.name not in set(names)}  # rules' layers
+    _refuse_below_floor(model, names, fixed_specs, candidates, target)
     per_layer = {**{n: candidates for n in names}, **{n: [Candidate(s)] for n, s in fixed_specs.items()}}
     measured = measure_options(model, list(per_layer), per_layer, run_calibration, seed=cfg.calibration_seed)
     options = {n: measured[n] for n in names}

@@ -16,6 +16,24 @@ from lowbit_pipe.stream_choice import stream_blockers, stream_mode
 # The GPU kernels rotate with tl.dot, which needs 16 or more columns per group.
 MIN_ROTATION_GROUP = 16
 OBJECTIVES = ("psnr_db", "cosine", "sqnr_min_db", "rel_error", "trajectory_min_cosine")
+# Upper bounds of the counts that multiply a run's forwards (a sample or seed is a whole denoising run; a step one
+# forward of the model, twice in evaluate): far above any figure that means something, well below a value that
+# would run for days without a word. A typo's extra zeros are refused naming the key and the bound.
+MAX_COUNTS = {
+    "quantize.calibration_samples": 10_000, "quantize.calibration_steps": 1_000,
+    "evaluate.samples": 10_000, "evaluate.trajectory_seeds": 10_000, "evaluate.steps": 1_000,
+    "evaluate.batch": 1_024, "evaluate.latency_iters": 100_000,
+}
+
+
+def check_counts(recipe: Recipe) -> None:
+    """Each count of MAX_COUNTS at most its bound."""
+    for path, bound in MAX_COUNTS.items():
+        section, key = path.split(".")
+        value = getattr(getattr(recipe, section), key)
+        if value > bound:
+            raise RecipeError(path, f"must be at most {bound:,}, got {value:,} (the bound on the counts that multiply "
+                                    "a run's forwards of the model: lowbit_pipe.validate.MAX_COUNTS)")
 
 
 def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
@@ -313,4 +331,5 @@ def validate(recipe: Recipe) -> Recipe:
     for i, pattern in enumerate(q.keep):
         check_pattern(f"quantize.keep[{i}]", pattern)
     check_evaluate(recipe.evaluate)
+    check_counts(recipe)
     return recipe

@@ -15,6 +15,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="cycles of the ComfyUI server soak (slow set; 40 in CI, about 1-2 s each on 2 cores)")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Tests marked `comfyui` need the real ComfyUI's source archive: without it they are skipped here, before
+    their fixtures do any work, all with the same line (pytest -ra folds them into one) saying how to get it."""
+    if item.get_closest_marker("comfyui") is not None:
+        from comfyui_harness import require_archive
+
+        require_archive()
+
+
 def has_module(name: str) -> bool:
     """Whether `name` can be imported; False (not an error) when a parent package is missing, e.g.
     `hydra_plugins.hydra_joblib_launcher` without any Hydra plugin installed."""

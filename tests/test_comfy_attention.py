@@ -13,7 +13,7 @@ import pytest
 import lowbit_pipe
 from comfyui_harness import ROOT, run_child, unpack
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
 sys.path.insert(0, str(ROOT / "bench"))
 from comfy_check import TINY  # noqa: E402  (tiny configs ComfyUI's model detection accepts)

@@ -46,6 +46,13 @@ class Patcher:
         return self.object_patches[name] if name in self.object_patches else self.model.get_submodule(name)
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Without ComfyUI (no folder_paths) a node writes its run dir under the working directory (nodes._run_dir):
+    here the test's own folder, never the checkout's runs/."""
+    monkeypatch.chdir(tmp_path)
+
+
 @pytest.fixture
 def krea2(tmp_path):
     """A ComfyUI-style MODEL of the tiny Krea 2 (native names), and a peft LoRA file for it."""
@@ -192,11 +199,11 @@ def test_example_inputs_fit_the_model(krea2):
     assert conditioning[0][0].shape == (2, 7, tree.txtfusion.projector.in_features * tree.txtmlp._modules["1"].in_features)
 
 
-def test_a_model_with_comfyui_lora_patches_is_refused(krea2):
+def test_a_model_with_comfyui_lora_patches_is_refused(krea2, tmp_path):
     model, _ = krea2
     model.patches = {"diffusion_model.blocks.0.attn.wq.weight": [object()]}
     with pytest.raises(lowbit_pipe.errors.StageError, match="LoRA twice|weight patches"):
-        lowbit_pipe.run("default", ["pipeline=[load,detect,quantize]"], model=model)
+        lowbit_pipe.run("default", ["pipeline=[load,detect,quantize]"], model=model, run_dir=tmp_path / "run")
 
 
 def test_the_api_runs_on_a_comfyui_model_in_place_and_teardown_restores_it(krea2, tmp_path):

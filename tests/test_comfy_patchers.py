@@ -20,7 +20,7 @@ import lowbit_pipe
 from comfyui_harness import ROOT, run_child, unpack
 from lowbit_pipe.lora.make_example import example_lora
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
 sys.path.insert(0, str(ROOT / "bench"))
 from comfy_check import TINY  # noqa: E402  (tiny configs ComfyUI's model detection accepts)

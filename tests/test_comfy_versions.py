@@ -3,8 +3,8 @@ it can work (one log line otherwise), the version table, the export's warning, a
 registry pyproject, example workflows).
 
 ComfyUI here is a stand-in package written into tmp_path (a few module-level names, not ComfyUI code), imported in
-a child process so each test sees a fresh `comfy`; the slow test runs the real ComfyUI 0.29.0 from
-../shared/comfyui-0.29.0.tar.xz.
+a child process so each test sees a fresh `comfy`; the slow tests run the real ComfyUI 0.29.0 from
+../shared/comfyui-0.29.0.tar.xz (or LOWBIT_COMFYUI_ARCHIVE; skipped without it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 import textwrap
 import tomllib
 from pathlib import Path
@@ -27,8 +26,7 @@ from lowbit_pipe.comfy.install import PACK, PREVIOUS_SHIMS, SHIM, install, main,
 from lowbit_pipe.errors import LowbitError
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-from comfyui_server import ARCHIVE  # noqa: E402 - the fixture beside the checkout (or the main checkout's)
+from comfyui_harness import unpack  # noqa: E402 - the archive's one lookup (skips, saying how to enable, without it)
 
 
 # ---- the version table --------------------------------------------------------------------------------
@@ -282,17 +280,13 @@ def test_the_package_ships_the_example_workflows():
 # ---- the real ComfyUI 0.29.0 ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def comfyui_029(tmp_path_factory) -> Path:
-    if not ARCHIVE.is_file():
-        pytest.skip(f"{ARCHIVE} is not there")
-    dest = tmp_path_factory.mktemp("comfyui029")
-    with tarfile.open(ARCHIVE) as tar:
-        tar.extractall(dest, filter="data")
-    src = dest / "comfyui"
-    assert (src / "comfy" / "quant_ops.py").is_file(), sorted(p.name for p in dest.iterdir())
+    src = unpack(tmp_path_factory.mktemp("comfyui029"))  # whatever the archive's top folder is called
+    assert (src / "comfy" / "quant_ops.py").is_file(), sorted(p.name for p in src.iterdir())
     return src
 
 
 @pytest.mark.slow
+@pytest.mark.comfyui
 def test_comfyui_029_reads_the_pack_pyproject(comfyui_029, tmp_path):
     pack = install(comfyui_029).parent
     code = textwrap.dedent(f"""
@@ -308,6 +302,7 @@ def test_comfyui_029_reads_the_pack_pyproject(comfyui_029, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.comfyui
 def test_comfyui_029_loads_w4a8_and_w6a8_through_the_pack(comfyui_029, tmp_path):
     """ComfyUI 0.29.0 has no asym_w4a8_int8 entry (whatever comfy-kitchen): stock refuses the file at the format
     lookup, the pack registers the kind through LowbitLayout and every layer is bit-exact with lowbit_pipe."""

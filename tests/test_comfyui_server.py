@@ -1,6 +1,6 @@
 """The node pack inside a running ComfyUI server, driven through its HTTP API as a user's browser drives it.
 
-ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz, GPL-3, a test fixture) is unpacked into a scratch folder and
+ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz or LOWBIT_COMFYUI_ARCHIVE, GPL-3, a test fixture; skipped without it) is unpacked into a scratch folder and
 run with `main.py --cpu` from a Python as a ComfyUI user has it: a venv with ComfyUI's own pinned
 requirements (comfy-kitchen 0.2.24 among them), where lowbit_pipe is installed with the README's command and
 the node pack with `python -m lowbit_pipe.comfy install --base-directory`. Workflows are queued with
@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import comfyui_server as cs  # noqa: E402
+from comfyui_harness import require_archive  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
 ARCHS = ("krea2", "flux1")
 
@@ -83,8 +84,9 @@ TEST_NODES = "lowbit_test_nodes"
 
 @pytest.fixture(scope="module")
 def comfy(tmp_path_factory) -> Env:
+    archive = require_archive()  # else every test here skips, with one line saying how to enable them
     root = tmp_path_factory.mktemp("comfyui")
-    src = cs.unpack(cs.ARCHIVE, root / "src")
+    src = cs.unpack(archive, root / "src")
     python = cs.prepare_python(src, root / "venv")
     before = cs.package_version(python, "comfy-kitchen")
     cs.install_lowbit(python)  # the README's `pip install "lowbit_pipe[comfy]"`, into ComfyUI's Python

@@ -169,6 +169,7 @@ def test_the_residual_file_names_the_exported_checkpoints_native_modules(cases):
     assert all(k.startswith("transformer.") for ks in cases["diffusers_keys"].values() for k in ks)
 
 
+@pytest.mark.comfyui
 def test_stock_comfyui_loads_the_residual_file_as_the_branches(results):
     checked = results["stock"]["weights"]
     assert len(checked) == 4
@@ -184,6 +185,7 @@ def test_stock_comfyui_loads_the_residual_file_as_the_branches(results):
             assert row["max_abs_delta"] > 1e3 * row["max_abs_err"], (case["name"], row)
 
 
+@pytest.mark.comfyui
 @pytest.mark.parametrize("mode", ["stock", "pack"])
 def test_the_lora_node_is_exact_on_layers_comfyui_loaded_quantized(results, mode):
     checked = results[mode]["attach"]

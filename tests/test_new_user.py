@@ -1,5 +1,6 @@
-"""What a new user meets on a fresh clone with the README's commands (issue 29, item 6): no silent no-op,
-refusals before any work, errors that say what to set, progress while it works."""
+"""What a new user meets on a fresh clone with the README's commands (issue 29, item 6; issue 45): no silent no-op,
+refusals before any work, errors that say what to set, progress while it works; a clone anywhere (any folder name,
+its venv inside, no ComfyUI archive) passes both README test commands and leaves no run folder behind."""
 
 from __future__ import annotations
 
@@ -260,14 +261,14 @@ def test_bfloat16_keeps_the_fp32_modules_and_a_forward_warns_nothing(tmp_path):
         assert torch.equal(arch.output_tensor(back.model(**inputs)), out)
 
 
-def test_compute_dtype_skips_the_fp32_modules(tiny_model):
+def test_compute_dtype_skips_the_fp32_modules(tiny_model, tmp_path):
     import torch
 
     from lowbit_pipe.arch.base import cast_keeping_fp32, compute_dtype
 
     wan = cast_keeping_fp32(tiny_model("wan"), torch.bfloat16)  # its first parameter is the fp32 modulation table
     assert next(wan.parameters()).dtype == torch.float32 and compute_dtype(wan) == torch.bfloat16
-    result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan)
+    result = lowbit_pipe.run("default", ["model=tiny_wan", "pipeline=[load,detect]"], model=wan, run_dir=tmp_path / "run")
     assert result.context.dtype == torch.bfloat16  # a passed-in model computes in its own dtype
 
 
@@ -338,3 +339,363 @@ def test_images_png_panels_are_labelled(tmp_path):
     grid = Image.open(tmp_path / "run" / "images.png").convert("RGB")
     title_band = grid.crop((0, 0, grid.size[0], LABEL_HEIGHT))
     assert len(set(title_band.getdata())) > 1  # text drawn on the band
+
+
+# ---- (g) a clone named lowbit_pipe with its venv inside (issue 45) ---------------------------------------------------
+
+def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the_path(tmp_path):
+    """tests/test_teardown.py's `_ours`: a venv inside a clone named lowbit_pipe (the default name) puts
+    "lowbit_pipe" in every torch file's path; torch's allocations are still not ours."""
+    from pathlib import Path
+
+    import torch
+
+    from test_teardown import is_ours
+
+    clone = tmp_path / "lowbit_pipe"
+    venv_torch = clone / ".venv" / "lib" / "python3.11" / "site-packages" / "torch" / "_tensor.py"
+    package = clone / "lowbit_pipe"
+    assert not is_ours(str(venv_torch), (package,)) and is_ours(str(package / "stages" / "quantize.py"), (package,))
+    assert not is_ours(str(clone / "lowbit_pipe_extra" / "x.py"), (package,))  # a sibling folder, not the package
+    # with the folders this process imports from
+    assert is_ours(str(Path(lowbit_pipe.__file__).parent / "runner.py")) and is_ours(__import__("diffusers").__file__)
+    assert not is_ours(torch.__file__) and not is_ours("<frozen importlib._bootstrap>")
+
+
+# ---- (h) the real-ComfyUI tests without the ComfyUI archive (issue 45) ---------------------------------------------
+
+COMFYUI_TESTS = ["test_comfyui_server.py", "test_comfy_attention.py", "test_comfy_patchers.py", "test_lora_comfyui.py",
+                 "test_comfy_versions.py"]
+
+
+def test_without_the_comfyui_archive_each_real_comfyui_test_skips_with_one_line_saying_how_to_enable_it(tmp_path):
+    """The README's `python -m pytest -q -m slow` in a clone with no ComfyUI archive anywhere: every test that needs
+    it skips (none errors), before its fixtures do any work, and pytest prints one line saying how to enable them.
+    LOWBIT_COMFYUI_ARCHIVE, when set, is the only place looked at: here a path that does not exist."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    missing = tmp_path / "nowhere" / "comfyui-0.29.0.tar.xz"
+    env = {k: v for k, v in os.environ.items() if k != "LOWBIT_COMFYUI_REQUIRED"}  # CI's: fail rather than skip
+    env["LOWBIT_COMFYUI_ARCHIVE"] = str(missing)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "comfyui", "-p", "no:cacheprovider",
+                           *[str(tests / f) for f in COMFYUI_TESTS]], capture_output=True, text=True, cwd=tmp_path,
+                          env=env, timeout=600)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    counts = dict((word, int(n)) for n, word in re.findall(r"(\d+) (passed|failed|errors?|skipped)", out.splitlines()[-1]))
+    assert set(counts) == {"skipped"} and counts["skipped"] >= 30, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("SKIPPED")]
+    assert len(lines) == 1, lines  # one line for all of them
+    assert f"SKIPPED [{counts['skipped']}] " in lines[0]
+    for needle in ("no ComfyUI source archive", f"LOWBIT_COMFYUI_ARCHIVE={missing} names no file", "0.29.0",
+                   "4f874c5", "set LOWBIT_COMFYUI_ARCHIVE=", "shared/comfyui-0.29.0.tar.xz"):
+        assert needle in lines[0], (needle, lines[0])
+    assert not (tmp_path / "runs").exists()
+
+
+def test_require_archive_skips_or_under_ci_fails_and_each_real_comfyui_test_is_marked(monkeypatch, tmp_path):
+    from pathlib import Path
+
+    import comfyui_harness
+
+    monkeypatch.delenv("LOWBIT_COMFYUI_REQUIRED", raising=False)
+    monkeypatch.setenv("LOWBIT_COMFYUI_ARCHIVE", str(tmp_path / "missing.tar.xz"))
+    with pytest.raises(pytest.skip.Exception, match="to run the real-ComfyUI tests, download"):
+        comfyui_harness.require_archive()
+    monkeypatch.setenv("LOWBIT_COMFYUI_REQUIRED", "1")  # what .ci/run sets: a lost archive fails
+    with pytest.raises(pytest.fail.Exception, match="LOWBIT_COMFYUI_REQUIRED=1"):
+        comfyui_harness.require_archive()
+    archive = tmp_path / "copy.tar.gz"
+    archive.write_bytes(b"")
+    monkeypatch.setenv("LOWBIT_COMFYUI_ARCHIVE", str(archive))
+    assert comfyui_harness.require_archive() == archive
+    # every test module that reaches the archive (through the harness or the server bench) marks its tests `comfyui`
+    tests = Path(__file__).resolve().parent
+    users = sorted(p.name for p in tests.glob("test_*.py") if p.name != Path(__file__).name
+                   and any(s in p.read_text() for s in ("from comfyui_harness import", "import comfyui_server")))
+    assert users == sorted(COMFYUI_TESTS), users
+    for name in users:
+        assert "pytest.mark.comfyui" in (tests / name).read_text(), name
+    assert "export LOWBIT_COMFYUI_REQUIRED=1" in (tests.parent / ".ci" / "run").read_text().splitlines()
+
+
+# ---- (i) tests leave no run folder in the user's runs/ (issue 45) ----------------------------------------------------
+
+# The tests that wrote run dirs into the working directory's runs/ (7 per `pytest` run): the ComfyUI nodes without
+# ComfyUI (nodes._run_dir falls back to ./runs) and lowbit_pipe.run without run_dir.
+LEAKED = ["test_comfy_nodes.py::test_quantize_lora_export_purge_on_a_comfyui_model",
+          "test_comfy_nodes.py::test_comfyui_lora_patches_become_exact_residual_branches",
+          "test_comfy_nodes.py::test_a_comfyui_dora_patch_on_a_quantized_layer_is_refused_naming_it",
+          "test_comfy_nodes.py::test_quantize_refuses_a_model_a_lowbit_node_made",
+          "test_comfy_nodes.py::test_a_model_with_comfyui_lora_patches_is_refused",
+          "test_new_user.py::test_compute_dtype_skips_the_fp32_modules"]
+
+
+@pytest.mark.slow  # about a minute on 2 busy cores: the tests themselves run in the default set
+def test_the_tests_that_wrote_run_folders_into_the_working_directory_write_them_under_tmp_path(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           *[str(tests / t) for t in LEAKED]], capture_output=True, text=True, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent),
+                                                                            os.environ.get("PYTHONPATH", "")])},
+                          timeout=600)
+    assert proc.returncode == 0 and f"{len(LEAKED)} passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert not (tmp_path / "runs").exists() and not list(tmp_path.rglob("report.json")), sorted(tmp_path.rglob("*"))[:9]
+
+
+def test_every_lowbit_pipe_run_in_the_tests_names_its_run_dir():
+    """lowbit_pipe.run without run_dir writes runs/<date>/<time> under the working directory: a test names one (under
+    tmp_path), or changes into tmp_path first."""
+    import ast
+    from pathlib import Path
+
+    offenders = []
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        source = path.read_text()
+        chdir = "monkeypatch.chdir(tmp_path)" in source
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("lowbit_pipe.run", "api.run") and not chdir:
+                keys = {k.arg for k in node.keywords}
+                if "run_dir" not in keys and None not in keys:
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []
+
+
+# ---- (j) raw and silent cases refused early, naming the key, or made explicit (issue 45) ---------------------------
+
+def test_compute_device_cuda_without_cuda_is_refused_before_any_work(monkeypatch, tmp_path):
+    import torch
+
+    from lowbit_pipe.preflight import preflight
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RecipeError) as err:
+        preflight(compose_recipe("default", ["quantize.compute_device=cuda"]))
+    assert err.value.path == "quantize.compute_device" and "no CUDA device" in str(err.value)
+    assert "quantize.compute_device=auto" in str(err.value)  # what to set instead
+    with pytest.raises(RecipeError, match="quantize.compute_device"):
+        lowbit_pipe.run("default", ["quantize.compute_device=cuda:1"], run_dir=tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+    preflight(compose_recipe("default", ["quantize.compute_device=auto"]))  # the GPU when there is one: fine
+    preflight(compose_recipe("default", ["quantize.compute_device=cuda", "pipeline=[load,detect]"]))  # not used
+
+
+@pytest.mark.parametrize("key", list(__import__("lowbit_pipe.validate", fromlist=["MAX_COUNTS"]).MAX_COUNTS))
+def test_a_count_over_its_stated_bound_is_refused_naming_the_key_and_the_bound(key):
+    from lowbit_pipe.validate import MAX_COUNTS
+
+    bound = MAX_COUNTS[key]
+    with pytest.raises(RecipeError) as err:
+        compose_recipe("default", [f"{key}={bound + 1}"])
+    assert err.value.path == key and f"at most {bound:,}" in str(err.value) and "MAX_COUNTS" in str(err.value)
+    section, name = key.split(".")
+    assert getattr(getattr(compose_recipe("default", [f"{key}={bound}"]), section), name) == bound
+
+
+def test_fused_norm_rope_on_the_cpu_says_it_did_nothing_in_the_report_and_the_summary(tmp_path):
+    result = lowbit_pipe.run("default", ["attention.fused_norm_rope=true", "pipeline=[load,detect,quantize]"],
+                             run_dir=tmp_path / "run")
+    fused = result.report["attention"]["fused_norm_rope"]
+    assert "CUDA only" in fused["note"] and "on cpu" in fused["note"]
+    assert fused["norm_kernel_calls"] == 0 and fused["rope_kernel_calls"] == 0
+    said = [w["message"] for w in result.report["warnings"]]
+    assert any(m.startswith("attention.fused_norm_rope=true did nothing in this run") for m in said), said
+    assert "attention.fused_norm_rope=true did nothing" in (tmp_path / "run" / "summary.txt").read_text()
+    lowbit_pipe.teardown(result)
+
+
+def test_purge_on_a_folder_that_is_not_a_run_says_so_and_exits_1(tmp_path, capsys):
+    import os
+    import subprocess
+    import sys
+
+    from lowbit_pipe.purge import main as purge_main
+
+    plain = tmp_path / "photos"
+    (plain / "sub").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stray = plain / f".model.safetensors.tmp-{dead.pid}"  # looks stale, but this is nobody's run: left alone
+    stray.write_bytes(b"\0" * 10)
+    assert purge_main([str(plain)]) == 1
+    out, err = capsys.readouterr()
+    assert "not a run folder" in err and str(plain) in err and "removed" not in out and stray.exists()
+    run = tmp_path / "runs" / "2026-01-01" / "10-00-00"
+    run.mkdir(parents=True)
+    (run / "recipe.yaml").write_text("name: default\n")  # what a run writes first
+    assert purge_main([str(tmp_path / "runs"), "--dry-run"]) == 0
+    assert "would remove 0 stale temp file(s)" in capsys.readouterr().out
+    assert os.path.exists(stray)
+
+
+def test_stream_true_on_an_already_quantized_file_is_refused_before_the_work(tmp_path):
+    from lowbit_pipe.preflight import preflight
+
+    export = ["pipeline=[load,detect,quantize,export]"]
+    quantized = lowbit_pipe.run("default", [*export, f"export.path={tmp_path / 'q.safetensors'}"],
+                                run_dir=tmp_path / "q").export_path
+    with pytest.raises(RecipeError) as err:
+        preflight(compose_recipe("default", [f"model.path={quantized}", "model.stream=true", *export]))
+    assert err.value.path == "model.stream" and "16 quantized layers" in str(err.value)
+    assert "model.stream=auto or false" in str(err.value)
+    with pytest.raises(RecipeError, match="model.stream"):
+        lowbit_pipe.run("default", [f"model.path={quantized}", "model.stream=true", *export,
+                                    f"export.path={tmp_path / 'again.safetensors'}"], run_dir=tmp_path / "again")
+    assert not (tmp_path / "again").exists()
+    floating = lowbit_pipe.run("default", ["pipeline=[load,detect,export]", f"export.path={tmp_path / 'f.safetensors'}"],
+                               run_dir=tmp_path / "f").export_path
+    preflight(compose_recipe("default", [f"model.path={floating}", "model.stream=true", *export]))  # streams
+    preflight(compose_recipe("default", [f"model.path={quantized}", *export]))  # auto: loads it whole, as before
+
+
+def test_a_ratio_target_under_the_byte_floor_is_refused_before_calibration_and_timing(tmp_path, monkeypatch):
+    from lowbit_pipe import target_plan
+    from lowbit_pipe.errors import LowbitError
+
+    def calibrated(*args, **kwargs):
+        raise AssertionError("calibrated before the floor was checked")
+
+    monkeypatch.setattr(target_plan, "measure_options", calibrated)
+    cache = tmp_path / "speed"
+    with pytest.raises(LowbitError) as err:
+        lowbit_pipe.run("krea2_auto_speed_tiny", ["quantize.target.ratio=0.01", f"quantize.speed_cache={cache}"],
+                        run_dir=tmp_path / "run")
+    message = str(err.value)
+    assert "quantize.target.ratio" in message and "0.01 cannot be met" in message
+    assert "at least 0.4295 of the float transformer" in message and "before any calibration" in message
+    assert not cache.exists() or not list(cache.iterdir())  # refused before the speed table was timed
+
+
+def test_byte_floor_is_a_lower_bound_of_the_solvers_smallest_plan(tmp_path):
+    """The floor counts stored tensors from shapes; the solver's bytes (quantized_bytes) add records and derived
+    buffers: the floor never refuses a target the solver could meet (the README's ratio 0.45 among them)."""
+    from lowbit_pipe.candidates import Candidate
+    from lowbit_pipe.error_model import quantized_bytes
+    from lowbit_pipe.formats import get_format
+    from lowbit_pipe.ledger import tensor_bytes
+    from lowbit_pipe.policy import _spec, plan_layers
+    from lowbit_pipe.stages.detect import linear_shapes
+    from lowbit_pipe.target_plan import byte_floor, free_layers
+
+    ctx = lowbit_pipe.run("krea2_auto_speed_tiny", ["pipeline=[load,detect]"], run_dir=tmp_path / "run").context
+    cfg, model = ctx.recipe.quantize, ctx.transformer
+    names = free_layers(plan_layers(linear_shapes(model), cfg, ctx.policy, ctx.policy_name))
+    for candidates in ([Candidate(_spec(c)) for c in cfg.target.candidates],
+                       [Candidate(_spec(c)) for c in cfg.target.candidates] + [Candidate(None)]):
+        smallest = tensor_bytes(model)
+        for name in names:
+            lin = model.get_submodule(name)
+            smallest += min(tensor_bytes(lin) if c.spec is None else quantized_bytes(lin, c.spec) for c in candidates
+                            if c.spec is None or get_format(c.spec.format).supports_shape(*lin.weight.shape)) \
+                - tensor_bytes(lin)
+        floor = byte_floor(model, names, {}, candidates)
+        assert 0.98 * smallest <= floor <= smallest and floor < 0.45 * tensor_bytes(model)
+
+
+def test_run_dir_that_cannot_be_created_names_hydra_run_dir(tmp_path, monkeypatch):
+    from lowbit_pipe.preflight import check_run_dir
+
+    monkeypatch.chdir("/proc")  # not writable, even as root
+    with pytest.raises(RecipeError) as err:
+        check_run_dir(["quantize.default.format=int8"], multirun=False)
+    assert err.value.path == "hydra.run.dir" and "set hydra.run.dir=" in str(err.value) and "/proc" in str(err.value)
+    with pytest.raises(RecipeError, match="hydra.sweep.dir"):
+        check_run_dir([], multirun=True)
+    check_run_dir([f"hydra.run.dir={tmp_path}/runs/${{now:%H-%M-%S}}"], multirun=False)  # a writable one: fine
+    assert list(tmp_path.iterdir()) == []  # tried, not created
+
+
+def test_an_unknown_model_group_option_names_the_group_and_its_choices():
+    from lowbit_pipe.paths import tiny_models
+    from lowbit_pipe.preflight import check_groups
+
+    for args in (["model=tiny_sdxl"], ["+model=tiny_sdxl"], ["model=tiny_krea2,tiny_sdxl", "evaluate.samples=1"]):
+        with pytest.raises(RecipeError) as err:
+            check_groups(args)
+        assert err.value.path == "model" and "'tiny_sdxl' is no option of the config group 'model'" in str(err.value)
+        assert all(name in str(err.value) for name in tiny_models()) and "model.path=" in str(err.value)
+    check_groups(["model=tiny_flux1", "model.path=/x.safetensors", "model.stream=true"])
+    check_groups(["model=team_model", "hydra.searchpath=[file:///team/conf]"])  # a team folder may add options
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_cli_refusals_of_issue_45_are_one_line_with_exit_2(tmp_path):
+    one_line_refusal(cli(["model=tiny_sdxl"], tmp_path), "model", "config group 'model'", "tiny_krea2")
+    one_line_refusal(cli(["quantize.compute_device=cuda", "quantize.calibration_samples=2"], tmp_path),
+                     "quantize.compute_device", "no CUDA device")
+    one_line_refusal(cli(["pipeline=[load]"], "/proc"), "hydra.run.dir", "/proc", "set hydra.run.dir=")
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- (k) the README's first screen, and docs that agree (issue 45) -------------------------------------------------
+
+def _readme() -> str:
+    from pathlib import Path
+
+    return (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_the_readme_opens_with_what_it_does_and_a_quick_start_before_any_benchmark():
+    text = _readme()
+    lines = text.splitlines()
+    headings = [i for i, line in enumerate(lines) if line.startswith("## ")]
+    assert lines[headings[0]] == "## Quick start", lines[headings[0]]
+    quick = lines[headings[0]:headings[1]]
+    assert len([line for line in quick if line.strip()]) <= 12, quick  # about ten lines
+    first_table = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    first_figure = next(i for i, line in enumerate(lines) if " ms " in line or "1.52x" in line or "H200" in line)
+    assert headings[1] < first_table and headings[1] < first_figure  # no benchmark before the quick start is over
+    assert "## Benchmarks" in lines and "| variant | ms | vs bf16 compiled | weight GB |" in lines  # kept, lower
+    commands = [line.strip() for line in quick if line.startswith("    python -m lowbit_pipe")]
+    assert commands and any("recipe=krea2_nvfp4 " in c for c in commands) and any("krea2_nvfp4_stock" in c for c in commands)
+
+
+@pytest.mark.parametrize("recipe, stock", [("default", True), ("krea2_nvfp4_stock", True), ("flux1_fp8", True),
+                                           ("krea2_nvfp4", False)])
+def test_the_readmes_comfyui_promise_matches_what_each_recipe_exports(recipe, stock):
+    """The first screen says which exports stock ComfyUI loads as they are and which need the node pack; each recipe
+    it names is judged by the `.comfy_quant` records its formats write (lowbit_pipe.loadable, what the export's
+    warning uses)."""
+    from lowbit_pipe.loadable import loadable
+    from lowbit_pipe.policy import _spec
+
+    q = compose_recipe(recipe).quantize
+    specs = [_spec(q.default), *([_spec(q.sensitive)] if q.sensitive is not None else []),
+             *(_spec(q.default, r) for r in q.rules if not r.keep)]
+    assert all(loadable(spec, "comfyui") for spec in specs) == stock
+    text = _readme()
+    first_screen = text[: text.index("## Set up")]
+    intro = first_screen[: first_screen.index("## Quick start")]
+    named = "the default recipe" if recipe == "default" else f"`{recipe}`"
+    stock_part, pack_part = intro.split("need this project's ComfyUI node pack")[0].split("Rotated NVFP4")
+    assert named in (stock_part if stock else pack_part), (named, intro)
+    quick = {line.split("#")[0].strip(): line.split("#", 1)[1] for line in first_screen.splitlines()
+             if line.startswith("    python -m lowbit_pipe")}
+    comment = quick.get("python -m lowbit_pipe" + ("" if recipe == "default" else f" recipe={recipe}"))
+    if comment is not None:  # the quick start's own word on the command's export
+        assert ("stock ComfyUI loads" in comment) == stock and ("node pack" in comment) == (not stock), comment
+
+
+def test_docs_layout_lists_every_packaged_recipe_and_team_md_agrees_with_cli_md_on_failed_sweep_jobs():
+    from pathlib import Path
+
+    from lowbit_pipe.paths import packaged_recipes
+
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    layout = (docs / "layout.md").read_text()
+    recipes_line = layout[layout.index("recipes/"): layout.index("lowbit_pipe/")]
+    assert [n for n in packaged_recipes() if n not in recipes_line] == []
+    cli_md, team = (docs / "cli.md").read_text(), " ".join((docs / "team.md").read_text().split())
+    assert "a failed job does not stop the others, whatever the\nlauncher" in cli_md
+    assert "ends the sweep before it is logged" not in team  # what team.md said: the CLI's exit ended the sweep
+    assert "a failed job is a FAILED run with its error, whatever the launcher" in team

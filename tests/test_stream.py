@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 import lowbit_pipe
-from lowbit_pipe.errors import RecipeError, StageError
+from lowbit_pipe.errors import RecipeError
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,9 +74,10 @@ def test_what_streaming_cannot_do_is_refused_before_any_work(tmp_path):
             lowbit_pipe.run("default", overrides, run_dir=tmp_path / "run")
         assert info.value.path == key, str(info.value)
     quantized = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,export]"], run_dir=tmp_path / "q").export_path
-    with pytest.raises(StageError, match="quantized already"):
+    with pytest.raises(RecipeError, match="quantized layers already") as info:  # its header says so: before the work
         lowbit_pipe.run("default", [f"model.path={quantized}", "model.stream=true",
                                     "pipeline=[load,detect,quantize,export]"], run_dir=tmp_path / "again")
+    assert info.value.path == "model.stream" and not (tmp_path / "again").exists()
 
 
 SMALL = {"num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 4096, "text_hidden_dim": 640,

@@ -3,6 +3,7 @@ no cross-model contamination, failed runs, leaks named, the purge API and CLI.""
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -65,10 +66,38 @@ def _forward(ctx) -> torch.Tensor:
         return ctx.arch.output_tensor(ctx.model(**inputs)).clone()
 
 
+# Whose host allocations count as ours: this package and the libraries it drives directly, each known by the
+# folder its module was imported from (resolved), never by a word in a file's path. A clone named lowbit_pipe
+# with its venv inside puts "lowbit_pipe" in the path of every torch file, and torch's allocations are not ours.
+OUR_PACKAGES = ("lowbit_pipe", "diffusers", "safetensors", "omegaconf", "hydra")
+
+
+def package_dirs(names: tuple[str, ...] = OUR_PACKAGES) -> tuple[Path, ...]:
+    """The resolved folders the packages `names` are imported from (those installed)."""
+    import importlib.util
+
+    out = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        if spec is not None:
+            out += [Path(p).resolve() for p in spec.submodule_search_locations or []]
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=None)
+def is_ours(filename: str, dirs: tuple[Path, ...] | None = None) -> bool:
+    """Whether a source file lies inside one of `dirs` (default: OUR_PACKAGES' folders). Frames without a file
+    ("<frozen importlib._bootstrap>", "<string>") are nobody's."""
+    path = Path(filename)
+    if not path.is_absolute():
+        return False
+    resolved = path.resolve()
+    return any(resolved.is_relative_to(d) for d in (dirs if dirs is not None else package_dirs()))
+
+
 def _ours(stat: tracemalloc.StatisticDiff) -> bool:
     """Allocations made by our code (or the libraries we drive directly), not torch internals."""
-    name = stat.traceback[0].filename
-    return any(part in name for part in ("lowbit_pipe", "diffusers", "safetensors", "omegaconf", "hydra"))
+    return is_ours(stat.traceback[0].filename)
 
 
 @pytest.mark.slow

@@ -370,6 +370,10 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
         from lowbit_pipe.attention.fused import apply_fused_norm_rope
 
         fused = {"fused_norm_rope": apply_fused_norm_rope(ctx.transformer, ctx.ledger).as_dict()}
+        idle = fused_norm_rope_idle(ctx.transformer)
+        if idle is not None:  # applied (and undone by teardown) all the same: a model moved to a GPU later uses it
+            fused["fused_norm_rope"]["note"] = idle
+            warnings.warn(f"attention.fused_norm_rope=true did nothing in this run: {idle}", stacklevel=2)
     if fmt == STOCK:
         return {"format": STOCK, **by, **fused}
     applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep),
@@ -382,6 +386,16 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
                                                 "attention node's override instead)")
         warnings.warn(f"attention.format={fmt}: no attention module got 8-bit attention ({why})", stacklevel=2)
     return {**applied.as_dict(), "applied": bool(applied.modules), **by, **fused}
+
+
+def fused_norm_rope_idle(model: nn.Module) -> str | None:
+    """Why attention.fused_norm_rope changes nothing a forward computes on this model (its kernels serve CUDA tensors
+    only: lowbit_pipe.kernels.norm_rope.kernel_serves), or None when it can."""
+    p = next(model.parameters(), None)
+    if p is None or p.device.type == "cuda":
+        return None
+    return (f"its kernels run on CUDA only and the model is on {p.device.type}, so the norms and RoPE run torch's "
+            "code, as without it (model.device=cuda uses them)")
 
 
 def compute_device(name: str | None) -> torch.device | None:
