@@ -77,9 +77,12 @@ def check(src: Path, recipe: str, tmp: Path) -> dict[str, Any]:
                                                for m in quantized.get_model_object("diffusion_model").modules())}
     out["upstream_float_unchanged"] = bool(torch.equal(forward(model), float_out))
 
-    lora_file = str(tmp / "style.safetensors")
-    (full,) = LowbitLoRA().attach(quantized, lora_file, 1.0)
-    (half,) = LowbitLoRA().attach(quantized, lora_file, 0.5)
+    import folder_paths
+
+    folder_paths.add_model_folder_path("loras", str(tmp))  # the LoRA node reads names from ComfyUI's LoRA list
+    folder_paths.filename_list_cache.pop("loras", None)
+    (full,) = LowbitLoRA().attach(quantized, "style.safetensors", 1.0)
+    (half,) = LowbitLoRA().attach(quantized, "style.safetensors", 0.5)
     layer = "blocks.0.attn.wq"
     x = torch.randn(4, quantized.get_model_object("diffusion_model").get_submodule(layer).in_features)
     with torch.inference_mode():

@@ -30,3 +30,20 @@ def run_child(argv: list[str], body: Callable[[dict[str, Any], dict[str, Any]], 
         result["traceback"] = traceback.format_exc()[-8000:]
     Path(argv[1]).write_text(json.dumps(result, indent=1, default=str))
     return 0
+
+
+def lora_name(path: str) -> str:
+    """ComfyUI's name for the LoRA file at `path` (the LoRA node reads only names of ComfyUI's "loras" list): a copy
+    under a name unique to that path, in a folder that joins the list, as a user's models/loras would be."""
+    import hashlib
+    import shutil
+
+    import folder_paths
+
+    folder = Path(path).resolve().parent / "_comfy_loras"
+    folder.mkdir(exist_ok=True)
+    folder_paths.add_model_folder_path("loras", str(folder))
+    name = f"{hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:10]}_{Path(path).name}"
+    shutil.copyfile(path, folder / name)
+    folder_paths.filename_list_cache.pop("loras", None)  # ComfyUI caches the list; the file is new
+    return name

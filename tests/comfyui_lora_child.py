@@ -26,7 +26,7 @@ import logging
 import sys
 from typing import Any
 
-from comfyui_child import run_child
+from comfyui_child import lora_name, run_child
 
 SEED = 7
 TOKENS = 6
@@ -104,7 +104,7 @@ def check_attach(case: dict[str, Any]) -> dict[str, Any]:
         inputs[module] = torch.randn(TOKENS, layer.in_features, generator=gen).to(dtype)
         with torch.inference_mode():
             base[module] = layer(inputs[module])
-    (with_lora,) = LowbitLoRA().attach(patcher, case["lora"], strength)
+    (with_lora,) = LowbitLoRA().attach(patcher, lora_name(case["lora"]), strength)
     mm.load_models_gpu([with_lora], force_full_load=True)
     tree = with_lora.get_model_object("diffusion_model")
     rows = []

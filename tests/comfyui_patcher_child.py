@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from comfyui_child import run_child
+from comfyui_child import lora_name, run_child
 
 
 def _forward(tree: Any) -> Any:
@@ -58,7 +58,7 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
     float_out = _forward(float_tree)
 
     quantized, _ = LowbitQuantize().quantize(float_model, "default", unique_id="q")
-    (with_lora,) = LowbitLoRA().attach(quantized, job["lora"], 1.0, unique_id="l")
+    (with_lora,) = LowbitLoRA().attach(quantized, lora_name(job["lora"]), 1.0, unique_id="l")
     tree = with_lora.get_model_object("diffusion_model")
     out["own_base_model"] = (quantized.model is not float_model.model and with_lora.model is not quantized.model)
     out["tree_is_the_base_models"] = with_lora.model.diffusion_model is tree
