@@ -35,9 +35,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from outputs import save_outputs  # noqa: E402
+from outputs import save_outputs
 
-from lowbit_pipe.kernels import attention8 as A  # noqa: E402
+from lowbit_pipe.kernels import attention8 as A
 
 
 @dataclass(frozen=True)
@@ -187,7 +187,7 @@ def sweep(s: Shape, rep: int) -> list[dict]:
                 qkv = A.quantize_qkv(q, k, v, fmt, config=cfg)
                 o = torch.empty_like(q)
                 ms = time_ms(lambda: A.attention8_quantized(qkv, o), "cuda", rep)
-            except Exception as exc:  # a config the compiler or the SM's shared memory refuses
+            except Exception as exc:  # noqa: BLE001 - a config the compiler or the SM's shared memory refuses
                 rows.append({"shape": s.name, "fmt": fmt, **asdict(cfg), "error": str(exc)[:200]})
                 continue
             rows.append({"shape": s.name, "fmt": fmt, **asdict(cfg), "ms": ms, "tflops": flops / ms / 1e9})
@@ -197,7 +197,8 @@ def sweep(s: Shape, rep: int) -> list[dict]:
 
 def profile(s: Shape, iters: int = 10) -> list[dict]:
     """Device time of each kernel that one sdpa8 call launches (torch.profiler), per format."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     q, k, v = inputs(s, "cuda")
     rows = []

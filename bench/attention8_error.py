@@ -34,6 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
+from outputs import save_outputs  # noqa: E402
+
 import lowbit_pipe  # noqa: E402
 from lowbit_pipe import sampler  # noqa: E402
 from lowbit_pipe.arch.registry import get_arch  # noqa: E402
@@ -42,7 +44,6 @@ from lowbit_pipe.attention import apply_attention  # noqa: E402
 from lowbit_pipe.attention.processors import Dispatch8, attention_modules, processor_class, processor_for  # noqa: E402
 from lowbit_pipe.kernels.attention8 import exact_attention, sdpa8  # noqa: E402
 from lowbit_pipe.ledger import Ledger  # noqa: E402
-from outputs import save_outputs  # noqa: E402
 
 ARCHS = ("krea2", "flux1")
 QK_FORMATS = ("int8", "fp8")
@@ -59,7 +60,7 @@ class CaptureDispatch(Dispatch8):
         self.measure = measure
         self.layer = layer
 
-    def __call__(self, query, key, value, attn_mask=None, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003
+    def __call__(self, query, key, value, attn_mask=None, *args, **kwargs):
         if attn_mask is None:
             self.measure(self.layer, *(t.transpose(1, 2).detach() for t in (query, key, value)))
         return self.stock(query, key, value, attn_mask, *args, **kwargs)
@@ -103,7 +104,7 @@ def _sage(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | s
         return "not installed"
     try:
         return sageattn(q, k, v, tensor_layout="HND", is_causal=False)
-    except Exception as err:  # a shape or GPU it does not take: said in the table's column, the rest goes on
+    except Exception as err:  # noqa: BLE001 - a shape or GPU it does not take: said in the table's column, the rest goes on
         return f"failed: {type(err).__name__}: {str(err).splitlines()[0][:80]}"
 
 
@@ -208,7 +209,7 @@ def full_size(args: argparse.Namespace, device: torch.device) -> tuple[list[dict
 
     def forward() -> torch.Tensor:
         with torch.no_grad():
-            return arch.output_tensor(model(**inputs))
+            return arch.output_tensor(model(**inputs))  # noqa: F821 - a cell variable, deleted only after the last call
 
     rows, measure = layer_figures()
     capture_calls(model, forward, measure)
@@ -286,7 +287,7 @@ def main() -> None:
         dtype = getattr(torch, args.dtype)  # the float reference runs in it too: the rows compare attention alone
         base = build_tiny(arch_id, tiny_model_config(arch_id), 0, dtype).to(device)
 
-        def inputs_for(seed: int, _arch=arch, _base=base) -> dict[str, Any]:  # noqa: ANN001
+        def inputs_for(seed: int, _arch=arch, _base=base) -> dict[str, Any]:
             return _arch.example_inputs(dict(_base.config), batch=1, image_tokens=args.image_tokens,
                                         text_tokens=args.text_tokens, generator=torch.Generator().manual_seed(10_000 + seed),
                                         dtype=dtype, device=device)

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from outputs import save_outputs  # noqa: E402
+from outputs import save_outputs
 
 MIN_REL_MODEL = 0.05
 NEVER_SLOWER = 1.05  # the chosen path's time over torch's bf16 attention's, at most (timing noise)
@@ -216,7 +216,8 @@ def make_router(runner, args, table, measure: bool):
 
 def profile_call(s: Shape, runner, iters: int = 10) -> list[dict]:
     """Device time per kernel of one cuDNN call (quantization, attention, output) at shape `s`."""
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     q, k, v, mask = inputs(s)
     for _ in range(3):
@@ -296,7 +297,7 @@ def main() -> int:
     for s in shapes:
         try:
             row = bench_shape(s, runner, args, timing)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             row = {"shape": s.name, **asdict(s), "checks": {}, "ms": {}, "x_sdpa": {}, "notes": [],
                    "failures": [f"error: {type(err).__name__}: {str(err)[:400]}"]}
@@ -309,7 +310,7 @@ def main() -> int:
     if not args.no_profile and shapes:
         try:
             payload["profile"] = profile_call(shapes[0], runner)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001
             payload["profile_error"] = f"{type(err).__name__}: {err}"
     payload["failures"] = failed
     payload["seconds"] = round(time.perf_counter() - start, 1)

@@ -21,7 +21,6 @@ own reduction order changing with the row count, not the format.
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 import warnings
 from pathlib import Path
@@ -31,8 +30,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lowbit_pipe  # noqa: E402
-from lowbit_pipe.formats import FORMATS  # noqa: E402
+import lowbit_pipe
+from lowbit_pipe.formats import FORMATS
 
 WIDTH, TOKENS, PAD, LOUD = 512, 24, 8, 100.0
 

@@ -408,12 +408,12 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, root: str):
         self.root = root
 
-    def find_spec(self, name, path, target=None):  # noqa: ANN001
+    def find_spec(self, name, path, target=None):
         if name == self.root or name.startswith(self.root + "."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
-    def create_module(self, spec):  # noqa: ANN001
+    def create_module(self, spec):
         m = types.ModuleType(spec.name)
         m.__path__ = []
 
@@ -425,7 +425,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         m.__getattr__ = _getattr
         return m
 
-    def exec_module(self, module):  # noqa: ANN001
+    def exec_module(self, module):
         pass
 
 

@@ -31,15 +31,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from comfy_check import SEED, TINY, _comfy_cpu_setup, _forward, comfy_commit  # noqa: E402
+from comfy_check import SEED, TINY, _comfy_cpu_setup, comfy_commit
 
 
 def check(src: Path, recipe: str, tmp: Path) -> dict[str, Any]:
     import torch
+    from safetensors.torch import save_file
 
     import lowbit_pipe
     from lowbit_pipe.lora.make_example import example_lora
-    from safetensors.torch import save_file
 
     out: dict[str, Any] = {"recipe": recipe}
     floating = lowbit_pipe.run("default", [*TINY["krea2"], "pipeline=[load,detect,export]",

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -39,8 +38,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import comfyui_server as cs  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+import comfyui_server as cs
+from outputs import save_outputs
 
 ROOT = Path(__file__).resolve().parent.parent
 STATS_NODES = "lowbit_bench_nodes"

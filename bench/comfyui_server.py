@@ -112,12 +112,12 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def __init__(self, root: str):
         self.root = root
 
-    def find_spec(self, name, path, target=None):  # noqa: ANN001
+    def find_spec(self, name, path, target=None):
         if name == self.root or name.startswith(self.root + "."):
             return importlib.machinery.ModuleSpec(name, self, is_package=True)
         return None
 
-    def create_module(self, spec):  # noqa: ANN001
+    def create_module(self, spec):
         m = types.ModuleType(spec.name)
         m.__path__ = []
 
@@ -129,7 +129,7 @@ class StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         m.__getattr__ = _getattr
         return m
 
-    def exec_module(self, module):  # noqa: ANN001
+    def exec_module(self, module):
         pass
 
 
@@ -409,6 +409,7 @@ def main(argv: list[str]) -> None:
 
     comfy.options.enable_args_parsing()
     import cuda_malloc  # noqa: F401
+
     # diffusers and transformers note which optional packages exist at their first import (and read their
     # versions): they must see this machine as it is, not the stand-ins, which have no version to read.
     import diffusers.utils.import_utils  # noqa: F401

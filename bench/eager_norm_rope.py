@@ -29,18 +29,18 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock  # noqa: E402
+from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock
+from outputs import save_outputs
 
-from lowbit_pipe.arch.base import LayerPolicy  # noqa: E402
-from lowbit_pipe.attention.fused import apply_fused_norm_rope  # noqa: E402
-from lowbit_pipe.kernels import norm_rope  # noqa: E402
-from lowbit_pipe.ledger import Ledger  # noqa: E402
-from lowbit_pipe.policy import plan_layers  # noqa: E402
-from lowbit_pipe.recipe import FormatChoice, QuantizeConfig  # noqa: E402
-from lowbit_pipe.stages.detect import linear_shapes  # noqa: E402
-from lowbit_pipe.stages.quantize import quantize_module  # noqa: E402
-from lowbit_pipe.timing import TimingSettings, time_ms  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from lowbit_pipe.arch.base import LayerPolicy
+from lowbit_pipe.attention.fused import apply_fused_norm_rope
+from lowbit_pipe.kernels import norm_rope
+from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.policy import plan_layers
+from lowbit_pipe.recipe import FormatChoice, QuantizeConfig
+from lowbit_pipe.stages.detect import linear_shapes
+from lowbit_pipe.stages.quantize import quantize_module
+from lowbit_pipe.timing import TimingSettings, time_ms
 
 FULL = {"hidden": 6144, "heads": 48, "kv_heads": 12, "mlp": 16384, "image": 4096, "text": 512, "attended": 77}
 SMALL = {"hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "image": 48, "text": 16, "attended": 5}

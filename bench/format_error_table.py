@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.formats import FormatSpec, encode_record, get_format  # noqa: E402
+from lowbit_pipe.formats import FormatSpec, encode_record, get_format
 
 SHAPE = (3072, 6144)
 # (label, our format, spec, comfy-kitchen layout, its kwargs, our-suffix -> its-suffix)
@@ -106,8 +106,9 @@ def main() -> None:
     parser.add_argument("--no-kitchen", action="store_true", help="skip the comfy-kitchen columns")
     args = parser.parse_args()
     try:
-        import comfy_kitchen  # noqa: F401
         from importlib.metadata import version
+
+        import comfy_kitchen  # noqa: F401
 
         kitchen = None if args.no_kitchen else version("comfy-kitchen")
     except ImportError:

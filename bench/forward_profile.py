@@ -30,9 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowbit_pipe  # noqa: E402
-from lowbit_pipe.arch import get_arch  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from outputs import save_outputs
+
+import lowbit_pipe
+from lowbit_pipe.arch import get_arch
 
 # First match wins. Inductor's generated Triton kernels first (triton_poi_ / triton_red_ / triton_per_: norms,
 # modulation, RoPE, and the activation quantization Inductor fuses into them under compile): their names list the

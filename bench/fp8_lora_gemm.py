@@ -27,8 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.kernels.fp8_gemm import fp8_gemm, reference_fp8_gemm  # noqa: E402
-from lowbit_pipe.kernels.quantize_act import quantize_act  # noqa: E402
+from lowbit_pipe.kernels.fp8_gemm import fp8_gemm, reference_fp8_gemm
+from lowbit_pipe.kernels.quantize_act import quantize_act
 
 M, RANK = 4608, 32
 SHAPES = [(6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536)]
@@ -92,8 +92,8 @@ def shape_rows(k: int, n: int, failures: list) -> dict:
                 key = f"triton_p{p}_{cname}{suffix}"
                 extra = {"xa": xa, "up_t": up_t} if lora else {}
                 try:
-                    fn = (lambda extra=extra, c=c, p=p: fp8_gemm(q, w, s, wrow, None, torch.bfloat16,
-                                                                   config=cfg_dict(c), promote=p, **extra))
+                    def fn(extra=extra, c=c, p=p):  # binds the loop's values
+                        return fp8_gemm(q, w, s, wrow, None, torch.bfloat16, config=cfg_dict(c), promote=p, **extra)
                     row["err"][key] = rel(fn(), ref_lora if lora else ref)
                     row["gemm_ms"][key] = bench(fn)
                 except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result of the sweep

@@ -52,7 +52,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 import lowbit_pipe
 from lowbit_pipe.formats import FormatSpec, get_format
@@ -306,7 +305,7 @@ class MiniLM:
             out += (1 - torch.nn.functional.cosine_similarity(emb, ref, dim=-1)).tolist()
         return out
 
-    def calibrate(self, texts: list[str]):  # noqa: ANN201
+    def calibrate(self, texts: list[str]):
         """Texts batched by token count, so no batch has padding (pad tokens are not data and would enter the
         Hessians)."""
         by_length: dict[int, list[str]] = {}
@@ -443,7 +442,7 @@ def styled_text(text: torch.Tensor, seed: int) -> torch.Tensor:
     return (0.3 * text + (coeff @ basis + offset).reshape(shape).to(text.dtype))
 
 
-def dit_inputs(ctx, seed: int, spec: dict[str, Any]) -> dict[str, Any]:  # noqa: ANN001 - Context
+def dit_inputs(ctx, seed: int, spec: dict[str, Any]) -> dict[str, Any]:
     inputs = ctx.arch.example_inputs(ctx.model_config, batch=1, image_tokens=spec["image_tokens"],
                                      text_tokens=spec["text_tokens"], generator=torch.Generator().manual_seed(seed),
                                      dtype=ctx.dtype, device=ctx.device)
@@ -452,7 +451,7 @@ def dit_inputs(ctx, seed: int, spec: dict[str, Any]) -> dict[str, Any]:  # noqa:
     return inputs
 
 
-def dit_errors(ctx, sets: dict[str, tuple[list[int], dict[str, Any]]]) -> dict[str, list[float]]:  # noqa: ANN001
+def dit_errors(ctx, sets: dict[str, tuple[list[int], dict[str, Any]]]) -> dict[str, list[float]]:
     """Per set, per seed: relative output MSE (summed over steps) of the quantized model against the float one,
     both fed the float model's own Euler trajectory."""
     from lowbit_pipe import sampler
@@ -482,7 +481,7 @@ def dit_errors(ctx, sets: dict[str, tuple[list[int], dict[str, Any]]]) -> dict[s
     return out
 
 
-def dit_run(tmp: Path, fmt: str, overrides: list[str], sets_for) -> tuple[dict[str, list[float]], dict[str, Any]]:  # noqa: ANN001
+def dit_run(tmp: Path, fmt: str, overrides: list[str], sets_for) -> tuple[dict[str, list[float]], dict[str, Any]]:
     r = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize]", f"quantize.default.format={fmt}"] + overrides,
                         run_dir=tmp / f"dit-{time.time_ns()}")
     cfg = r.context.recipe.quantize
@@ -495,7 +494,7 @@ def dit_rows(tmp: Path, formats: list[str], variants: list[dict[str, Any]], draw
              label: str = "") -> list[dict]:
     """For each format and variant (gptq damp / act_order, calibration samples / steps), over `draws`
     calibration seeds: per-seed ratios on (a) the calibration trajectories, (b), and each (c)."""
-    def sets_for(cfg) -> dict[str, tuple[list[int], dict[str, Any]]]:  # noqa: ANN001 - QuantizeConfig
+    def sets_for(cfg) -> dict[str, tuple[list[int], dict[str, Any]]]:
         cal = {"image_tokens": 64, "text_tokens": 8, "steps": cfg.calibration_steps or 1, "style": False}
         return {"a": ([cfg.calibration_seed + i for i in range(cfg.calibration_samples)], cal),
                 **{k: (DIT_SEEDS, s) for k, s in DIT_SETS.items()}, "d": (DIT_SEEDS, DIT_UNTUNED)}

@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lowbit_pipe  # noqa: E402
-from headline import build_krea2  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from headline import build_krea2
+from outputs import save_outputs
+
+import lowbit_pipe
 
 
 def run_format(model: torch.nn.Module, fmt: str, hessian_gb: float, samples: int, steps: int, run_dir: Path,

@@ -41,7 +41,7 @@ def layer(n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _unchanged(_n):  # noqa: ANN001, ANN202 - torch_threads that leaves the count alone: GPTQ before the policy
+def _unchanged(_n):
     yield
 
 

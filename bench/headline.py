@@ -41,12 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import lowbit_pipe  # noqa: E402
-from lowbit_pipe import lora  # noqa: E402
-from lowbit_pipe.arch import get_arch  # noqa: E402
-from lowbit_pipe.lora.make_example import example_lora  # noqa: E402
-from lowbit_pipe.stages.compile import dynamo_counters  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from outputs import save_outputs
+
+import lowbit_pipe
+from lowbit_pipe import lora
+from lowbit_pipe.arch import get_arch
+from lowbit_pipe.lora.make_example import example_lora
+from lowbit_pipe.stages.compile import dynamo_counters
 
 SMALL_CONFIG = {"in_channels": 16, "num_layers": 2, "attention_head_dim": 64, "num_attention_heads": 4,
                 "num_key_value_heads": 2, "intermediate_size": 512, "timestep_embed_dim": 64, "text_hidden_dim": 64,

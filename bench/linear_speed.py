@@ -25,12 +25,13 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.formats import FormatSpec, common, get_format  # noqa: E402
-from lowbit_pipe.formats.nvfp4 import computes_weight_only  # noqa: E402
-from lowbit_pipe.formats.w4a8 import decode_int8_grid  # noqa: E402
-from lowbit_pipe.kernels import dispatch, reference, rotation  # noqa: E402
-from lowbit_pipe.nn import QuantLinear  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from outputs import save_outputs
+
+from lowbit_pipe.formats import FormatSpec, common, get_format
+from lowbit_pipe.formats.nvfp4 import computes_weight_only
+from lowbit_pipe.formats.w4a8 import decode_int8_grid
+from lowbit_pipe.kernels import dispatch, reference, rotation
+from lowbit_pipe.nn import QuantLinear
 
 KREA2_KN = ((6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536))
 FULL_SHAPES = [(4608, k, n) for k, n in KREA2_KN] + [(256, k, n) for k, n in KREA2_KN]
@@ -294,7 +295,7 @@ def run(args: argparse.Namespace) -> dict:
                     if graph and args.compiled and label in COMPILED_ROWS and m >= 1024:
                         parts.update(compiled_time(layer, x, graph))
                         parts["speedup_compiled"] = base_graph / parts["ms_compiled_graph"]
-            except Exception as err:  # a broken path is reported in the table and the run goes on
+            except Exception as err:  # noqa: BLE001 - a broken path is reported in the table and the run goes on
                 results.append({"M": m, "K": k, "N": n, "format": label, "path": path_of(name, x, layer.qweight),
                                 "error": f"{type(err).__name__}: {err}"[:500]})
                 print(f"  {label:14s} ERROR {results[-1]['error']}", flush=True)

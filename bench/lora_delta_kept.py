@@ -25,11 +25,13 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.formats import FormatSpec  # noqa: E402
-from lowbit_pipe.formats import get_format  # noqa: E402
-from lowbit_pipe.lora.bake import bake_layer, delta_kept, supports_stochastic  # noqa: E402
-from lowbit_pipe.lora.branches import LoraBranch, LoraStack  # noqa: E402
-from lowbit_pipe.nn import QuantLinear  # noqa: E402
+from lowbit_pipe.formats import (
+    FormatSpec,
+    get_format,
+)
+from lowbit_pipe.lora.bake import bake_layer, delta_kept, supports_stochastic
+from lowbit_pipe.lora.branches import LoraBranch, LoraStack
+from lowbit_pipe.nn import QuantLinear
 
 SHAPE = (1024, 2048)
 RANK = 32

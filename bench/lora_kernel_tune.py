@@ -31,8 +31,8 @@ from torch.nn import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.kernels.int8_gemm import int8_gemm  # noqa: E402
-from lowbit_pipe.kernels.quantize_act import quantize_act  # noqa: E402
+from lowbit_pipe.kernels.int8_gemm import int8_gemm
+from lowbit_pipe.kernels.quantize_act import quantize_act
 
 M, R = 4608, 32
 DEVICE = "cuda"
@@ -89,7 +89,7 @@ def sweep_quant(k: int, modes: tuple[str, ...], plain: list, fused: list, deadli
                 ok = torch.equal(q.view(torch.int8), q0.view(torch.int8)) and torch.equal(s, s0) and rel(xa, xa_ref) < 1e-2
                 row = {"mode": mode, **cfg, "layout": layout, "ok": ok, "xa_err": rel(xa, xa_ref),
                        "ms": timed(lambda: quantize_act(x, mode, down=d, config=cfg))}
-            except Exception as err:  # a config that does not compile (shared memory): recorded, not ranked
+            except Exception as err:  # noqa: BLE001 - a config that does not compile (shared memory): recorded, not ranked
                 row = {"mode": mode, **cfg, "layout": layout, "ok": False, "error": repr(err)[:160]}
             out["fused"].append(row)
     return out
@@ -133,7 +133,7 @@ def sweep_gemm(k: int, n: int, quick: bool, deadline: float) -> dict:
         try:
             row["int8_ms"] = timed(lambda: int8_gemm(qi, wi, si, wi_scale, None, torch.bfloat16, 0, cfg))
             row["int8_lora_ms"] = timed(lambda: int8_gemm(qi, wi, si, wi_scale, None, torch.bfloat16, 0, cfg, xa, up_t))
-        except Exception as err:  # out of shared memory etc.: recorded
+        except Exception as err:  # noqa: BLE001 - out of shared memory etc.: recorded
             row["error"] = repr(err)[:160]
         out["tiles"].append(row)
     return out

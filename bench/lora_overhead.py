@@ -35,9 +35,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.formats import FormatSpec  # noqa: E402
-from lowbit_pipe.lora.branches import LoraBranch, LoraStack  # noqa: E402
-from lowbit_pipe.nn import QuantLinear  # noqa: E402
+from lowbit_pipe.formats import FormatSpec
+from lowbit_pipe.lora.branches import LoraBranch, LoraStack
+from lowbit_pipe.nn import QuantLinear
 
 KREA2 = (4608, [(6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536)])
 SMALL = (128, [(512, 512), (512, 1024), (1024, 512), (512, 128)])

@@ -33,9 +33,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowbit_pipe  # noqa: E402
-from headline import SMALL_CONFIG, VARIANTS, build_krea2, sync  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from headline import SMALL_CONFIG, VARIANTS, build_krea2, sync
+from outputs import save_outputs
+
+import lowbit_pipe
 
 PROMPT = "a red fox sitting in tall autumn grass at sunrise, soft light, film photograph"
 BASELINES = (("bf16, eager", "default", ["pipeline=[load,detect]"], False),)

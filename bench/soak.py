@@ -33,11 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe import api, lora  # noqa: E402
-from lowbit_pipe.arch import get_arch  # noqa: E402
-from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config  # noqa: E402
-from lowbit_pipe.ledger import Ledger  # noqa: E402
-from lowbit_pipe.lora.make_example import example_lora  # noqa: E402
+from lowbit_pipe import api, lora
+from lowbit_pipe.arch import get_arch
+from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config
+from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.lora.make_example import example_lora
 
 
 def host_rss() -> int:

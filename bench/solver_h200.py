@@ -43,11 +43,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowbit_pipe  # noqa: E402
-from headline import build_krea2, krea2_inputs, measure, model_bytes, rel_err  # noqa: E402
-from lowbit_pipe.arch import get_arch  # noqa: E402
-from lowbit_pipe.errors import LowbitError  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from headline import build_krea2, krea2_inputs, measure, model_bytes, rel_err
+from outputs import save_outputs
+
+import lowbit_pipe
+from lowbit_pipe.arch import get_arch
+from lowbit_pipe.errors import LowbitError
 
 SINGLES = {  # label -> overrides of recipe `default` (the Krea 2 keep-float list applies)
     "int8": ["quantize.default.format=int8"],
@@ -103,7 +104,7 @@ def variants(phase: str, small: bool, cache: Path, ratio: float) -> list[tuple[s
     raise ValueError(phase)
 
 
-def run_one(label: str, recipe: str, overrides: list[str], model: torch.nn.Module, forward, ref: torch.Tensor,  # noqa: ANN001
+def run_one(label: str, recipe: str, overrides: list[str], model: torch.nn.Module, forward, ref: torch.Tensor,
             device: torch.device, iters: int, run_dir: Path, float_ms: float) -> dict[str, Any]:
     t = time.perf_counter()
     result = lowbit_pipe.run(recipe, overrides, model=model, run_dir=run_dir)

@@ -18,9 +18,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.solver import LayerCosts, Problem, frontier, solve  # noqa: E402
-from lowbit_pipe.targets import Target  # noqa: E402
-from outputs import save_outputs  # noqa: E402
+from outputs import save_outputs
+
+from lowbit_pipe.solver import LayerCosts, Problem, frontier, solve
+from lowbit_pipe.targets import Target
 
 
 def problem(layers: int, candidates: int, seed: int) -> Problem:
@@ -32,9 +33,9 @@ def problem(layers: int, candidates: int, seed: int) -> Problem:
 
 
 def targets(p: Problem) -> list[Target]:
-    mean_t = p.fixed_ms + sum(np.mean(l.time_ms) for l in p.layers)
-    mean_b = p.fixed_bytes + sum(np.mean(l.nbytes) for l in p.layers)
-    mean_e = p.error_scale * np.sqrt(sum(np.mean(l.err2) for l in p.layers))
+    mean_t = p.fixed_ms + sum(np.mean(lay.time_ms) for lay in p.layers)
+    mean_b = p.fixed_bytes + sum(np.mean(lay.nbytes) for lay in p.layers)
+    mean_e = p.error_scale * np.sqrt(sum(np.mean(lay.err2) for lay in p.layers))
     return [Target("speedup", p.float_ms / mean_t, "quantize.target.speedup"), Target("bytes", mean_b, "quantize.target.bytes"),
             Target("ratio", mean_b / p.float_bytes, "quantize.target.ratio"), Target("error", float(mean_e), "quantize.target.error")]
 

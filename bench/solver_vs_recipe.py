@@ -20,10 +20,11 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import lowbit_pipe  # noqa: E402
-from lowbit_pipe.ledger import tensor_bytes  # noqa: E402
-from outputs import save_outputs  # noqa: E402
-from solver_h200 import label_rule  # noqa: E402
+from outputs import save_outputs
+from solver_h200 import label_rule
+
+import lowbit_pipe
+from lowbit_pipe.ledger import tensor_bytes
 
 PLAN_TOKENS = ["evaluate.image_tokens=256", "evaluate.text_tokens=64", "evaluate.text_valid=20"]
 CANDIDATES = ("[{format: int8}, {format: int8, rotation: convrot}, {format: fp8}, {format: nvfp4}, "

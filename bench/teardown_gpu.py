@@ -35,19 +35,19 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lowbit_pipe.arch.base import LayerPolicy  # noqa: E402
-from lowbit_pipe.context import Context  # noqa: E402
-from lowbit_pipe.recipe import CompileConfig, FormatChoice, QuantizeConfig, Recipe  # noqa: E402
-from lowbit_pipe.policy import plan_layers  # noqa: E402
-from lowbit_pipe.stages.compile import block_targets, compile_modules  # noqa: E402
-from lowbit_pipe.stages.detect import linear_shapes  # noqa: E402
-from lowbit_pipe.stages.quantize import quantize_module  # noqa: E402
-from lowbit_pipe.stages.teardown import teardown  # noqa: E402
-
 # Imported here, before the baseline, not inside a cycle's `with torch.device(device)`: importing
 # diffusers' transformer modules creates module-level tensors (mag-cache ratios, an fp4 lookup table,
 # peft defaults) that would otherwise be created on the GPU once and held for the process's life.
-from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock  # noqa: E402
+from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock
+
+from lowbit_pipe.arch.base import LayerPolicy
+from lowbit_pipe.context import Context
+from lowbit_pipe.policy import plan_layers
+from lowbit_pipe.recipe import CompileConfig, FormatChoice, QuantizeConfig, Recipe
+from lowbit_pipe.stages.compile import block_targets, compile_modules
+from lowbit_pipe.stages.detect import linear_shapes
+from lowbit_pipe.stages.quantize import quantize_module
+from lowbit_pipe.stages.teardown import teardown
 
 FULL = {"hidden": 6144, "heads": 48, "kv_heads": 12, "mlp": 16384, "tokens": 4608}  # 4096 image + 512 text
 SMALL = {"hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "tokens": 32}
@@ -166,7 +166,7 @@ def cycle(args: argparse.Namespace, dims: dict[str, int], device: torch.device, 
         try:
             graph, out = _capture(ctx.transformer, static, eager=args.no_compile)
             row["graph"] = "eager" if args.no_compile else "compiled"
-        except Exception as err:  # capturing the compiled forward failed: say why, capture the eager one
+        except Exception as err:  # noqa: BLE001 - capturing the compiled forward failed: say why, capture the eager one
             row["graph_error"] = f"{type(err).__name__}: {err}"[:300]
             torch.cuda.synchronize()
             graph, out = _capture(ctx.transformer, static, eager=True)

@@ -14,8 +14,8 @@ from lowbit_pipe.arch import detect_module
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import QuantizeConfig, Recipe
+from lowbit_pipe.runner import Runner, RunResult
 from lowbit_pipe.validate import validate
-from lowbit_pipe.runner import RunResult, Runner
 
 
 def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
@@ -64,9 +64,9 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     (their input_scale is the amax of the input it sees, after the layer's rotation) and by GPTQ
     (`gptq: {enabled: true}`; it is called once per pass, on the module as quantized so far).
     """
+    from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.calibration import static_input_amax
     from lowbit_pipe.policy import plan_layers
-    from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.stages.detect import linear_shapes
     from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
 

@@ -13,7 +13,8 @@ import torch
 
 from lowbit_pipe.errors import CheckpointError
 from lowbit_pipe.progress import Console
-from lowbit_pipe.tempfiles import atomic_write_text, publish as publish_file, remove_stale, temp_path, write_error  # noqa: F401 (atomic_write_text: its callers import it from here)
+from lowbit_pipe.tempfiles import atomic_write_text, remove_stale, temp_path, write_error  # noqa: F401 (atomic_write_text: its callers import it from here)
+from lowbit_pipe.tempfiles import publish as publish_file
 
 # safetensors' dtypes and their bits per element (a tensor's bytes are numel x bits / 8, a whole number).
 _DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
@@ -325,7 +326,7 @@ class StreamingWriter:
         self.entries: dict[str, dict[str, Any]] = {}
         self.offset = 0
         try:
-            self._file = open(self.tmp, "wb")
+            self._file = open(self.tmp, "wb")  # noqa: SIM115
             self._file.seek(8 + self.reserved)
         except OSError as err:
             self._discard()

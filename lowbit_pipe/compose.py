@@ -52,7 +52,7 @@ def parse_recipe_text(text: str, source: str, *, allow_resolvers: bool = False) 
     untrusted.check_text(text, source)
     try:
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else {}
-    except Exception as err:  # what YAML itself accepted but OmegaConf does not: name the file, in one line
+    except Exception as err:  # noqa: BLE001 - what YAML itself accepted but OmegaConf does not: name the file, in one line
         raise RecipeError(source, f"not a valid YAML recipe ({str(err).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise RecipeError(source, f"a recipe is a mapping of stage keys, got {type(data).__name__}")

@@ -50,7 +50,7 @@ def measure_options(model: nn.Module, names: list[str], candidates: list[Candida
     return out
 
 
-def quantized_bytes(linear: nn.Module, spec) -> int:  # noqa: ANN001 - FormatSpec
+def quantized_bytes(linear: nn.Module, spec) -> int:
     """The layer's bytes in `spec` as the budget counts them (weights, scales, record, derived buffers, bias),
     for layers the recipe fixes (a rule's format). A static input scale (one scalar) is not counted."""
     from dataclasses import replace

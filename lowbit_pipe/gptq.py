@@ -127,7 +127,7 @@ def _inverse_cholesky(h: torch.Tensor, damp: float) -> tuple[torch.Tensor, float
 
 
 def _round_block(block: torch.Tensor, hb: torch.Tensor, cols: torch.Tensor, q: torch.Tensor, errs: torch.Tensor,
-                 round_columns) -> None:  # noqa: ANN001 - a GridRounder
+                 round_columns) -> None:
     """GPTQ's inner loop over one block of columns, in place: column i of `block` rounded on the grid into q, its
     error (scaled by Hinv's diagonal) into errs and spread over the block's later columns by `hb` (Hinv's tile)."""
     for i in range(block.shape[1]):
@@ -146,7 +146,7 @@ class _GraphedBlock:
     block, its Hinv tile and its column indices go in by copy into static buffers; the rounded values and the
     errors come out of them (valid until the next call). Replay runs the captured kernels: the same results."""
 
-    def __init__(self, n: int, width: int, like: torch.Tensor, round_columns) -> None:  # noqa: ANN001 - a GridRounder
+    def __init__(self, n: int, width: int, like: torch.Tensor, round_columns) -> None:
         self.block = torch.empty(n, width, dtype=like.dtype, device=like.device)
         self.hb = torch.empty(width, width, dtype=like.dtype, device=like.device)
         self.cols = torch.empty(width, dtype=torch.long, device=like.device)
@@ -209,7 +209,7 @@ def gptq_quantize(weight: torch.Tensor, spec: FormatSpec, hessian: torch.Tensor,
                       measure)
 
 
-def _feedback(values: torch.Tensor, h_target: torch.Tensor, cols: torch.Tensor, round_columns,  # noqa: ANN001
+def _feedback(values: torch.Tensor, h_target: torch.Tensor, cols: torch.Tensor, round_columns,
               settings: GPTQSettings, threads: int | None) -> tuple[torch.Tensor, float, float, int | None, str]:
     """GPTQ's codes (as grid values) of `values` against `h_target`: (q, damping used, damping share, rank, the
     share's measure). `threads`: on the CPU, the column loop runs on one thread (None: leave torch's count)."""

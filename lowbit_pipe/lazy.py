@@ -89,7 +89,7 @@ class SafetensorsFiles:
     def _read(self, path: str, start: int, info: Any, key: str) -> torch.Tensor:
         f = self._handles.get(path)
         if f is None:
-            f = self._handles[path] = self._stack.enter_context(open(path, "rb"))
+            f = self._handles[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
         return read_tensor(f, path, start, info, key)
 
     def tensors(self) -> dict[str, LazyTensor]:

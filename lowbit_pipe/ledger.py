@@ -447,7 +447,7 @@ class Ledger:
             entry.done = True
             try:
                 entry.undo()
-            except Exception as err:  # keep unwinding; the failure is named in the report
+            except Exception as err:  # noqa: BLE001 - keep unwinding; the failure is named in the report
                 report.errors.append(f"{entry.kind} {entry.name}: {type(err).__name__}: {err}")
                 report.unfreed.append(f"{entry.name} ({entry.kind}: undo failed)")
                 continue

@@ -110,7 +110,7 @@ class QuantLinear(nn.Module):
         q = self.qweight
         return self.format.prepack(QuantizedWeight(q.format, q.shape, q.tensors, q.record))
 
-    def _load_from_state_dict(self, *args, **kwargs):  # noqa: ANN002, ANN003 - torch's signature
+    def _load_from_state_dict(self, *args, **kwargs):
         self.__dict__.pop("prepacked", None)  # the buffers are overwritten: a prepacked copy would be stale
         super()._load_from_state_dict(*args, **kwargs)
         with torch.no_grad():  # derived buffers follow the loaded tensors
@@ -135,7 +135,7 @@ class QuantLinear(nn.Module):
             return fmt.linear(x, q, bias, plan=plan) + lora(x)
         return fmt.linear(x, q, bias, plan=plan)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
+    def _apply(self, fn, recurse=True):
         # Quantized tensors follow device moves but never dtype casts:
         # model.to(torch.bfloat16) must not touch codes or fp32 scales. Children (the
         # LoRA stack) get the full `fn`: LoRA factors DO follow dtype casts.

@@ -22,12 +22,12 @@ from lowbit_pipe.context import Context
 from lowbit_pipe.errors import StageError, WriteError
 from lowbit_pipe.interrupts import OrderlyStop, as_interrupted
 from lowbit_pipe.progress import Console
-from lowbit_pipe.summary import format_summary
 from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import dynamo_counters
 from lowbit_pipe.stages.teardown import teardown
 from lowbit_pipe.stream_choice import decide_stream
+from lowbit_pipe.summary import format_summary
 from lowbit_pipe.tempfiles import atomic_write_text
 
 
@@ -160,7 +160,7 @@ class Runner:
                         report["stages"][name] = self._run_stage(name, ctx)
                 except KeyboardInterrupt:
                     raise
-                except Exception as err:  # any failure: name the stage, tear down, record, re-raise as StageError
+                except Exception as err:  # noqa: BLE001 - any failure: name the stage, tear down, record, re-raise as StageError
                     failure = err if isinstance(err, StageError) else StageError(name, err)
                     report["stages"].setdefault(name, {})["error"] = str(failure)
                     break
@@ -179,7 +179,7 @@ class Runner:
                 report["traceback"] = report.get("traceback") or release_traceback(failure)
                 try:
                     report["stages"]["teardown"] = self._run_stage("teardown", ctx)
-                except Exception as err:  # teardown's own failure is reported beside the stage's
+                except Exception as err:  # noqa: BLE001 - teardown's own failure is reported beside the stage's
                     report["stages"]["teardown"] = {"error": f"{type(err).__name__}: {err}"}
             if dynamo_start is not None:  # graphs compiled and graph breaks during this run (lazy: at first calls)
                 report["dynamo"] = {k: v - dynamo_start[k] for k, v in dynamo_counters().items()}

@@ -38,13 +38,24 @@ from lowbit_pipe.attention.route import STOCK as STOCK_ATTENTION
 from lowbit_pipe.candidates import Candidate
 from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.forward_timing import ExampleForward, ForwardCheck, time_forward
 from lowbit_pipe.formats import FormatSpec, get_format
+from lowbit_pipe.forward_timing import ExampleForward, ForwardCheck, time_forward
 from lowbit_pipe.ledger import Ledger, tensor_bytes
 from lowbit_pipe.metrics import rel_error
 from lowbit_pipe.policy import LayerPlan, _spec
-from lowbit_pipe.solver import LayerCosts, Prediction, Problem, Solution, frontier, meets, non_dominated, predict, \
-    reach, refuse, solve
+from lowbit_pipe.solver import (
+    LayerCosts,
+    Prediction,
+    Problem,
+    Solution,
+    frontier,
+    meets,
+    non_dominated,
+    predict,
+    reach,
+    refuse,
+    solve,
+)
 from lowbit_pipe.speed_model import QuantizeOnto, SpeedModel, measure_speed_model
 from lowbit_pipe.targets import Target
 from lowbit_pipe.timing import TimingSettings
@@ -74,7 +85,7 @@ class AttentionOption:
         return {"forward_ms": round(self.forward_ms, 6), "error": round(self.error, 8), "calls": self.calls}
 
 
-def measure_attention(ctx, example: ExampleForward, attention_format: str, reference: torch.Tensor,  # noqa: ANN001
+def measure_attention(ctx, example: ExampleForward, attention_format: str, reference: torch.Tensor,
                       timing: TimingSettings) -> AttentionOption:
     """Apply `attention_format` to the model on a scratch ledger, time the example forward and measure its error,
     then undo the swaps."""
@@ -187,7 +198,7 @@ def measure_output_error(example: ExampleForward, reference: torch.Tensor, optio
     return OutputErrorModel(gains, scales, probes)
 
 
-def require_example_forward(ctx) -> None:  # noqa: ANN001 - Context
+def require_example_forward(ctx) -> None:
     """Refuse, naming quantize.target, a model whose forward the solver cannot time and probe."""
     if ctx.native:  # ComfyUI's own model classes: no example forward of ours to time and probe (yet)
         raise RecipeError("quantize.target", f"is solved on the diffusers {ctx.arch.id} model, whose forward it times "
@@ -199,7 +210,7 @@ def require_example_forward(ctx) -> None:  # noqa: ANN001 - Context
                                              "this model's architecture is not one (model.arch names one for a file)")
 
 
-def _example(ctx, compiled: bool) -> ExampleForward:  # noqa: ANN001 - Context
+def _example(ctx, compiled: bool) -> ExampleForward:
     inputs = ctx.example_inputs(ctx.recipe.quantize.calibration_seed)
     return ExampleForward(ctx.transformer, inputs, ctx.arch.output_tensor, compiled, ctx.recipe.compile.backend)
 
@@ -244,7 +255,7 @@ def _refuse_below_floor(model: nn.Module, names: list[str], fixed_specs: dict[st
                                       "or relax the target")
 
 
-def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],  # noqa: ANN001
+def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],
                     quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
     """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
     cfg = ctx.recipe.quantize
@@ -358,7 +369,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     return TargetPlan(new_plans, report, example, reference, float_ms, solution, chosen_attention)
 
 
-def attention_formats(ctx) -> list[str]:  # noqa: ANN001 - Context
+def attention_formats(ctx) -> list[str]:
     """The attention formats the solver weighs: the recipe's attention.format when it sets one (validate refuses
     both), else quantize.target.attention."""
     fixed = ctx.recipe.attention.format

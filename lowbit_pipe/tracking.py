@@ -134,7 +134,7 @@ def _composed_recipe(job_return: JobReturn) -> dict[str, Any]:
         return {}
     try:
         return OmegaConf.to_container(job_return.cfg, resolve=True)  # type: ignore[return-value]
-    except Exception:  # an interpolation that cannot resolve: log it as written
+    except Exception:  # noqa: BLE001 - an interpolation that cannot resolve: log it as written
         return OmegaConf.to_container(job_return.cfg, resolve=False)  # type: ignore[return-value]
 
 

@@ -28,11 +28,11 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton's import (lowbit_pipe.kernels, comfy-kitchen)
 
-import json  # noqa: E402
-import sys  # noqa: E402
-from typing import Any  # noqa: E402
+import json
+import sys
+from typing import Any
 
-from comfyui_child import run_child  # noqa: E402
+from comfyui_child import run_child
 
 
 def _round_bf16_to_nearest() -> None:
@@ -306,7 +306,6 @@ def compiled_vs_unfused(arch: str) -> dict[str, Any]:
 def quantize_node(path: str) -> dict[str, Any]:
     import comfy.sample
     import comfy.sd
-    import torch
 
     from lowbit_pipe.comfy import node_runs
     from lowbit_pipe.comfy.nodes import LowbitExampleInputs, LowbitPurge, LowbitQuantize

@@ -51,7 +51,6 @@ def check_weights(case: dict[str, Any], catcher: LogCatcher) -> dict[str, Any]:
     import comfy.model_management as mm
     import comfy.sd
     import comfy.utils
-    import torch
 
     oracle = _oracle(case["oracle"])
     strength = float(case["strength"])
@@ -130,7 +129,7 @@ def check_attach(case: dict[str, Any]) -> dict[str, Any]:
             "forward_rel_change": float((forward - plain).norm() / plain.norm())}
 
 
-def _forward(dm, cfg: dict, torch) -> Any:  # noqa: ANN001
+def _forward(dm, cfg: dict, torch) -> Any:
     """The diffusion model's output on seeded inputs under inference_mode (Krea 2 or FLUX.1)."""
     g = torch.Generator().manual_seed(SEED)
     dtype = next((p.dtype for p in dm.parameters() if p.dtype in (torch.float32, torch.bfloat16, torch.float16)),

@@ -44,7 +44,6 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
     import comfy.model_management as mm
     import comfy.sd
     import comfy.utils
-    import torch
     from comfy.model_patcher import ModelPatcher, ModelPatcherDynamic
 
     from lowbit_pipe.comfy.node_runs import PurgedModelError

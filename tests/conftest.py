@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config as tiny_config
+from lowbit_pipe.arch.tiny import build_tiny
+from lowbit_pipe.arch.tiny import tiny_model_config as tiny_config
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

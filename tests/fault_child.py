@@ -27,7 +27,7 @@ def _kill_at(point: str) -> None:
         limit = int(point.split(":", 1)[1])
         write = checkpoint.StreamingWriter.write
 
-        def counting_write(self, key, tensor):  # noqa: ANN001
+        def counting_write(self, key, tensor):
             write(self, key, tensor)
             if self.offset >= limit:
                 self._file.flush()  # the bytes are in the file when the kill lands, as a real crash would leave them
@@ -37,7 +37,7 @@ def _kill_at(point: str) -> None:
         return
     replace = os.replace
 
-    def replacing(src, dst):  # noqa: ANN001
+    def replacing(src, dst):
         output = ".tmp-" in os.path.basename(str(src)) and str(dst).endswith(".safetensors")  # not the report
         if output and point == "publish":
             os.kill(me, signal.SIGKILL)
@@ -59,17 +59,16 @@ def kill(point: str, run_dir: str, overrides: list[str]) -> None:
 
 
 def send_signal(sig: str, stage: str, args: list[str]) -> None:
+    import lowbit_pipe.__main__ as cli
     from lowbit_pipe.__main__ import main
     from lowbit_pipe.stages import STAGES
-
-    import lowbit_pipe.__main__ as cli
 
     signum = {"INT": signal.SIGINT, "TERM": signal.SIGTERM}[sig]
     sys.argv = ["lowbit_pipe", *args]
     if stage == "startup":  # inside Hydra's task, before any Runner
         to_recipe = cli.to_recipe
 
-        def signalled_to_recipe(cfg):  # noqa: ANN001
+        def signalled_to_recipe(cfg):
             os.kill(os.getpid(), signum)
             return to_recipe(cfg)
 
@@ -79,7 +78,7 @@ def send_signal(sig: str, stage: str, args: list[str]) -> None:
     cls = STAGES[stage]
     run = cls.run
 
-    def signalled(self, ctx):  # noqa: ANN001
+    def signalled(self, ctx):
         os.kill(os.getpid(), signum)  # Python runs the handler at the next bytecode: the stage is cut at its start
         return run(self, ctx)
 
@@ -89,7 +88,7 @@ def send_signal(sig: str, stage: str, args: list[str]) -> None:
 
         teardown = runner.teardown
 
-        def signalled_teardown(ctx):  # noqa: ANN001
+        def signalled_teardown(ctx):
             os.kill(os.getpid(), signum)
             return teardown(ctx)
 
@@ -107,7 +106,7 @@ def diskfull(target: str) -> None:
 
     previous = {"w": torch.arange(1000, dtype=torch.float32)}
     atomic_save(previous, target)
-    before = open(target, "rb").read()
+    before = open(target, "rb").read()  # noqa: SIM115
     big = {"w": torch.zeros(1 << 20, dtype=torch.float32)}  # 4 MiB, on a 2 MiB filesystem
     try:
         atomic_save(big, target)
@@ -115,7 +114,7 @@ def diskfull(target: str) -> None:
     except WriteError as err:
         error = str(err)
     folder = os.path.dirname(target)
-    print(json.dumps({"error": error, "unchanged": open(target, "rb").read() == before,
+    print(json.dumps({"error": error, "unchanged": open(target, "rb").read() == before,  # noqa: SIM115
                       "files": sorted(os.listdir(folder))}))
 
 

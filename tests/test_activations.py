@@ -15,8 +15,7 @@ from torch import nn
 
 import lowbit_pipe
 from lowbit_pipe.compose import compose_recipe
-from lowbit_pipe.formats import FormatSpec, get_format
-from lowbit_pipe.formats import common
+from lowbit_pipe.formats import FormatSpec, common, get_format
 from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
 from lowbit_pipe.kernels import reference, rotation
 from lowbit_pipe.nn import QuantLinear
@@ -103,7 +102,7 @@ def test_weight_only_is_the_dequantized_matmul_in_the_input_dtype():
     assert torch.equal(y, xb @ fmt.dequantize(q).bfloat16().t())
 
 
-def _input_amax(model: nn.Module, layer: str, kind: str, group: int, recipe) -> float:  # noqa: ANN001
+def _input_amax(model: nn.Module, layer: str, kind: str, group: int, recipe) -> float:
     """Independent re-run of the calibration: amax of the layer's rotated input over the seeded examples, each
     denoised by `calibration_steps` Euler steps (sigma 1 -> 0 linearly, x += (sigma' - sigma) * v)."""
     from lowbit_pipe.arch import detect_model

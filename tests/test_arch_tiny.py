@@ -29,7 +29,7 @@ def load_yaml(aid: str) -> dict:
     return yaml.safe_load(tiny_models()[f"tiny_{aid}"].read_text())
 
 
-def arch_of(aid: str):  # noqa: ANN201
+def arch_of(aid: str):
     """The arch of a tiny model group: `tiny_<arch>`, or a variant of it such as `tiny_krea2_comfy`."""
     return A.get_arch(load_yaml(aid)["tiny_arch"])
 

@@ -100,7 +100,6 @@ def test_one_call_is_sdpa8_on_the_stock_processors_q_k_v(tiny_model):
     cls = processor_class(type(stock), Capture("fp8", type(stock).__call__.__globals__["dispatch_attention_fn"],
                                                Counter()))
     attn.set_processor(processor_for(stock, cls))
-    block = model.transformer_blocks[0]
     gen = torch.Generator().manual_seed(0)
     hidden, text = torch.randn(1, 16, 256, generator=gen), torch.randn(1, 4, 256, generator=gen)
     ids = torch.cat([torch.zeros(4, 3), _inputs(model)[1]["img_ids"]])

@@ -24,7 +24,6 @@ from lowbit_pipe import speed_table  # noqa: E402
 from lowbit_pipe.attention import crossover as X  # noqa: E402
 from lowbit_pipe.attention.route import NO_KERNEL  # noqa: E402
 
-
 # ------------------------------------------------------------------------------------------------------ router
 K48 = X.CallShape(1, 48, 4608, 128, False, "bfloat16")
 K48_2048 = X.CallShape(1, 48, 16896, 128, False, "bfloat16")
@@ -387,7 +386,7 @@ if __name__ == "__main__" and sys.argv[1:] == ["child"]:
     try:
         _child()
         print(f"RESULT OK {time.perf_counter() - start:.1f} s")
-    except Exception:
+    except Exception:  # noqa: BLE001
         traceback.print_exc(file=sys.stdout)
         print("RESULT FAIL")
         raise SystemExit(1)

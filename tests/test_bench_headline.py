@@ -14,9 +14,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 def test_model_bytes_counts_wrapper_subclasses_by_their_inner_tensors():
     """torchao's quantized weights are wrapper subclasses whose nominal dtype is the float one: counted by numel x
     element_size they look unquantized. TwoTensor (torch's own test subclass, two inner tensors) shows the rule."""
-    from torch.testing._internal.two_tensor import TwoTensor
-
     from headline import model_bytes
+    from torch.testing._internal.two_tensor import TwoTensor
 
     layer = nn.Linear(8, 4, bias=True)
     plain = model_bytes(layer)

@@ -20,7 +20,12 @@ SETTINGS = ["pipeline=[load,detect,quantize]", "quantize.default.activations=sta
 
 def tiny_krea2_pipeline():
     """diffusers' Krea2Pipeline around tiny seeded components, no download."""
-    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, Krea2Pipeline, Krea2Transformer2DModel
+    from diffusers import (
+        AutoencoderKLQwenImage,
+        FlowMatchEulerDiscreteScheduler,
+        Krea2Pipeline,
+        Krea2Transformer2DModel,
+    )
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen3VLConfig, Qwen3VLModel
 

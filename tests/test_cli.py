@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import cli, one_line_refusal
 
 

@@ -75,7 +75,7 @@ class _Executor:
     def __init__(self, base: _Base) -> None:
         self.class_obj = base
 
-    def __call__(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN204
+    def __call__(self, *args, **kwargs):
         return self.class_obj.diffusion_model(*args, **kwargs).sample
 
 
@@ -165,9 +165,9 @@ BLOCKS = {"krea2": (["blocks"], 1), "flux1": (["double_blocks", "single_blocks"]
 
 @pytest.fixture(scope="module")
 def comfy(tmp_path_factory) -> dict:
+    from comfyui_harness import ROOT, run_child, unpack
     from safetensors.torch import save_file
 
-    from comfyui_harness import ROOT, run_child, unpack
     from lowbit_pipe.lora.make_example import example_lora
 
     sys.path.insert(0, str(ROOT / "bench"))

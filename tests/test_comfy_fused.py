@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from comfyui_harness import ROOT, run_child, unpack
 
 import lowbit_pipe
-from comfyui_harness import ROOT, run_child, unpack
 
 pytestmark = pytest.mark.slow
 

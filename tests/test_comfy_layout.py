@@ -15,13 +15,13 @@ from torch.nn import functional as F
 
 pytest.importorskip("comfy_kitchen")
 
-from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
-from comfy_kitchen.tensor import base as ck_base  # noqa: E402
+from comfy_kitchen.tensor import QuantizedTensor
+from comfy_kitchen.tensor import base as ck_base
 
-from lowbit_pipe.comfy import layout as L  # noqa: E402
-from lowbit_pipe.comfy import registry as R  # noqa: E402
-from lowbit_pipe.errors import FormatError  # noqa: E402
-from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_format  # noqa: E402
+from lowbit_pipe.comfy import layout as L
+from lowbit_pipe.comfy import registry as R
+from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import FormatSpec, QuantizedWeight, encode_record, get_format
 
 # (format, rotation, granularity): every lowbit kind the project writes
 KINDS = [

@@ -9,15 +9,21 @@ import weakref
 
 import pytest
 import torch
+from conftest import native_module
 from safetensors.torch import load_file
 
 import lowbit_pipe
 import lowbit_pipe.errors
-from conftest import native_module
 from lowbit_pipe.arch.tiny import tiny_model_config
 from lowbit_pipe.comfy.node_runs import PurgedModelError
-from lowbit_pipe.comfy.nodes import (NODE_CLASS_MAPPINGS, LowbitExampleInputs, LowbitExport, LowbitLoRA, LowbitPurge,
-                                   LowbitQuantize)
+from lowbit_pipe.comfy.nodes import (
+    NODE_CLASS_MAPPINGS,
+    LowbitExampleInputs,
+    LowbitExport,
+    LowbitLoRA,
+    LowbitPurge,
+    LowbitQuantize,
+)
 from lowbit_pipe.comfy.weight_patches import UnsupportedPatchError
 from lowbit_pipe.lora.make_example import example_lora
 from lowbit_pipe.nn import QuantLinear
@@ -39,10 +45,10 @@ class Patcher:
     def clone(self) -> "Patcher":
         return Patcher(self.model, self.object_patches)
 
-    def add_object_patch(self, name: str, obj) -> None:  # noqa: ANN001
+    def add_object_patch(self, name: str, obj) -> None:
         self.object_patches[name] = obj
 
-    def get_model_object(self, name: str):  # noqa: ANN201
+    def get_model_object(self, name: str):
         return self.object_patches[name] if name in self.object_patches else self.model.get_submodule(name)
 
 
@@ -87,7 +93,7 @@ class LoRAAdapter:
 
     name = "lora"
 
-    def __init__(self, up, down, alpha=None, dora_scale=None):  # noqa: ANN001
+    def __init__(self, up, down, alpha=None, dora_scale=None):
         self.weights = (up, down, alpha, None, dora_scale, None)
 
 

@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from comfyui_harness import ROOT, run_child, unpack
 from safetensors.torch import save_file
 
 import lowbit_pipe
-from comfyui_harness import ROOT, run_child, unpack
 from lowbit_pipe.lora.make_example import example_lora
 
 pytestmark = [pytest.mark.slow, pytest.mark.comfyui]

@@ -25,7 +25,7 @@ class LoRAAdapter:
 
     name = "lora"
 
-    def __init__(self, up, down, alpha=None, dora=None):  # noqa: ANN001
+    def __init__(self, up, down, alpha=None, dora=None):
         self.weights = (up, down, alpha, None, dora, None)
 
 
@@ -54,7 +54,7 @@ class Patcher:
         n.injections = {k: v.copy() for k, v in self.injections.items()}
         return n
 
-    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):  # noqa: ANN001, ANN201
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         sd, added = self.model.state_dict(), []
         for k in patches:
             key, offset, function = (k, None, None) if isinstance(k, str) else (k[0], k[1], k[2] if len(k) > 2 else None)
@@ -64,11 +64,11 @@ class Patcher:
         self.patches_uuid = uuid.uuid4()
         return added
 
-    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):  # noqa: ANN001, ANN201
+    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
         self.hook_patches = {hook: patches}
         return list(patches)
 
-    def set_injections(self, key, injections):  # noqa: ANN001
+    def set_injections(self, key, injections):
         self.injections[key] = injections
 
     def inject_model(self) -> None:

@@ -24,11 +24,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_harness import ROOT, run_child, unpack
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import lowbit_pipe
-from comfyui_harness import ROOT, run_child, unpack
 from lowbit_pipe.lora.make_example import example_lora
 
 pytestmark = pytest.mark.slow

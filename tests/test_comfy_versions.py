@@ -18,7 +18,6 @@ import tomllib
 from pathlib import Path
 
 import pytest
-import torch
 
 import lowbit_pipe
 from lowbit_pipe.comfy import compat

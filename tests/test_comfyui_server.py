@@ -41,9 +41,10 @@ class Env:
 
 def _write_models(base: Path, tmp: Path) -> None:
     """Float tiny Krea 2 / FLUX.1 files and seeded LoRA files (peft and kohya styles) into the models folders."""
+    from safetensors.torch import save_file
+
     import lowbit_pipe
     from lowbit_pipe.lora.make_example import example_lora
-    from safetensors.torch import save_file
 
     (base / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
     (base / "models" / "loras").mkdir(parents=True, exist_ok=True)
@@ -360,8 +361,9 @@ def test_a_calibrated_recipe_in_the_quantize_node_matches_the_cli(comfy, arch, t
     """flux1_fp8 (static fp8 activations: every layer's input_scale calibrated) run by the Quantize node on the
     ComfyUI model (the arch's example inputs in ComfyUI's layout, through ComfyUI's own forward) writes the
     input scales the CLI calibrates on the diffusers model: same seeded inputs, two implementations."""
-    import lowbit_pipe
     from safetensors.torch import load_file
+
+    import lowbit_pipe
 
     comfy.server.free()
     out = f"lowbit/calibrated_{arch}.safetensors"

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import yaml
+from conftest import cli
 
 import lowbit_pipe
-from conftest import cli
 from lowbit_pipe.paths import tiny_models
 
 TINY = sorted(name[len("tiny_"):] for name in tiny_models())

@@ -16,10 +16,18 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_files import (
+    HOSTILE_HEADERS,
+    HOSTILE_RECORDS,
+    Entry,
+    read_entries,
+    structural_mutations,
+    write_entries,
+    write_raw,
+)
 from safetensors.torch import save_file
 
 import lowbit_pipe
-from hostile_files import HOSTILE_HEADERS, HOSTILE_RECORDS, Entry, read_entries, structural_mutations, write_entries, write_raw
 from lowbit_pipe import lora
 from lowbit_pipe.arch import get_arch
 from lowbit_pipe.arch.detect import detect_state_dict
@@ -300,7 +308,7 @@ def _mutations_load(exports, tmp_path, count: int) -> tuple[int, int]:
                 err = refused(lambda: load_single_file(str(path), None, {}, torch.float32))
             except AssertionError:
                 raise
-            except BaseException as exc:  # noqa: BLE001 - name the mutation that broke through
+            except BaseException as exc:
                 raise AssertionError(f"{name}: {what}: {type(exc).__name__}: {exc}") from exc
             assert time.monotonic() - start < 10, what
             if err is None:

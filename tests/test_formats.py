@@ -12,13 +12,14 @@ from lowbit_pipe.formats import (
     FORMATS,
     FormatSpec,
     QuantizedWeight,
+    common,
     decode_record,
     encode_record,
     format_for_record,
     get_format,
     is_stock_loadable,
+    w4a8,
 )
-from lowbit_pipe.formats import common, w4a8
 from lowbit_pipe.kernels import reference
 
 WHERE = "model.safetensors:blocks.0.attn.wq"

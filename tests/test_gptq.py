@@ -241,7 +241,7 @@ def test_gptq_threads_follow_the_free_cores_and_torch_is_restored(monkeypatch):
     seen = []
     real_round_block = gptq_mod._round_block
 
-    def spy(*args):  # noqa: ANN002
+    def spy(*args):
         seen.append(torch.get_num_threads())
         return real_round_block(*args)
     monkeypatch.setattr(gptq_mod, "_round_block", spy)

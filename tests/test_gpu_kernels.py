@@ -156,7 +156,7 @@ FORMAT_CASES = [
 ]
 
 
-def _reference_input(x: torch.Tensor, layer) -> torch.Tensor:  # noqa: ANN001 - QuantLinear
+def _reference_input(x: torch.Tensor, layer) -> torch.Tensor:
     """The fp32 input whose rotation in the CPU reference gives the activations the GPU path quantizes: the GPU
     rotates in x's dtype (a tensor-core matmul; hadanorm: fp32, then cast), which rounds each rotated value
     once, and at code boundaries that rounding decides the code. The rounded values are rotated back in float64
@@ -308,9 +308,9 @@ def test_svdquant_operands_gemm_and_lora_on_the_gpu():
     unfused sum, and removing it gives the layer's own output back bit for bit."""
     from lowbit_pipe.formats import FormatSpec, get_format
     from lowbit_pipe.kernels import reference
+    from lowbit_pipe.kernels.act_dequant import svdquant_act
     from lowbit_pipe.kernels.decode import svdquant_decode
     from lowbit_pipe.kernels.fp8_gemm import float_gemm
-    from lowbit_pipe.kernels.act_dequant import svdquant_act
     from lowbit_pipe.lora.branches import LoraBranch, LoraStack
     from lowbit_pipe.nn import QuantLinear
 
@@ -536,7 +536,7 @@ def test_attention8_matches_its_reference_and_the_oracle(fmt, n, d):
     """The kernel against reference_attention8 (same scales, codes and P rounding: only fp32 summation order and
     exp2's last bit differ, which can move a P code by one step) and against float64; a [B, N, H, D] input seen
     as [B, H, N, D] (what diffusers' processors pass) gives its output in that layout; padding rows untouched."""
-    from lowbit_pipe.kernels.attention8 import exact_attention, reference_attention8, sdpa8, GPU_CONFIGS
+    from lowbit_pipe.kernels.attention8 import GPU_CONFIGS, exact_attention, reference_attention8, sdpa8
 
     gen = torch.Generator(device="cuda").manual_seed(n + d)
     shape = (2, n, 3, d)
@@ -561,7 +561,7 @@ def test_attention8_key_mask_matches_its_reference_and_the_oracle(fmt):
     """Krea 2's joint attention as diffusers runs it: 512 text tokens of which the tail is padding (masked keys, with
     garbage in them; for the empty negative prompt all but the last 5), then 4096 image tokens; the kernel against the reference and the float64 oracle over the
     attended keys, compiled the same, and masked keys' contents change no bit."""
-    from lowbit_pipe.kernels.attention8 import exact_attention, reference_attention8, sdpa8, GPU_CONFIGS
+    from lowbit_pipe.kernels.attention8 import GPU_CONFIGS, exact_attention, reference_attention8, sdpa8
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     n, d = 512 + 4096, 128

@@ -62,7 +62,7 @@ def test_ctrl_c_tears_down_then_stops(tiny_model, tmp_path, monkeypatch):
     model = tiny_model("krea2")
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
-    def interrupted(self, ctx):  # noqa: ANN001
+    def interrupted(self, ctx):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(Evaluate, "run", interrupted)
@@ -223,7 +223,7 @@ def test_a_stage_failing_mid_forward_is_torn_down_to_zero(tmp_path, error):
     (frames hold the closures that hold it); the report keeps its text, teardown frees everything."""
     calls = {"n": 0}
 
-    def fail_on_the_200th_call(module, args):  # noqa: ANN001
+    def fail_on_the_200th_call(module, args):
         calls["n"] += 1
         if calls["n"] == 200:
             raise error

@@ -10,13 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hostile_files import F32, HOSTILE_HEADERS, header_mutations, write_raw
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from hostile_files import F32, HOSTILE_HEADERS, header_mutations, write_raw
 from lowbit_pipe.checkpoint import read_header
 from lowbit_pipe.errors import CheckpointError
-
 
 _file = write_raw
 

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_comfy_nodes import _layer, krea2  # noqa: F401 - krea2 is a fixture used here
 
 from lowbit_pipe import untrusted
 from lowbit_pipe.comfy.nodes import LowbitExport, LowbitLoRA, LowbitQuantize, node_recipe
 from lowbit_pipe.compose import compose_recipe, recipe_file_args
 from lowbit_pipe.errors import LowbitError, RecipeError, WriteError
 from lowbit_pipe.tempfiles import publish, temp_path
-from test_comfy_nodes import _layer, krea2  # noqa: F401 - krea2 is a fixture used here
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "canary-" + secrets.token_hex(8)
@@ -70,7 +70,7 @@ def _no_canary_under(root: Path) -> None:
             assert CANARY.encode() not in path.read_bytes(), f"the canary leaked into {path}"
 
 
-def _refused(fn, *args, match: str, **kwargs) -> str:  # noqa: ANN001
+def _refused(fn, *args, match: str, **kwargs) -> str:
     with pytest.raises((LowbitError, ValueError, FileExistsError, FileNotFoundError), match=match) as err:
         fn(*args, **kwargs)
     text = str(err.value)
@@ -201,7 +201,7 @@ def test_export_never_replaces_a_file_unless_asked(comfy_folders, krea2):  # noq
     assert "LoRA branches: loras/fresh.lora.safetensors" in shown["ui"]["text"][0]
 
 
-def _copy_lora(folders, lora_file: str) -> str:  # noqa: ANN001
+def _copy_lora(folders, lora_file: str) -> str:
     (folders.models / "loras" / "style.safetensors").write_bytes(Path(lora_file).read_bytes())
     return "style.safetensors"
 

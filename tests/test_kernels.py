@@ -551,9 +551,9 @@ def case_svdquant() -> None:
     format's reference. fp16 layers: the interpreter's fp32 -> bf16 cast truncates (the GPU tests take bf16)."""
     from lowbit_pipe.formats import FormatSpec, get_format
     from lowbit_pipe.kernels import dispatch, reference
+    from lowbit_pipe.kernels.act_dequant import svdquant_act
     from lowbit_pipe.kernels.decode import svdquant_decode
     from lowbit_pipe.kernels.fp8_gemm import float_gemm
-    from lowbit_pipe.kernels.act_dequant import svdquant_act
 
     fmt = get_format("svdquant_w4a4")
     gen = torch.Generator().manual_seed(31)
@@ -731,8 +731,16 @@ def case_attention8() -> None:
     (head dims 64 and 128, a ragged token count that masks the last key block, both QK formats). The interpreter
     mis-rounds the P -> e4m3 cast, so the kernel-vs-reference bound here is loose; tests/test_gpu_kernels.py
     holds the real kernel to the reference tightly."""
-    from lowbit_pipe.kernels.attention8 import (FP8_MAX, INT8_MAX, LOG2E, INTERPRETER_CONFIG, exact_attention,
-                                                quantize_qkv, attention8, reference_attention8)
+    from lowbit_pipe.kernels.attention8 import (
+        FP8_MAX,
+        INT8_MAX,
+        INTERPRETER_CONFIG,
+        LOG2E,
+        attention8,
+        exact_attention,
+        quantize_qkv,
+        reference_attention8,
+    )
 
     gen = torch.Generator().manual_seed(8)
     cfg = INTERPRETER_CONFIG
@@ -875,7 +883,7 @@ def case_norm_rope() -> None:
     # ComfyUI's forms (lowbit_pipe.comfy.fused; against ComfyUI's own code in tests/test_comfy_fused.py): the norm
     # reading a strided view (q sliced out of a packed qkv; a permuted [B, L, H, D]) into a contiguous result, and
     # RoPE as 2x2 matrices [B, 1, L', D/2, 2, 2] (fp32 freqs; bf16 freqs computed in bf16), trimmed to L tokens
-    from lowbit_pipe.kernels.norm_rope import reference_rope_pairs, row_layout, rope_pairs
+    from lowbit_pipe.kernels.norm_rope import reference_rope_pairs, rope_pairs, row_layout
 
     for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 5e-3)):
         qkv = (torch.randn(2, 7, 3 * 2 * 64, generator=gen) * 3).to(dtype)
@@ -933,7 +941,7 @@ if __name__ == "__main__":
         try:
             globals()[f"case_{name}"]()
             status = "OK"
-        except Exception:  # reported to the parent, which fails that case alone
+        except Exception:  # noqa: BLE001 - reported to the parent, which fails that case alone
             traceback.print_exc(file=sys.stdout)
             status = "FAIL"
         print(f"RESULT {name} {status} {time.perf_counter() - start:.2f}", flush=True)

@@ -116,28 +116,28 @@ def test_the_next_write_removes_only_dead_writers_temp_files(tmp_path):
 class _FullDisk:
     """A file object on a disk that takes `room` bytes, then fails every write with ENOSPC."""
 
-    def __init__(self, real, room: int):  # noqa: ANN001
+    def __init__(self, real, room: int):
         self.real, self.room = real, room
 
-    def write(self, data) -> int:  # noqa: ANN001
+    def write(self, data) -> int:
         n = memoryview(data).nbytes
         if n > self.room:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         self.room -= n
         return self.real.write(data)
 
-    def __getattr__(self, name: str):  # noqa: ANN204
+    def __getattr__(self, name: str):
         return getattr(self.real, name)
 
-    def __enter__(self):  # noqa: ANN204
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.real.close()
 
 
-def _full_disk(monkeypatch, module, room: int) -> None:  # noqa: ANN001
-    monkeypatch.setattr(module, "open", lambda path, mode="r", *a, **k: _FullDisk(open(path, mode, *a, **k), room),
+def _full_disk(monkeypatch, module, room: int) -> None:
+    monkeypatch.setattr(module, "open", lambda path, mode="r", *a, **k: _FullDisk(open(path, mode, *a, **k), room),  # noqa: SIM115
                         raising=False)
 
 
@@ -224,7 +224,7 @@ def test_a_full_run_dir_still_tears_the_run_down(tmp_path, monkeypatch, tiny_mod
     writes = {"n": 0}
     real = tempfiles.atomic_write_text
 
-    def full_after_start(path, text):  # noqa: ANN001
+    def full_after_start(path, text):
         writes["n"] += Path(path).name == "report.json"
         if writes["n"] >= 4:  # from the evaluate stage's start on: the model is quantized by then
             raise WriteError(str(path), "disk full: test")

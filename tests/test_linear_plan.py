@@ -50,7 +50,7 @@ def _x(seed: int = 1) -> torch.Tensor:
 class _Unreadable(dict):
     """A record that fails when read: proves the forward never parses it."""
 
-    def _refuse(self, *args, **kwargs):  # noqa: ANN002, ANN003
+    def _refuse(self, *args, **kwargs):
         raise AssertionError("the forward read the record")
 
     get = __getitem__ = __contains__ = __iter__ = keys = items = _refuse

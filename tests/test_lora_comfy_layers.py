@@ -20,8 +20,8 @@ from comfy_kitchen.tensor import QuantizedTensor
 from torch import nn
 
 from lowbit_pipe import lora
-from lowbit_pipe.comfy.tree import structural_copy
 from lowbit_pipe.arch import get_arch
+from lowbit_pipe.comfy.tree import structural_copy
 from lowbit_pipe.lora import LoraError
 from lowbit_pipe.lora.make_example import STYLES, example_lora
 

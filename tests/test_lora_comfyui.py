@@ -23,11 +23,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_harness import ROOT, run_child, unpack
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import lowbit_pipe
-from comfyui_harness import ROOT, run_child, unpack
 from lowbit_pipe import lora
 from lowbit_pipe.lora.make_example import STYLES, example_lora
 

@@ -16,13 +16,13 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from test_lora_comfy_layers import comfy_like
 
 import lowbit_pipe
 from lowbit_pipe import api, lora
 from lowbit_pipe.arch import get_arch
 from lowbit_pipe.comfy.tree import structural_copy
 from lowbit_pipe.lora.make_example import example_lora
-from test_lora_comfy_layers import comfy_like
 
 
 def distinct_peft(model, arch, seed: int) -> dict[str, torch.Tensor]:
@@ -179,7 +179,6 @@ def test_a_branch_on_a_swapped_modulation_round_trips_in_both_namings(tiny_model
     """FLUX `norm_out.linear` is native `final_layer.adaLN_modulation.1` with its (scale, shift) halves
     swapped: the native file's lora_B rows are swapped too, and every reader swaps them back."""
     model = tiny_model("flux1")
-    arch = get_arch("flux1")
     tree = comfy_like(model, "flux1")
     gen = torch.Generator().manual_seed(4)
     sd = {"transformer.norm_out.linear.lora_A.weight": torch.randn(3, 256, generator=gen) * 0.1,

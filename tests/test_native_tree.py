@@ -8,10 +8,10 @@ import copy
 
 import pytest
 import torch
+from conftest import native_module
 from safetensors.torch import load_file
 
 import lowbit_pipe
-from conftest import native_module
 from lowbit_pipe import lora
 from lowbit_pipe.arch import detect_module, get_arch
 from lowbit_pipe.lora.make_example import example_lora

@@ -7,12 +7,11 @@ from __future__ import annotations
 import logging
 
 import pytest
+from conftest import cli, one_line_refusal
 
 import lowbit_pipe
-from conftest import cli, one_line_refusal
 from lowbit_pipe.compose import compose_recipe
 from lowbit_pipe.errors import RecipeError
-
 
 # ---- (a) lora.files without a lora stage -----------------------------------------------------------------------
 
@@ -215,7 +214,6 @@ def test_a_repeated_warning_is_one_report_entry_with_its_count_and_torch_interna
 
 def _fp32_split(model):
     from lowbit_pipe.arch.base import keeps_fp32
-
     from lowbit_pipe.nn import QuantLinear
 
     kept = keeps_fp32(type(model))
@@ -349,7 +347,6 @@ def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the
     from pathlib import Path
 
     import torch
-
     from test_teardown import is_ours
 
     clone = tmp_path / "lowbit_pipe"

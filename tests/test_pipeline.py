@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import cli
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import lowbit_pipe
-from conftest import cli
 from lowbit_pipe.errors import RecipeError, StageError
 from lowbit_pipe.nn import QuantLinear
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-
 import pytest
+from conftest import cli
 
 from lowbit_pipe.compose import compose_recipe
-from conftest import cli
 from lowbit_pipe.errors import RecipeError
 
 

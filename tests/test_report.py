@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import cli, has_module
+
 from lowbit_pipe import report
 
 JOBLIB = has_module("hydra_plugins.hydra_joblib_launcher")
@@ -54,8 +54,9 @@ def test_six_job_local_sweep_and_report(tmp_path):
 
     # Rerun one job from its run dir (here in-process, with this process's thread count; joblib workers
     # ran single-threaded): the very same figures and export bytes. The CLI form is in test_repro.
-    import lowbit_pipe
     from test_repro import differing, figures
+
+    import lowbit_pipe
 
     job = reports[3].parent
     lowbit_pipe.run(str(job / "recipe.yaml"), run_dir=tmp_path / "rerun")

@@ -3,14 +3,14 @@ one process and across processes; `python -m lowbit_pipe recipe=<run dir>/recipe
 
 from __future__ import annotations
 
-import pytest
-
 import hashlib
 import json
 from pathlib import Path
 
-import lowbit_pipe
+import pytest
 from conftest import cli
+
+import lowbit_pipe
 
 # Overrides that make the runs exercise every figure (images too) yet stay quick.
 OVERRIDES = ["recipe=default", "evaluate.images=true", "evaluate.samples=1", "evaluate.steps=2"]

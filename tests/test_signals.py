@@ -26,7 +26,7 @@ PIPELINE = ["load", "detect", "quantize", "evaluate", "export", "teardown"]  # t
 FAST = {("TERM", "export"), ("INT", "quantize")}
 
 
-def _signal_at_start(monkeypatch, stage: str, signum: int) -> None:  # noqa: ANN001
+def _signal_at_start(monkeypatch, stage: str, signum: int) -> None:
     """Send the signal to this process as `stage` starts (the handler raises at the next bytecode)."""
     if stage == "teardown":
         from lowbit_pipe import runner
@@ -70,7 +70,7 @@ def test_a_signal_at_any_stage_stops_the_run_in_order(tmp_path, monkeypatch, sig
 def test_a_signal_mid_write_leaves_no_partial_export(tmp_path, monkeypatch):
     write = checkpoint.StreamingWriter.write
 
-    def signalled_write(self, key, tensor):  # noqa: ANN001
+    def signalled_write(self, key, tensor):
         write(self, key, tensor)
         if self.offset > 100_000:
             os.kill(os.getpid(), signal.SIGTERM)
@@ -91,7 +91,7 @@ def test_signals_after_the_first_do_not_cut_the_teardown(tmp_path, monkeypatch):
 
     real = runner.teardown
 
-    def teardown_under_fire(ctx):  # noqa: ANN001
+    def teardown_under_fire(ctx):
         os.kill(os.getpid(), signal.SIGTERM)  # a second and third signal while tearing down
         os.kill(os.getpid(), signal.SIGINT)
         return real(ctx)
@@ -106,7 +106,7 @@ def test_signals_after_the_first_do_not_cut_the_teardown(tmp_path, monkeypatch):
 
 
 def test_orderly_stop_leaves_host_handlers_and_other_threads_alone():
-    def host(signum, frame):  # noqa: ANN001
+    def host(signum, frame):
         return None
 
     previous = signal.signal(signal.SIGTERM, host)

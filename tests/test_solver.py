@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import lowbit_pipe
-from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.errors import RecipeError
+from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.solver import LayerCosts, Problem, frontier, predict, solve
 from lowbit_pipe.targets import Target
 
@@ -47,12 +47,12 @@ def _brute(problem: Problem, target: Target):
 @pytest.mark.parametrize("kind", ["speedup", "bytes", "ratio", "error"])
 def test_solver_meets_the_target_close_to_the_brute_force_optimum(kind, seed):
     problem = _problem(6, 3, seed)
-    m = {"speedup": (problem.float_ms / sum(max(l.time_ms) for l in problem.layers),
-                     problem.float_ms / (problem.fixed_ms + sum(min(l.time_ms) for l in problem.layers)))}
+    m = {"speedup": (problem.float_ms / sum(max(lay.time_ms) for lay in problem.layers),
+                     problem.float_ms / (problem.fixed_ms + sum(min(lay.time_ms) for lay in problem.layers)))}
     value = {"speedup": sum(m["speedup"]) / 2,
-             "bytes": problem.fixed_bytes + sum(np.mean(l.nbytes) for l in problem.layers),
-             "ratio": (problem.fixed_bytes + sum(np.mean(l.nbytes) for l in problem.layers)) / problem.float_bytes,
-             "error": problem.error_scale * math.sqrt(sum(np.mean(l.err2) for l in problem.layers))}[kind]
+             "bytes": problem.fixed_bytes + sum(np.mean(lay.nbytes) for lay in problem.layers),
+             "ratio": (problem.fixed_bytes + sum(np.mean(lay.nbytes) for lay in problem.layers)) / problem.float_bytes,
+             "error": problem.error_scale * math.sqrt(sum(np.mean(lay.err2) for lay in problem.layers))}[kind]
     target = Target(kind, float(value), f"quantize.target.{kind}")
     best = _brute(problem, target)
     sol = solve(problem, target)
@@ -84,7 +84,7 @@ def test_output_error_adds_in_quadrature_and_bounds_an_error_target():
     assert added.time_ms == plain.time_ms and added.nbytes == plain.nbytes
     with pytest.raises(RecipeError, match=r"quantize.target.error.*predicted at 0.004"):
         solve(replace(with_att, error_scale=0.0), Target("error", 0.0039, "quantize.target.error"))
-    bound = math.hypot(0.004, problem.error_scale * math.sqrt(sum(np.mean(l.err2) for l in problem.layers)))
+    bound = math.hypot(0.004, problem.error_scale * math.sqrt(sum(np.mean(lay.err2) for lay in problem.layers)))
     sol = solve(with_att, Target("error", bound, "quantize.target.error"))
     assert sol.met and sol.prediction.error <= bound * (1 + 1e-9)
     assert sol.prediction.error == pytest.approx(predict(with_att, sol.choice).error)
@@ -98,7 +98,7 @@ def test_solving_per_attention_format_takes_the_best_met_plan():
     from lowbit_pipe.target_plan import solve_per_attention
 
     problem = _problem(8, 3, 4)
-    fastest = problem.fixed_ms + sum(min(l.time_ms) for l in problem.layers)
+    fastest = problem.fixed_ms + sum(min(lay.time_ms) for lay in problem.layers)
     problems = {"bf16": problem, "fp8": replace(problem, fixed_ms=problem.fixed_ms - 0.5, output_err2=1e-6)}
     speed = Target("speedup", problem.float_ms / (fastest - 0.25), "quantize.target.speedup")
     fmt, sol, solved = solve_per_attention(problems, speed)
@@ -118,14 +118,14 @@ def test_frontier_is_non_dominated_and_spans_the_extremes():
     assert len(front) >= 3
     for i in range(len(figs)):
         assert not (np.all(figs <= figs[i], axis=1) & np.any(figs < figs[i], axis=1)).any()
-    fastest = problem.fixed_ms + sum(min(l.time_ms) for l in problem.layers)
+    fastest = problem.fixed_ms + sum(min(lay.time_ms) for lay in problem.layers)
     assert figs[:, 0].min() == pytest.approx(fastest)
-    assert figs[:, 2].min() == pytest.approx(problem.error_scale * math.sqrt(sum(min(l.err2) for l in problem.layers)))
+    assert figs[:, 2].min() == pytest.approx(problem.error_scale * math.sqrt(sum(min(lay.err2) for lay in problem.layers)))
 
 
 def test_solver_time_300_layers_10_candidates_under_a_second():
     problem = _problem(300, 10, 1)
-    target = Target("speedup", problem.float_ms / (problem.fixed_ms + sum(np.mean(l.time_ms) for l in problem.layers)),
+    target = Target("speedup", problem.float_ms / (problem.fixed_ms + sum(np.mean(lay.time_ms) for lay in problem.layers)),
                     "quantize.target.speedup")
     started = time.perf_counter()
     solve(problem, target)

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gptq import outlier_layer, output_error
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FormatSpec, get_format
 from lowbit_pipe.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
-from test_gptq import outlier_layer, output_error
 
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
-
 from conftest import cli
-from lowbit_pipe import report
+from omegaconf import OmegaConf
 from test_repro import differing, figures
+
+from lowbit_pipe import report
 
 pytest.importorskip("ray", reason="hydra/launcher=ray needs `pip install '.[ray]'`")
 

@@ -7,12 +7,12 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import cli
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 import lowbit_pipe
-from conftest import cli
 from lowbit_pipe import report
 from lowbit_pipe.errors import StageError
 from lowbit_pipe.tracking import MlflowCallback, default_store

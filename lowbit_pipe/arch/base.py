@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 import inspect
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from lowbit_pipe.arch.keymap import KeyMap
-from lowbit_pipe.errors import MalformedKeysError
 from lowbit_pipe.arch.lora import resolve_lora_name
+from lowbit_pipe.errors import MalformedKeysError
 
 
 def keeps_fp32(model_class: type) -> Any:

@@ -11,11 +11,17 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks
-from lowbit_pipe.arch.flux1 import (double_block_rules, dual_stream_config, dual_stream_config_from_keys,
-                                    flux_inputs, single_block_rules, to_device)
+from lowbit_pipe.arch.flux1 import (
+    double_block_rules,
+    dual_stream_config,
+    dual_stream_config_from_keys,
+    flux_inputs,
+    single_block_rules,
+    to_device,
+)
 from lowbit_pipe.arch.keymap import KeyMap, Rename
+from lowbit_pipe.arch.registry import register
 
 G = "distilled_guidance_layer"
 KEYMAP = KeyMap([

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
 from lowbit_pipe.arch.keymap import Fused, KeyMap, Rename
+from lowbit_pipe.arch.registry import register
 
 D, S, DN, SN = "transformer_blocks.{i}", "single_transformer_blocks.{i}", "double_blocks.{i}", "single_blocks.{i}"
 

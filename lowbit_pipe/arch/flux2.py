@@ -12,11 +12,19 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, rows
-from lowbit_pipe.arch.flux1 import (SN, S, double_block_rules, dual_stream_config, dual_stream_config_from_keys,
-                                    flux_inputs, mlp_embedder, to_device)
+from lowbit_pipe.arch.flux1 import (
+    SN,
+    S,
+    double_block_rules,
+    dual_stream_config,
+    dual_stream_config_from_keys,
+    flux_inputs,
+    mlp_embedder,
+    to_device,
+)
 from lowbit_pipe.arch.keymap import KeyMap, Rename
+from lowbit_pipe.arch.registry import register
 
 KEYMAP = KeyMap([
     Rename("x_embedder", "img_in"), Rename("context_embedder", "txt_in"),

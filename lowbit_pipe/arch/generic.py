@@ -75,7 +75,7 @@ class Generic(Arch):
                           head_dim=0, mlp_hidden=max(outs, default=0), extra={"model_class": self.model_class_name})
 
     def lora_targets(self, name: str, config: ArchConfig | None = None) -> list[tuple[str, slice | None]]:
-        from lowbit_pipe.arch.lora import strip_lora_prefixes, lora_module_name
+        from lowbit_pipe.arch.lora import lora_module_name, strip_lora_prefixes
 
         stripped, kohya = strip_lora_prefixes(lora_module_name(name))
         return [] if kohya else [(stripped, None)]

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
 from lowbit_pipe.arch.keymap import KeyMap, Rename, block_renames
+from lowbit_pipe.arch.registry import register
 
 _BLOCK = [("attn.to_q", "attn.wq", False), ("attn.to_k", "attn.wk", False), ("attn.to_v", "attn.wv", False),
           ("attn.to_out.0", "attn.wo", False), ("attn.to_gate", "attn.gate", False),

@@ -6,13 +6,13 @@ ComfyUI's native names are the diffusers names (diffusers' single-file mapping i
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
-from collections.abc import Mapping
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
+from lowbit_pipe.arch.registry import register
 
 
 @register

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
 from lowbit_pipe.arch.keymap import Fused, KeyMap, Rename
+from lowbit_pipe.arch.registry import register
 
 J, D = "joint_blocks.{i}", "transformer_blocks.{i}"
 KEYMAP = KeyMap([

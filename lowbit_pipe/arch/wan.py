@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.arch.registry import register
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, count_blocks, rows
 from lowbit_pipe.arch.keymap import KeyMap, Rename
+from lowbit_pipe.arch.registry import register
 
 B = "blocks.{i}"
 _ATTN = [("to_q", "q"), ("to_k", "k"), ("to_v", "v"), ("to_out.0", "o"), ("norm_q", "norm_q"), ("norm_k", "norm_k")]

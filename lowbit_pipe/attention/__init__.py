@@ -6,7 +6,7 @@ recorded in the ledger. ComfyUI's side is lowbit_pipe.comfy.attention (the MODEL
 
 from __future__ import annotations
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK
 from lowbit_pipe.attention.processors import AppliedAttention, apply_attention
+from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK
 
 __all__ = ["ATTENTION_FORMATS", "STOCK", "AppliedAttention", "apply_attention"]

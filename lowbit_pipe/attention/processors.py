@@ -25,10 +25,25 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.crossover import (CUDNN, ROUTES, AttentionRouter, CallShape, Path8, load_table,
-                                             routed_attention_op)
-from lowbit_pipe.attention.route import (ATTENTION_FORMATS, NO_KERNEL, STOCK, attend8, call_form, count_call,
-                                         kernel_head_dims, traced_counting)
+from lowbit_pipe.attention.crossover import (
+    CUDNN,
+    ROUTES,
+    AttentionRouter,
+    CallShape,
+    Path8,
+    load_table,
+    routed_attention_op,
+)
+from lowbit_pipe.attention.route import (
+    ATTENTION_FORMATS,
+    NO_KERNEL,
+    STOCK,
+    attend8,
+    call_form,
+    count_call,
+    kernel_head_dims,
+    traced_counting,
+)
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
 
@@ -294,7 +309,7 @@ def _router(attention_format: str, device: torch.device, head_dims: tuple[int, .
     table = None
     try:
         table = load_table(device, speed_cache)
-    except Exception as err:  # the user's cache file, unreadable: not ours to replace
+    except Exception as err:  # noqa: BLE001 - the user's cache file, unreadable: not ours to replace
         notes.append(f"attention speed table not used ({err}); the default rule decides, nothing is saved")
     return AttentionRouter(paths, device, table, route=route, measure=measure, calls=calls)
 

@@ -9,8 +9,20 @@ import logging
 from typing import Any
 
 from lowbit_pipe.formats.comfy_versions import (  # noqa: F401 - the table, re-exported for the pack's users
-    INSTALL_HINT, KINDS, PACK_MIN_COMFY_KITCHEN, PACK_MIN_COMFYUI, PREFIX, SUPPORTED_COMFYUI, IncompatibleComfyUI,
-    KindSupport, check_comfy_kitchen, comfy_warning, stock_loads, support, version_tuple)
+    INSTALL_HINT,
+    KINDS,
+    PACK_MIN_COMFY_KITCHEN,
+    PACK_MIN_COMFYUI,
+    PREFIX,
+    SUPPORTED_COMFYUI,
+    IncompatibleComfyUI,
+    KindSupport,
+    check_comfy_kitchen,
+    comfy_warning,
+    stock_loads,
+    support,
+    version_tuple,
+)
 
 
 def register_loader(log: logging.Logger | None = None) -> Any:
@@ -19,19 +31,19 @@ def register_loader(log: logging.Logger | None = None) -> Any:
     needed (the pack's nodes are registered either way: they need no loader registration)."""
     log = log or logging.getLogger("lowbit_pipe.comfy")
     try:
-        from lowbit_pipe.comfy import registry  # noqa: PLC0415 - imports comfy-kitchen
+        from lowbit_pipe.comfy import registry
     except ImportError as err:
         if not (err.name or "").startswith("comfy_kitchen"):
             raise  # lowbit_pipe itself is broken: not a version question
         return _refused(log, f"comfy-kitchen cannot be imported ({err})")
     try:
-        import comfy.ops  # noqa: PLC0415 - ComfyUI is only there at run time
-        import comfy.quant_ops  # noqa: PLC0415
+        import comfy.ops
+        import comfy.quant_ops
     except ImportError as err:
         return _refused(log, f"this ComfyUI has no mixed-precision loader: importing comfy.quant_ops / comfy.ops "
                              f"failed ({err})")
     try:
-        import comfy.model_patcher as model_patcher  # noqa: PLC0415
+        import comfy.model_patcher as model_patcher
     except ImportError as err:
         model_patcher, patcher_error = None, err
     try:

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from lowbit_pipe.comfy import node_runs
 from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
@@ -56,7 +55,7 @@ class AnyType(str):
 ANY = AnyType("*")
 
 
-def _tree(model: Any):  # noqa: ANN202
+def _tree(model: Any):
     return model.get_model_object("diffusion_model")
 
 

@@ -49,14 +49,13 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
-
 from comfy_kitchen.tensor import QuantizedTensor
 
 from lowbit_pipe.comfy import layout, stock_lora
-from lowbit_pipe.formats.comfy_versions import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FORMATS, FormatSpec, format_for_record
 from lowbit_pipe.formats.base import MAX_RECORD_BYTES, WEIGHT_ONLY_KEY
+from lowbit_pipe.formats.comfy_versions import PACK_MIN_COMFYUI, IncompatibleComfyUI, check_comfy_kitchen
 from lowbit_pipe.formats.common import MARKER_KEYS
 from lowbit_pipe.ledger import Ledger
 
@@ -248,9 +247,9 @@ def check_comfyui(quant_ops: Any, ops: Any) -> dict:
 def install_into_comfyui() -> Registration:
     """`install` into the running ComfyUI (imports `comfy.quant_ops` and `comfy.ops`): what the node pack's
     `__init__.py` calls at custom-node import time, before any model loads."""
-    import comfy.model_patcher  # noqa: PLC0415 - ComfyUI is only there at run time
-    import comfy.ops  # noqa: PLC0415
-    import comfy.quant_ops  # noqa: PLC0415
+    import comfy.model_patcher
+    import comfy.ops
+    import comfy.quant_ops
 
     return install(comfy.quant_ops, comfy.ops, comfy.model_patcher)
 

@@ -221,7 +221,7 @@ def add_patches_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     """`ModelPatcher.add_patches` with the patches on quantized layers turned into a ResidualInjection."""
 
     @functools.wraps(original)
-    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):  # noqa: ANN001, ANN202 - ComfyUI's
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         targets = quantized_targets(self, patches) if isinstance(patches, dict) else {}
         if not targets:
             return original(self, patches, strength_patch, strength_model)
@@ -241,7 +241,7 @@ def add_hook_patches_wrapper(original: Callable[..., Any]) -> Callable[..., Any]
     into it (this pack's QuantLinear: into its packed codes, silently); no branch form exists for them here."""
 
     @functools.wraps(original)
-    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):  # noqa: ANN001, ANN202
+    def add_hook_patches(self, hook, patches, strength_patch=1.0, strength_model=1.0):
         targets = quantized_targets(self, patches) if isinstance(patches, dict) else {}
         if targets:
             key = _key(next(iter(targets)))

@@ -6,8 +6,8 @@ from typing import Any
 
 import torch
 
-from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.errors import FormatError
+from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.kernels import rotation
 
 # Record keys we add. Any of MARKER_KEYS means stock ComfyUI cannot run the layer

@@ -36,8 +36,8 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GLOBAL_DIV = reference.E2M1_MAX * reference.FP8_E4M3_MAX  # 6 * 448

@@ -37,7 +37,8 @@ from lowbit_pipe.formats import common
 from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
 from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import dispatch, reference
-from lowbit_pipe.kernels.reference import SVDQUANT_GROUP as GROUP, SVDQUANT_INT4_MAX as INT4_MAX
+from lowbit_pipe.kernels.reference import SVDQUANT_GROUP as GROUP
+from lowbit_pipe.kernels.reference import SVDQUANT_INT4_MAX as INT4_MAX
 
 RANK = 32
 DTYPE = torch.bfloat16

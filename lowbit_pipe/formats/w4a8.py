@@ -41,8 +41,8 @@ import torch
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import common
-from lowbit_pipe.formats.registry import register
 from lowbit_pipe.formats.base import Format, FormatSpec, GridRounder, LinearPlan, QuantizedWeight
+from lowbit_pipe.formats.registry import register
 from lowbit_pipe.kernels import dispatch, reference, rotation
 
 GROUP_SIZE = 16

@@ -56,7 +56,7 @@ def import_cudnn() -> Any:
     """The cuDNN frontend's module, or an ImportError that says how to install it."""
     try:
         import cudnn
-    except Exception as err:  # ImportError, or the library failing to load (OSError)
+    except Exception as err:  # noqa: BLE001 - ImportError, or the library failing to load (OSError)
         raise ImportError(f"cuDNN's FP8 attention needs the cuDNN frontend's Python package: {INSTALL_HINT}. "
                           f"Importing it failed: {type(err).__name__}: {err}") from None
     if not hasattr(cudnn, "pygraph"):
@@ -143,7 +143,7 @@ class CudnnFP8Attention:
                 with torch.cuda.device(key.device):
                     self._plans[key] = self._build(key)
                 return None
-            except Exception as err:  # cudnnGraphNotSupportedError, or another error of the frontend
+            except Exception as err:  # noqa: BLE001 - cudnnGraphNotSupportedError, or another error of the frontend
                 lines = str(err).strip().splitlines() or [""]
                 why = f"cuDNN refused the graph: {type(err).__name__}: {lines[0][:200]}"
         self.refused[key] = why

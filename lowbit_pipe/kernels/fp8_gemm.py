@@ -39,6 +39,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from lowbit_pipe.kernels.gemm_common import (
     epilogue_args,
     launch_tma_gemm,

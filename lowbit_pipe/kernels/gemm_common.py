@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 
-def launch_gemm(tuned, kernel, args: tuple, flags: dict, m: int, n: int, config: dict | None, on_cuda: bool) -> None:  # noqa: ANN001
+def launch_gemm(tuned, kernel, args: tuple, flags: dict, m: int, n: int, config: dict | None, on_cuda: bool) -> None:
     """Launch a tiled GEMM kernel: autotuned on CUDA, or with one fixed config (given, or the
     interpreter's: CPU tensors only reach a Triton kernel under TRITON_INTERPRET in tests, and the
     autotuner needs a GPU driver to time configs)."""
@@ -82,7 +82,7 @@ def tma_launch_config(m: int, itemsize: int = 1) -> dict:
     return {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": bk, "num_warps": 8, "num_stages": 3}
 
 
-def launch_tma_gemm(kernel, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, config: dict | None,  # noqa: ANN001
+def launch_tma_gemm(kernel, a: torch.Tensor, w: torch.Tensor, c: torch.Tensor, config: dict | None,
                     args: tuple, flags: dict) -> None:
     """Launch a TMA GEMM kernel(a_desc, b_desc, c, *args, **flags, tiles) over c [M, N] = a [M, K] x w [N, K]^T,
     on `config`'s tiles or `tma_launch_config`'s."""

@@ -15,11 +15,24 @@ requantizes, export.py writes the residual branches as one LoRA file named as th
 checkpoint is (ComfyUI's native names or diffusers').
 """
 
-from lowbit_pipe.lora.apply import (LoraHandle, LoraRemovedError, attach, attached, bake_files, load, remove,
-                                    set_strength)
+from lowbit_pipe.lora.apply import (
+                                    LoraHandle,
+                                    LoraRemovedError,
+                                    attach,
+                                    attached,
+                                    bake_files,
+                                    load,
+                                    remove,
+                                    set_strength,
+)
 from lowbit_pipe.lora.branches import LoraBranch, LoraStack
-from lowbit_pipe.lora.export import (has_residual_lora, residual_metadata, residual_pairs, residual_state_dict,
-                                     save_residual_lora)
+from lowbit_pipe.lora.export import (
+                                    has_residual_lora,
+                                    residual_metadata,
+                                    residual_pairs,
+                                    residual_state_dict,
+                                    save_residual_lora,
+)
 from lowbit_pipe.lora.files import LayerFactors, LoraData, LoraError, parse_lora
 
 __all__ = ["LayerFactors", "LoraBranch", "LoraData", "LoraError", "LoraHandle", "LoraRemovedError", "LoraStack",

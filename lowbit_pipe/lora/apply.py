@@ -118,7 +118,7 @@ class LoraHandle:
         _detach(self._model(), self)
 
 
-def registry(model: nn.Module, ledger=None, create: bool = False) -> dict[str, LoraHandle]:  # noqa: ANN001
+def registry(model: nn.Module, ledger=None, create: bool = False) -> dict[str, LoraHandle]:
     reg = model.__dict__.get(REGISTRY)
     if reg is None and create:
         reg = {}
@@ -188,7 +188,7 @@ def _branch(name: str, factors: list[LayerFactors], strength: float, source: str
 
 
 def attach(model: nn.Module, path_or_state: str | Path | Mapping[str, torch.Tensor], *, strength: float = 1.0,
-           name: str | None = None, arch: Any = None, config: Any = None, ledger=None, strict: bool = True,  # noqa: ANN001
+           name: str | None = None, arch: Any = None, config: Any = None, ledger=None, strict: bool = True,
            alpha: float | None = None, dtype: torch.dtype | None = None) -> LoraHandle:
     """Attach a LoRA as exact residual branches: y = Q(W) x + strength * scale * B (A x), scale = alpha / rank
     (alpha / sqrt(rank) for rslora). Returns the handle: `handle.set_strength(s)`, `handle.remove()`.
@@ -255,7 +255,7 @@ def _tensors(layer: nn.Module) -> dict[str, torch.Tensor]:
     return {**dict(layer._parameters), **dict(layer._buffers)}
 
 
-def _mirror(handle: LoraHandle, module: str, layer: nn.Module, ledger) -> None:  # noqa: ANN001
+def _mirror(handle: LoraHandle, module: str, layer: nn.Module, ledger) -> None:
     """Same branch on the float original the ledger holds for a quantized layer (see module doc)."""
     if ledger is None or not isinstance(layer, QuantLinear):
         return
@@ -275,7 +275,7 @@ def _record_of(model: nn.Module, module: str) -> LayerBakes | None:
     return next((h.bakes[module] for h in registry(model).values() if module in h.bakes), None)
 
 
-def _bake_parts(layer: nn.Module, module: str, baked: BakedAdapter, ledger) -> None:  # noqa: ANN001
+def _bake_parts(layer: nn.Module, module: str, baked: BakedAdapter, ledger) -> None:
     for f in baked.factors:
         bake_layer(layer, lambda w, f=f: f.delta_weight(w, baked.strength), mode="standard", seed=0, where=module,
                    ledger=ledger)
@@ -309,7 +309,7 @@ def _placed(saved: torch.Tensor | None, current: torch.Tensor | None) -> torch.T
     return nn.Parameter(moved, requires_grad=current.requires_grad) if isinstance(current, nn.Parameter) else moved
 
 
-def _rebake(layer: nn.Module, record: LayerBakes, ledger) -> None:  # noqa: ANN001
+def _rebake(layer: nn.Module, record: LayerBakes, ledger) -> None:
     """Layer := its pre-LoRA tensors with `record.adapters` baked in again, in order (the ledger records each swap)."""
     now = _tensors(layer)
     restore = {k: _placed(t, now.get(k)) for k, t in record.pristine.items()}
@@ -373,7 +373,7 @@ def attached(model: nn.Module) -> dict[str, LoraHandle]:
 
 def bake_files(model: nn.Module, loras: list[tuple[Any, float]], *, mode: str = "standard", seed: int = 0,
                arch: Any = None, config: Any = None, ledger=None, strict: bool = True,
-               groups: list[list[str]] = ()) -> dict[str, Any]:  # noqa: ANN001
+               groups: list[list[str]] = ()) -> dict[str, Any]:
     """Bake several LoRAs ((path or state dict, strength) or (..., strength, alpha)) pooled: each layer
     requantized once.
 
@@ -404,7 +404,7 @@ def bake_files(model: nn.Module, loras: list[tuple[Any, float]], *, mode: str = 
     kept = []
     baked_layers = len(pooled)
 
-    def delta_of(contributions):  # noqa: ANN001, ANN202
+    def delta_of(contributions):
         return lambda w: sum(f.delta_weight(w, s) for f, s in contributions)
 
     # Layers quantized as one fused native weight are requantized together (exact native export).

@@ -21,8 +21,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.errors import LoraError
-from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
-from lowbit_pipe.formats import common
+from lowbit_pipe.formats import FormatSpec, QuantizedWeight, common, get_format
 from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY
 from lowbit_pipe.kernels import reference, rotation
 from lowbit_pipe.nn import QuantLinear
@@ -102,7 +101,7 @@ STOCHASTIC: dict[str, Callable[[torch.Tensor, FormatSpec, torch.Generator], Quan
 }
 
 
-def supports_stochastic(fmt) -> bool:  # noqa: ANN001 - a Format
+def supports_stochastic(fmt) -> bool:
     return "generator" in inspect.signature(fmt.quantize).parameters or fmt.name in STOCHASTIC
 
 
@@ -137,7 +136,7 @@ def delta_kept(before: torch.Tensor, after: torch.Tensor, delta: torch.Tensor) -
 
 
 def bake_layer(layer: nn.Module, delta: torch.Tensor | Callable[[torch.Tensor], torch.Tensor], *, mode: str,
-               seed: int, where: str, ledger=None) -> float | None:  # noqa: ANN001 - Ledger
+               seed: int, where: str, ledger=None) -> float | None:
     """Add `delta` (fp32 [out, in], or a function of the current fp32 weight, for DoRA) to one layer.
 
     QuantLinear: requantized in place (its buffers replaced; the ledger records the originals).
@@ -182,7 +181,7 @@ def check_bakeable(layer: nn.Module, where: str) -> None:
 
 
 def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable[[torch.Tensor], torch.Tensor]], *,
-               mode: str, seed: int, ledger=None) -> list[float]:  # noqa: ANN001 - Ledger
+               mode: str, seed: int, ledger=None) -> list[float]:
     """Bake into layers that were quantized as ONE fused native weight (FLUX qkv / linear1): requantize the
     fused weight jointly and split it, so the parts keep sharing their per-tensor scales and the native
     export stays exact. `deltas`: per layer name (layers without one only get requantized)."""
@@ -214,7 +213,7 @@ def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable
     return kept
 
 
-def _replace(layer: nn.Module, tensors: dict[str, torch.Tensor], where: str, ledger=None) -> None:  # noqa: ANN001
+def _replace(layer: nn.Module, tensors: dict[str, torch.Tensor], where: str, ledger=None) -> None:
     """Put new tensors in a layer's parameter / buffer slots; the ledger's undo puts the original objects back."""
     if getattr(layer, "prepacked", None) is not None:  # derived from the tensors replaced below: stale after
         if ledger is not None:

@@ -103,7 +103,7 @@ class LoraStack(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return reference.low_rank_delta(x, self.down, self.up)
 
-    def _apply(self, fn, recurse=True):  # noqa: ANN001 - torch's signature
+    def _apply(self, fn, recurse=True):
         # Branch factors live in a tuple (not buffers): move / cast them, then rebuild the pair.
         super()._apply(fn, recurse)
         self.branches = tuple(b.map(fn) for b in self.branches)
@@ -142,7 +142,7 @@ def conform(stack: LoraStack, branch: LoraBranch) -> LoraBranch:
     return branch.map(lambda t: t.to(ref.device, ref.dtype))
 
 
-def ensure_stack(layer: nn.Module, where: str, ledger=None) -> LoraStack:  # noqa: ANN001 - Ledger (no import cycle)
+def ensure_stack(layer: nn.Module, where: str, ledger=None) -> LoraStack:
     """The layer's LoraStack, installing it (and, on a float Linear, the forward hook); the ledger
     records both, and its undo takes them off again (the layer is then exactly as before)."""
     from lowbit_pipe.nn import QuantLinear
@@ -187,7 +187,7 @@ def uninstall(layer: nn.Module) -> None:
 
 
 def change(stack: LoraStack, branches: tuple[LoraBranch, ...], undo: Callable[[LoraStack], None] | None,
-           label: str, ledger=None) -> None:  # noqa: ANN001 - Ledger
+           label: str, ledger=None) -> None:
     """Set a stack's branch tuple; with a ledger, record `undo(stack)` (which works by adapter name, so it
     stays right after the model moved device or dtype)."""
     stack.branches = tuple(branches)
@@ -202,14 +202,14 @@ def change(stack: LoraStack, branches: tuple[LoraBranch, ...], undo: Callable[[L
         ledger.record("lora_branch", label, run)
 
 
-def add_branch(stack: LoraStack, branch: LoraBranch, where: str, ledger=None) -> None:  # noqa: ANN001
+def add_branch(stack: LoraStack, branch: LoraBranch, where: str, ledger=None) -> None:
     if branch.name in stack.names():
         raise ValueError(f"'{where}': a LoRA named '{branch.name}' is already attached (remove it or pick another name)")
     change(stack, stack.branches + (conform(stack, branch),),
            lambda s: setattr(s, "branches", without(s, branch.name)), f"{where}: +LoRA '{branch.name}'", ledger)
 
 
-def remove_branch(stack: LoraStack, name: str, where: str, ledger=None) -> None:  # noqa: ANN001
+def remove_branch(stack: LoraStack, name: str, where: str, ledger=None) -> None:
     index = stack.names().index(name)
     old = stack.branches[index]
 
@@ -221,7 +221,7 @@ def remove_branch(stack: LoraStack, name: str, where: str, ledger=None) -> None:
     change(stack, without(stack, name), undo, f"{where}: -LoRA '{name}'", ledger)
 
 
-def set_branch_strength(stack: LoraStack, name: str, strength: float, where: str, ledger=None) -> None:  # noqa: ANN001
+def set_branch_strength(stack: LoraStack, name: str, strength: float, where: str, ledger=None) -> None:
     old = next(b.strength for b in stack.branches if b.name == name)
     change(stack, reweighted(stack, name, strength), lambda s: setattr(s, "branches", reweighted(s, name, old)),
            f"{where}: LoRA '{name}' strength {old:g} -> {strength:g}", ledger)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lowbit_pipe.stages import compile, detect, evaluate, export, load, lora, quantize, teardown  # noqa: F401
+from lowbit_pipe.stages import compile, detect, evaluate, export, load, lora, quantize, teardown  # noqa: F401, A004
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.registry import STAGES, register
 

@@ -37,8 +37,8 @@ from torch import nn
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import CompileConfig
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.registry import register
 
 MODES = ("regional", "full")  # recipe.validate checks compile.mode against these
 # Measured (torch 2.13 CPU, tests/test_teardown.py): per compiled graph, dynamo keeps a FakeTensorMode +

@@ -13,8 +13,8 @@ from lowbit_pipe.context import Context
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import get_format
 from lowbit_pipe.policy import LayerPlan, plan_layers
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.summary import fmt_bytes
 
 

@@ -21,10 +21,9 @@ from torch import nn
 
 from lowbit_pipe import metrics, sampler
 from lowbit_pipe.context import Context
-from lowbit_pipe.ledger import parent_of
-from lowbit_pipe.ledger import tensor_bytes
-from lowbit_pipe.stages.registry import register
+from lowbit_pipe.ledger import parent_of, tensor_bytes
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.registry import register
 
 TRAJECTORY_SEED_OFFSET = 10_000  # trajectory seeds differ from the output-sample seeds
 

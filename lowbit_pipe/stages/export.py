@@ -11,20 +11,20 @@ import torch
 from omegaconf import OmegaConf
 
 from lowbit_pipe import layout
-from lowbit_pipe.version import __version__
 from lowbit_pipe.arch.base import Arch, ArchConfig
 from lowbit_pipe.checkpoint import export_targets, metadata_json, save_unpublished
-from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.context import Context
+from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.formats import decode_record, is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, residual_metadata, residual_state_dict
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import ExportConfig
-from lowbit_pipe.tempfiles import discard, publish, publish_together, write_error, write_temp_text
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.load import METADATA_KEY, QUANT_METADATA_KEY
+from lowbit_pipe.stages.registry import register
+from lowbit_pipe.tempfiles import discard, publish, publish_together, write_error, write_temp_text
+from lowbit_pipe.version import __version__
 
 
 def export_state_dict(model: torch.nn.Module, float_dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:

@@ -21,11 +21,11 @@ from lowbit_pipe.formats import decode_record, encode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.progress import Console
-from lowbit_pipe.summary import fmt_bytes
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.load_fit import check_config, check_fits
+from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stream_choice import StreamChoice, decide_stream
+from lowbit_pipe.summary import fmt_bytes
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
 QUANT_METADATA_KEY = "_quantization_metadata"  # ComfyUI's header description of the quantized layers

@@ -15,8 +15,8 @@ from lowbit_pipe.context import Context
 from lowbit_pipe.lora import apply
 from lowbit_pipe.lora.bake import BAKE_MODES
 from lowbit_pipe.lora.make_example import example_lora, parse_spec
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.registry import register
 
 MODES = ("residual",) + BAKE_MODES  # recipe.validate checks lora.mode against these
 

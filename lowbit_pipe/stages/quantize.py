@@ -20,10 +20,9 @@ from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.policy import LayerPlan, _spec, plan_layers, unfit
 from lowbit_pipe.progress import Console, progress
 from lowbit_pipe.recipe import GPTQConfig, QuantizeConfig
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.detect import linear_shapes
-
+from lowbit_pipe.stages.registry import register
 
 Quantizer = Callable[[str, torch.Tensor, FormatSpec], QuantizedWeight]  # (layer, weight, spec) -> its tensors
 
@@ -110,7 +109,7 @@ def warn_nothing_quantized(root: nn.Module, plans: list[LayerPlan], stacklevel: 
                   stacklevel=stacklevel)
 
 
-def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,  # noqa: ANN001
+def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,
           amax: dict[str, float], originals: str, counts: Counter, quantizer: Quantizer | None,
           bar: Callable[[list[LayerPlan]], Any], device: torch.device | None = None) -> tuple[int, int]:
     """Quantize `todo` (fused groups jointly) and swap each layer through the ledger; (bytes before, after).
@@ -134,7 +133,7 @@ def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, in
     return before, after
 
 
-def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",  # noqa: ANN001
+def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",
                     console: Console | None = None, fused: list[list[tuple[str, int, int | None]]] = (),
                     input_amax: dict[str, float] | None = None, gptq: GPTQConfig | None = None,
                     run_examples: Callable[[], None] | None = None,
@@ -188,7 +187,7 @@ def gptq_passes(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | No
     return passes
 
 
-def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,  # noqa: ANN001
+def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,
                amax: dict[str, float], originals: str, counts: Counter, cfg: GPTQConfig,
                run_examples: Callable[[], None], console: Console | None) -> tuple[dict[str, Any], tuple[int, int]]:
     """GPTQ in sequential passes: each pass calibrates its layers' Hessians on the model as it stands (earlier
@@ -244,7 +243,7 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     return report, (before, after)
 
 
-def _examples(items: list[tuple[str, dict[str, Any]]], what) -> str:  # noqa: ANN001 - (layer figures) -> str
+def _examples(items: list[tuple[str, dict[str, Any]]], what) -> str:
     """'e.g. NAME: WHAT' for the first (worst) of `items`, with up to two more names."""
     name, v = items[0]
     more = [n for n, _ in items[1:3]]
@@ -290,7 +289,7 @@ def warn_hessians(layers: dict[str, dict[str, Any]], cfg: GPTQConfig) -> dict[st
     return {"few_tokens": [k for k, _ in few], "low_rank": [k for k, _ in low_rank], "damp": [k for k, _ in damped]}
 
 
-def prepack_layers(root: nn.Module, ledger) -> int:  # noqa: ANN001 - Ledger
+def prepack_layers(root: nn.Module, ledger) -> int:
     """Set each QuantLinear's runtime tensors (Format.prepack) through the ledger; returns their bytes."""
     total = 0
     for name, module in root.named_modules():
@@ -302,7 +301,7 @@ def prepack_layers(root: nn.Module, ledger) -> int:  # noqa: ANN001 - Ledger
     return total
 
 
-def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]:  # noqa: ANN001 - Ledger
+def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]:
     """quantize.nvfp4_compute on every nvfp4 QuantLinear (through the ledger unless "auto", the default) and what
     it resolves to on the model's device: the report's `quantize.nvfp4_compute`."""
     from lowbit_pipe.formats.nvfp4 import computes_weight_only
@@ -323,7 +322,7 @@ def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]: 
             "nvfp4_activation_layers": len(layers) - weight_only - fp8}
 
 
-def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, Any]:  # noqa: ANN001 - Ledger
+def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, Any]:
     """The run-time settings of `quantize` (prepack, nvfp4_compute) on every QuantLinear under `root`, whether
     quantized now or loaded quantized: the report entries they add."""
     out: dict[str, Any] = {}
@@ -468,7 +467,7 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
     return result.plans, result.as_dict()
 
 
-def _target_plan(ctx: Context, plans: list[LayerPlan]):  # noqa: ANN202 - TargetPlan | None
+def _target_plan(ctx: Context, plans: list[LayerPlan]):
     """quantize.target: the solver's plan (lowbit_pipe.target_plan), or None when the recipe sets no target."""
     from lowbit_pipe.target_plan import plan_for_target, require_example_forward
     from lowbit_pipe.targets import resolve_target
@@ -477,14 +476,14 @@ def _target_plan(ctx: Context, plans: list[LayerPlan]):  # noqa: ANN202 - Target
     if target is None:
         return None
     require_example_forward(ctx)  # before the calibration runner, whose own refusal would not name the target
-    def quantize(todo: list[LayerPlan], ledger, amax: dict[str, float]) -> None:  # noqa: ANN001 - Ledger
+    def quantize(todo: list[LayerPlan], ledger, amax: dict[str, float]) -> None:
         quantize_module(ctx.transformer, todo, ledger, input_amax=amax)
         runtime_settings(ctx.transformer, ctx.recipe.quantize, ledger)
 
     return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"), quantize)
 
 
-def _check_target(ctx: Context, target_plan) -> dict[str, Any]:  # noqa: ANN001 - TargetPlan
+def _check_target(ctx: Context, target_plan) -> dict[str, Any]:
     """The whole-forward check of a target plan (quantize.target.check_forward): into the report, and the stage's
     figures (predicted vs measured ms and by how much the prediction was off)."""
     from lowbit_pipe.target_plan import check
@@ -502,7 +501,7 @@ def _plan_report(plans: list[LayerPlan]) -> list[dict[str, Any]]:
              "activations": p.spec.activations if p.spec else None, "reason": p.reason} for p in plans]
 
 
-def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:  # noqa: ANN001
+def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:
     """Fused native modules whose parts are all planned alike: quantized jointly for an exact ComfyUI export."""
     from lowbit_pipe.layout import fused_groups
 

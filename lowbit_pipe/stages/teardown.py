@@ -23,8 +23,8 @@ import torch
 
 from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import TeardownReport
-from lowbit_pipe.stages.registry import register
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.registry import register
 
 
 def _device_bytes() -> int:
