@@ -78,6 +78,9 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
             raise RecipeError(f"quantize.{sorted(unknown)[0]}", "no such key")
         config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantizeConfig), config))
     validate(Recipe(pipeline=["load"], quantize=config))
+    from lowbit_pipe.preflight import check_device
+
+    check_device(config.compute_device, "quantize.compute_device")  # no CUDA here: said now, not mid-way
     from lowbit_pipe.targets import resolve_target
 
     target = resolve_target(config)
@@ -135,9 +138,9 @@ def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = 
     cfg = ExportConfig(path=str(path), layout=layout, shard_bytes=shard_bytes, residual_lora=residual_lora,
                        overwrite=overwrite)
     validate(Recipe(pipeline=["load"], export=cfg))
-    from lowbit_pipe.preflight import check_not_taken
+    from lowbit_pipe.preflight import check_export_path
 
-    check_not_taken(Path(path), "path", overwrite=overwrite)
+    check_export_path(Path(path), "path", overwrite=overwrite)
     found = detect_module(transformer)
     if dtype is None:
         from lowbit_pipe.arch.base import compute_dtype

@@ -22,7 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from lowbit_pipe import untrusted
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.paths import config_dir, packaged_recipes
+from lowbit_pipe.paths import config_dir, packaged_recipes, tiny_models
 from lowbit_pipe.recipe import Recipe
 from lowbit_pipe.validate import validate
 
@@ -173,11 +173,18 @@ def _one_line(err: BaseException) -> RecipeError:
         name = missing.rsplit("/", 1)[-1]
         known = sorted(o for o in (err.options or []) if o != FILE_RECIPE) or sorted(packaged_recipes())
         return RecipeError("recipe", f"unknown recipe '{name}' (known: {', '.join(known)}; or a .yaml file path)")
+    if isinstance(err, MissingConfigException) and missing.startswith("model/"):
+        name = missing.rsplit("/", 1)[-1]
+        known = sorted(o for o in (err.options or []) if o != FILE_RECIPE) or sorted(tiny_models())
+        return RecipeError("model", f"'{name}' is no option of the config group 'model' (choices: {', '.join(known)}); "
+                                    "a weights file or diffusers folder goes in model.path=...")
     key = _full_key(err)
     cause = err
     while cause.__cause__ is not None:
         cause = cause.__cause__
     text = str(cause).strip().splitlines()
+    if len(text) > 1 and text[0].endswith("raised while composing config:"):  # Hydra's wrapper: the cause is next
+        text = text[1:]
     message = text[0] if text else type(cause).__name__
     if key is None:
         for line in str(err).splitlines():
@@ -266,7 +273,10 @@ def cli_recipes(overrides: list[str], *, allow_resolvers: bool = False) -> list[
     try:
         parsed = OverridesParser.create().parse_overrides(plain)
     except HydraException as err:
-        raise RecipeError("<command line>", str(err).splitlines()[0]) from None
+        split = next((a for a in plain if a.count("[") > a.count("]") or a.count("{") > a.count("}")), None)
+        hint = (f"; '{split}' looks cut at a space by the shell: quote the whole override "
+                f"(\"{split} ...\") or leave the spaces out") if split else ""
+        raise RecipeError("<command line>", str(err).splitlines()[0] + hint) from None
     fixed, sweeps = [], []
     for o in parsed:
         if o.is_sweep_override():

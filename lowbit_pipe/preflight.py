@@ -52,7 +52,7 @@ _NO_CUDA_INSTEAD = {"model.device": "use model.device=cpu or auto",
                                                "(where the weights are)"}
 
 
-def _check_device(device: str | None, key: str = "model.device") -> None:
+def check_device(device: str | None, key: str = "model.device") -> None:
     if device is None or not device.startswith("cuda"):
         return
     if not torch.cuda.is_available():
@@ -125,18 +125,24 @@ def _check_export(recipe: Recipe) -> None:
     if "export" not in recipe.pipeline or recipe.export.path is None:
         return
     out = Path(recipe.export.path)
-    if out.is_dir():
-        raise RecipeError("export.path", f"{out} is a directory; name the .safetensors file to write")
-    blocked = _writable_dir(out.parent)
-    if blocked is not None:
-        folder, why = blocked
-        raise RecipeError("export.path", f"{out}: cannot write there ({folder} is not a writable directory: {why})")
-    if out.exists() and not os.access(out, os.W_OK):
-        raise RecipeError("export.path", f"{out}: exists and is not writable")
+    check_export_path(out, "export.path", overwrite=recipe.export.overwrite, lora="lora" in recipe.pipeline)
     src = recipe.model.path
     if src is not None and out.exists() and Path(src).exists() and out.resolve() == Path(src).resolve():
         raise RecipeError("export.path", f"{out} is the input model.path; an export never overwrites its input")
-    check_not_taken(out, "export.path", overwrite=recipe.export.overwrite, lora="lora" in recipe.pipeline)
+
+
+def check_export_path(out: Path, key: str, *, overwrite: bool, lora: bool = True) -> None:
+    """Refuse, before any work, an export path that is a folder, cannot be written, or names a file that exists
+    (unless `overwrite`): the command line's export.path and lowbit_pipe.export's path alike."""
+    if out.is_dir():
+        raise RecipeError(key, f"{out} is a directory; name the .safetensors file to write")
+    blocked = _writable_dir(out.parent)
+    if blocked is not None:
+        folder, why = blocked
+        raise RecipeError(key, f"{out}: cannot write there ({folder} is not a writable directory: {why})")
+    if out.exists() and not os.access(out, os.W_OK):
+        raise RecipeError(key, f"{out}: exists and is not writable")
+    check_not_taken(out, key, overwrite=overwrite, lora=lora)
 
 
 def check_not_taken(out: Path, key: str, *, overwrite: bool, lora: bool = True) -> None:
@@ -262,8 +268,8 @@ def preflight(recipe: Recipe, *, model_given: bool = False) -> None:
     if recipe.model.path is not None and not model_given:
         _check_model_path(recipe.model.path)
         _check_stream_source(recipe)
-    _check_device(recipe.model.device)
+    check_device(recipe.model.device)
     if "quantize" in recipe.pipeline:
-        _check_device(recipe.quantize.compute_device, "quantize.compute_device")
+        check_device(recipe.quantize.compute_device, "quantize.compute_device")
     _check_export(recipe)
     _check_loras(recipe)

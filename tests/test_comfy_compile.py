@@ -206,6 +206,7 @@ FILES = {"fp8_row": {"format": "fp8", "granularity": "row", "activations": "stat
          "nvfp4_convrot": {"format": "nvfp4", "rotation": "convrot"}}
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_one_graph_per_block_class_no_graph_break_and_the_eager_result(comfy, arch):
@@ -220,6 +221,7 @@ def test_one_graph_per_block_class_no_graph_break_and_the_eager_result(comfy, ar
     assert "compiled with aot_eager at the first model call" in r["ui_text"]
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_model_given_stays_eager(comfy, arch):
@@ -227,6 +229,7 @@ def test_the_model_given_stays_eager(comfy, arch):
     assert not r["given_has_wrapper"] and r["given_counts"] == NOTHING and r["given_vs_eager"] == 0.0
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_strength_change_or_a_same_rank_swap_recompiles_nothing(comfy, arch):
@@ -240,6 +243,7 @@ def test_a_strength_change_or_a_same_rank_swap_recompiles_nothing(comfy, arch):
     assert r["rank_vs_eager"] < 1e-5
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_weights_moved_by_comfyui_and_its_non_dynamic_delegate_need_no_recompile(comfy, arch):
@@ -250,6 +254,7 @@ def test_weights_moved_by_comfyui_and_its_non_dynamic_delegate_need_no_recompile
     assert r["delegate_counts"] == NOTHING and r["delegate_vs_eager"] < 1e-5
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_with_8bit_attention_no_graph_break_and_no_recompile_on_a_strength_change(comfy, arch):
@@ -260,6 +265,7 @@ def test_with_8bit_attention_no_graph_break_and_no_recompile_on_a_strength_chang
     assert r["attention_strength_counts"] == NOTHING, r["attention_strength_counts"]
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_purge_after_compile_gives_everything_back(comfy, arch):
@@ -273,6 +279,7 @@ def test_purge_after_compile_gives_everything_back(comfy, arch):
         assert r[key].startswith("PurgedModelError") and "Queue the workflow again" in r[key], (key, r[key])
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_model_no_pack_node_made_gets_a_run_of_its_own(comfy, arch):
@@ -282,6 +289,7 @@ def test_a_model_no_pack_node_made_gets_a_run_of_its_own(comfy, arch):
     assert r["float_after_max_diff"] == 0.0
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 def test_inductor_compiles_the_quantized_blocks_on_the_cpu(comfy):
     """The node's default backend once (C++ code from inductor, gcc): one graph, no graph break, eager's result
@@ -296,6 +304,7 @@ def test_inductor_compiles_the_quantized_blocks_on_the_cpu(comfy):
           f"second {report['second_call_s']:.3f} s")
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 def test_a_quantized_file_compiles_and_a_rotated_lowbit_kind_is_refused_naming_a_layer(comfy):
     r = comfy["files"]
@@ -307,6 +316,7 @@ def test_a_quantized_file_compiles_and_a_rotated_lowbit_kind_is_refused_naming_a
     assert "lowbit_pipe kinds with a rotation loaded from a file" in refused and "'blocks.0." in refused, refused
 
 
+@pytest.mark.comfyui
 @pytest.mark.slow
 def test_comfyuis_qwen_image_class_compiles_its_transformer_blocks(comfy):
     r = comfy["qwen_image"]

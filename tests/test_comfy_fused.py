@@ -15,7 +15,7 @@ from comfyui_harness import ROOT, run_child, unpack
 
 import lowbit_pipe
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
 sys.path.insert(0, str(ROOT / "bench"))
 from comfy_check import TINY  # noqa: E402  (tiny configs ComfyUI's model detection accepts)

@@ -31,7 +31,7 @@ from safetensors.torch import save_file
 import lowbit_pipe
 from lowbit_pipe.lora.make_example import example_lora
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
 sys.path.insert(0, str(ROOT / "bench"))
 from comfy_check import CASES, TINY, export_case  # noqa: E402  (the kinds, and tiny configs ComfyUI detects)

@@ -362,7 +362,8 @@ def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the
 # ---- (h) the real-ComfyUI tests without the ComfyUI archive (issue 45) ---------------------------------------------
 
 COMFYUI_TESTS = ["test_comfyui_server.py", "test_comfy_attention.py", "test_comfy_patchers.py", "test_lora_comfyui.py",
-                 "test_comfy_versions.py"]
+                 "test_comfy_versions.py", "test_comfy_compile.py", "test_comfy_fused.py",
+                 "test_comfy_stock_lora_comfyui.py"]
 
 
 def test_without_the_comfyui_archive_each_real_comfyui_test_skips_with_one_line_saying_how_to_enable_it(tmp_path):
@@ -696,3 +697,36 @@ def test_docs_layout_lists_every_packaged_recipe_and_team_md_agrees_with_cli_md_
     assert "a failed job does not stop the others, whatever the\nlauncher" in cli_md
     assert "ends the sweep before it is logged" not in team  # what team.md said: the CLI's exit ended the sweep
     assert "a failed job is a FAILED run with its error, whatever the launcher" in team
+
+
+def test_python_api_refusals_come_before_any_work(tmp_path):
+    import torch
+
+    import lowbit_pipe
+    from lowbit_pipe.errors import RecipeError
+
+    with pytest.raises(RecipeError, match="'tiny_sdxl' is no option of the config group 'model' \\(choices: tiny_chroma"):
+        lowbit_pipe.run("default", ["model=tiny_sdxl"], run_dir=tmp_path / "run")
+    module = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    with pytest.raises(RecipeError, match="path.*/proc/x.*cannot write there"):
+        lowbit_pipe.export(module, "/proc/x/out.safetensors")
+    if not torch.cuda.is_available():
+        with pytest.raises(RecipeError, match="quantize.compute_device.*no CUDA device"):
+            lowbit_pipe.quantize(module, {"compute_device": "cuda"})
+        assert all(type(m) is torch.nn.Linear for m in module)  # nothing quantized
+
+
+def test_a_list_cut_at_its_spaces_gets_a_quoting_hint(tmp_path):
+    proc = cli(["pipeline=[load,", "detect]"], cwd=tmp_path)
+    assert proc.returncode == 2 and "looks cut at a space by the shell: quote the whole override" in proc.stderr
+
+
+def test_recipe_file_errors_name_the_file_and_line(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("quantize:\n  default:\n    format: [int8\n")
+    with pytest.raises(RecipeError, match=r"broken.yaml:\d.*not valid YAML"):
+        compose_recipe(str(broken))
+    typo = tmp_path / "typo.yaml"
+    typo.write_text("quantize:\n  defualt:\n    format: int8\n")
+    with pytest.raises(RecipeError, match=r"quantize.defualt.*no such key.*recipe file .*typo.yaml"):
+        compose_recipe(str(typo))
