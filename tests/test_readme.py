@@ -51,8 +51,8 @@ def _kind(command: str) -> str:
         return "comfyui"
     if command.startswith("python -m lowbit_pipe"):
         return "cli"
-    if command.startswith("python -m pytest"):
-        return "pytest"
+    if command.startswith("python -m pytest") or command.startswith("ruff check"):
+        return "pytest"  # the test commands: CI runs each
     if command.startswith("pip install"):
         return "pip"
     raise AssertionError(f"README command of no known kind (add a test for it in {__file__}): {command}")
