@@ -34,7 +34,7 @@ import torch
 from lowbit_pipe.comfy import node_runs
 from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
 from lowbit_pipe.comfy.patchers import model_with_tree, release_weights, unload_from_comfy
-from lowbit_pipe.comfy.stock_lora import STOCK_LORA_NOTE
+from lowbit_pipe.comfy.stock_lora import STOCK_LORA_NOTE, is_quantized
 from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.tempfiles import move
 
@@ -190,7 +190,7 @@ class LowbitQuantize:
         if node_runs.state_of(source) is not None:
             raise ValueError(f"{made_by}: this MODEL comes from a lowbit_pipe node already (quantized, or with lowbit "
                              "LoRA branches); quantize the float MODEL, then add LoRAs")
-        packed = [name for name, m in source.named_modules() if _is_quantized(m)]
+        packed = [name for name, m in source.named_modules() if is_quantized(m)]
         if packed:
             raise ValueError(f"{made_by}: this MODEL is quantized already ({len(packed)} layers, e.g. '{packed[0]}': a "
                              "quantized file?); Quantize takes a float model. Add LoRAs to it with 'LoRA residual "
@@ -334,7 +334,7 @@ class LowbitLoRA:
         patches = weight_patches.read_patches(dict(getattr(model, "patches", {}) or {}))
         release_weights(model)
         tree = structural_copy(base)
-        quantized = {name for name, m in tree.named_modules() if _is_quantized(m)}
+        quantized = {name for name, m in tree.named_modules() if is_quantized(m)}
         kept = _branches_from_patches(tree, model, patches, quantized, run) if patches.low_rank or patches.other else None
         for spec in specs:  # no ledger: its mirror branches on the run's float originals are shared by all copies;
             # the copy's own undo (_hollow, below) takes its branches off with its layers
@@ -346,18 +346,6 @@ class LowbitLoRA:
         run.ledger.record("comfy_tree", f"diffusion model with LoRAs {[Path(str(s.source)).stem for s in specs]}",
                           lambda: _hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
         return (_with_tree(model, tree, run, kept),)
-
-
-def _is_quantized(module: Any) -> bool:
-    """A layer whose weight a ComfyUI patch cannot change exactly: ours, or ComfyUI's own quantized Linear (its
-    weight a comfy-kitchen QuantizedTensor)."""
-    if isinstance(module, QuantLinear):
-        return True
-    try:
-        from comfy_kitchen.tensor import QuantizedTensor
-    except ImportError:  # no comfy-kitchen: no ComfyUI-quantized layers either
-        return False
-    return isinstance(getattr(module, "_parameters", {}).get("weight"), QuantizedTensor)
 
 
 def _hollow(tree: Any, float_tree: Any) -> None:
