@@ -241,8 +241,10 @@ def test_quantize_refuses_a_quantized_model_and_a_recipe_of_another_arch(krea2):
     import copy
 
     model, _ = krea2
-    with pytest.raises(ValueError, match="'flux1_fp8' is written for flux1.*this MODEL is krea2"):
-        LowbitQuantize().quantize(model, "flux1_fp8", "")
+    text = "defaults: [flux1_fp8]\nquantize:\n  rules:\n    - {match: 'double_blocks.*', keep: true}\n"
+    with pytest.raises(ValueError, match=r"'<YAML text>': quantize.rules\[0\].match 'double_blocks.\*' matches no layer.*written "
+                                         "for flux1; this MODEL is krea2"):
+        LowbitQuantize().quantize(model, text, "")
     tree = copy.deepcopy(model.model.diffusion_model)
     lowbit_pipe.quantize(tree, {"default": {"format": "int8"}})
     with pytest.raises(ValueError, match=r"quantized already \(\d+ layers, e.g. 'blocks.*Quantize takes a float"):

@@ -192,20 +192,31 @@ def test_a_small_real_filesystem_fills(tmp_path):
     assert found["unchanged"] and found["files"] == ["model.safetensors"]
 
 
-def _export_child(out: Path, run_dir: Path, fmt: str) -> subprocess.Popen:
+def _export_child(out: Path, run_dir: Path, fmt: str, overwrite: bool) -> subprocess.Popen:
     args = [sys.executable, "-m", "lowbit_pipe", *EXPORT, f"quantize.default.format={fmt}", f"export.path={out}",
-            "export.shard_bytes=1048576", f"hydra.run.dir={run_dir}"]
+            "export.shard_bytes=1048576", f"hydra.run.dir={run_dir}", f"export.overwrite={str(overwrite).lower()}"]
     return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
 @pytest.mark.slow
-def test_two_sharded_exports_to_one_path_at_once_publish_whole(tmp_path):
+@pytest.mark.parametrize("overwrite", [True, False])
+def test_two_sharded_exports_to_one_path_at_once_publish_whole(tmp_path, overwrite):
+    """Asked to replace (overwrite): both finish and the set on disk is whole, of one export. Not asked: the one
+    that publishes second finds the name taken, replaces nothing and says so (exit 1); the first's set is whole."""
     out = tmp_path / "out" / "model.safetensors"
-    jobs = {fmt: _export_child(out, tmp_path / fmt, fmt) for fmt in ("int8", "fp8")}
+    jobs = {fmt: _export_child(out, tmp_path / fmt, fmt, overwrite) for fmt in ("int8", "fp8")}
+    codes, errors = [], []
     for fmt, job in jobs.items():
         _, err = job.communicate(timeout=180)
-        assert job.returncode == 0, err[-2000:]
+        codes.append(job.returncode)
+        errors.append(err)
+    if overwrite:
+        assert codes == [0, 0], errors
+    else:
+        assert sorted(codes) in ([0, 1], [0, 2]), errors  # 2: the other had finished before this one's preflight
+        loser = errors[codes.index(max(codes))]
+        assert "nothing was replaced" in loser or "an export never replaces a file unless asked" in loser, loser
     index = json.loads(out.with_name("model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     formats = set()
@@ -249,7 +260,7 @@ def test_a_kill_between_the_lora_file_and_the_model_file_leaves_no_mismatched_pa
     atomic_save({"previous": torch.ones(2)}, out)
     atomic_save({"previous": torch.ones(2)}, out.with_name("model.lora.safetensors"))
     proc = _child("kill", "published", str(tmp_path / "run"), "recipe=krea2_nvfp4_lora",
-                  "pipeline=[load,detect,quantize,lora,export]", f"export.path={out}")
+                  "pipeline=[load,detect,quantize,lora,export]", f"export.path={out}", "export.overwrite=true")
     assert proc.returncode == -9, proc.stderr[-2000:]
     assert not out.exists() and "previous" not in _reloads(out.with_name("model.lora.safetensors"))
     assert _temps(out.parent) == [path for path in _temps(out.parent) if "model.safetensors" in path.name]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path, PurePosixPath
+from typing import Any
 
 from lowbit_pipe import untrusted
 from lowbit_pipe.errors import RecipeError
@@ -144,3 +145,18 @@ def recipe_arch(source: str | dict, depth: int = 0) -> str | None:
             if found is not None:
                 return found
     return None
+
+
+def check_patterns(quantize: Any, layers: list[str], recipe: str, written_for: str | None, arch_id: str | None) -> None:
+    """Refuse a recipe whose `quantize.rules` / `quantize.keep` patterns match no layer of the model: they name another
+    architecture's layers (or none), and would be ignored without a word."""
+    from lowbit_pipe.policy import matches
+
+    patterns = [(f"quantize.rules[{i}].match", r.match) for i, r in enumerate(quantize.rules)] + \
+               [(f"quantize.keep[{i}]", p) for i, p in enumerate(quantize.keep)]
+    for key, pattern in patterns:
+        if not any(matches(pattern, name) for name in layers):
+            made = f" (the recipe is written for {written_for}; this MODEL is {arch_id or 'unknown'})" \
+                if written_for not in (None, arch_id) else ""
+            raise ValueError(f"recipe '{recipe}': {key} '{pattern}' matches no layer of this MODEL{made}: use 'auto' "
+                             f"or a recipe for this architecture")

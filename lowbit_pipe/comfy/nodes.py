@@ -103,7 +103,8 @@ def _refuse_patched_quantized(executor: Any, model: Any, *args: Any, **kwargs: A
     return executor(model, *args, **kwargs)
 
 
-def node_recipe(recipe: str, overrides: str, arch_id: str | None, fixed: list[str] = ()) -> Any:
+def node_recipe(recipe: str, overrides: str, arch_id: str | None, fixed: list[str] = (),
+                layers: list[str] | None = None) -> Any:
     """The Recipe a Quantize node runs: its `recipe` input ("auto" (the arch's default), a packaged recipe's name, a
     .yaml file in models/lowbit_recipes, or YAML text) with its override lines, every part checked as hostile input
     (lowbit_pipe.comfy.node_inputs), then `fixed` (the node's own settings) and the node's pipeline."""
@@ -127,11 +128,11 @@ def node_recipe(recipe: str, overrides: str, arch_id: str | None, fixed: list[st
         source = text
     else:
         raise node_inputs.unknown_recipe(text)
-    written_for = node_inputs.recipe_arch(source)
-    if written_for is not None and arch_id is not None and written_for != arch_id:
-        raise ValueError(f"recipe: '{text}' is written for {written_for} (its rules name {written_for}'s layers); this "
-                         f"MODEL is {arch_id}: use 'auto' or a {arch_id} recipe")
-    return compose_recipe(source, [*fixed, *lines, "pipeline=[load,detect,quantize]"])
+    composed = compose_recipe(source, [*fixed, *lines, "pipeline=[load,detect,quantize]"])
+    if layers is not None:  # rules that name no layer of this model: a recipe written for another architecture
+        shown = text if len(text) <= 60 and "\n" not in text else "<YAML text>"
+        node_inputs.check_patterns(composed.quantize, layers, shown, node_inputs.recipe_arch(source), arch_id)
+    return composed
 
 
 def _ui(text: str, result: tuple) -> dict[str, Any]:
@@ -201,7 +202,8 @@ class LowbitQuantize:
         # Round on ComfyUI's GPU, layer by layer; the model stays where ComfyUI keeps it until it samples.
         device = getattr(model, "load_device", None)
         on_gpu = [f"quantize.compute_device={device}"] if getattr(device, "type", None) == "cuda" else []
-        composed = node_recipe(recipe, overrides, arch_id, on_gpu)  # refused here, before anything changes
+        linears = [name for name, m in source.named_modules() if isinstance(m, torch.nn.Linear)]
+        composed = node_recipe(recipe, overrides, arch_id, on_gpu, linears)  # refused here, before anything changes
         release_weights(model)  # the shared model must hold its own weights, not another clone's patched ones
         tree = structural_copy(source)
         result = lowbit_pipe.run(composed, model=tree, run_dir=_run_dir(unique_id),
@@ -409,6 +411,7 @@ class LowbitExport:
         lines = [f"wrote {shown} ({figures.get('bytes', 0) / 2**20:.1f} MiB)"]
         if figures.get("lora_path"):  # inside ComfyUI: into models/loras, where LoRA loaders look
             if Path(figures["lora_path"]) != lora_target:
+                lora_target.parent.mkdir(parents=True, exist_ok=True)
                 move(Path(figures["lora_path"]), lora_target, replace=overwrite)
             lines.append(f"LoRA branches: {_shown(lora_target)}")
         lines += [f"warning: {w.message}" for w in caught]
