@@ -70,6 +70,33 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     from lowbit_pipe.stages.detect import linear_shapes
     from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
 
+    config = _fixed_plan_config(config)
+    found = detect_module(module)
+    policy = found.arch.policy if found else generic_policy(module)
+    plans = plan_layers(linear_shapes(module), config, policy, found.policy_name if found else None)
+    # Layers ComfyUI's native layout fuses (FLUX qkv, linear1) are quantized as one weight, so export is exact
+    # (a natively named module has them fused already).
+    groups = native_groups(found.arch, found.config, plans) if found and not found.native else []
+    if calibrate is None and any(p.spec is not None and p.spec.activations == "static" for p in plans):
+        first = next(p.name for p in plans if p.spec is not None and p.spec.activations == "static")
+        raise ValueError(f"layer '{first}' asks for activations=static: pass calibrate= (a function that runs the "
+                         "module on representative inputs) so its input_scale can be measured")
+    amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
+    ledger = ledger if ledger is not None else Ledger()
+    result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
+                             gptq=config.gptq, run_examples=calibrate,
+                             compute_device=compute_device(config.compute_device))
+    # Which layers stayed float and why, by name: with the generic policy (a module of no known architecture) the
+    # first and the last Linear stay float, so a 2-layer MLP gets nothing quantized (warned about, above).
+    kept = {p.name: p.reason for p in plans if p.spec is None}
+    return {**result, **runtime_settings(module, config, ledger), "arch": found.arch.id if found else "generic",
+            "kept_float": kept}
+
+
+
+def _fixed_plan_config(config: dict[str, Any] | QuantizeConfig) -> QuantizeConfig:
+    """`lowbit_pipe.quantize`'s config, validated, with what only a run can plan (targets, byte budgets) and a
+    CUDA device this machine lacks refused before any work."""
     if isinstance(config, dict):
         unknown = set(config) - {f.name for f in fields(QuantizeConfig)}
         if unknown:
@@ -97,26 +124,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
             raise RecipeError(f"quantize.{key}", "is planned by a run (lowbit_pipe.run or the command line), which "
                                                  "measures each layer's sensitivity on the architecture's example "
                                                  "inputs; lowbit_pipe.quantize takes a fixed plan (default and rules)")
-    found = detect_module(module)
-    policy = found.arch.policy if found else generic_policy(module)
-    plans = plan_layers(linear_shapes(module), config, policy, found.policy_name if found else None)
-    # Layers ComfyUI's native layout fuses (FLUX qkv, linear1) are quantized as one weight, so export is exact
-    # (a natively named module has them fused already).
-    groups = native_groups(found.arch, found.config, plans) if found and not found.native else []
-    if calibrate is None and any(p.spec is not None and p.spec.activations == "static" for p in plans):
-        first = next(p.name for p in plans if p.spec is not None and p.spec.activations == "static")
-        raise ValueError(f"layer '{first}' asks for activations=static: pass calibrate= (a function that runs the "
-                         "module on representative inputs) so its input_scale can be measured")
-    amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
-    ledger = ledger if ledger is not None else Ledger()
-    result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
-                             gptq=config.gptq, run_examples=calibrate,
-                             compute_device=compute_device(config.compute_device))
-    # Which layers stayed float and why, by name: with the generic policy (a module of no known architecture) the
-    # first and the last Linear stay float, so a 2-layer MLP gets nothing quantized (warned about, above).
-    kept = {p.name: p.reason for p in plans if p.spec is None}
-    return {**result, **runtime_settings(module, config, ledger), "arch": found.arch.id if found else "generic",
-            "kept_float": kept}
+    return config
 
 
 def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = None,
