@@ -15,7 +15,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from comfyui_child import run_child
+from comfyui_child import example_sampler, run_child
 
 
 def _cos(a: Any, b: Any) -> float:
@@ -34,17 +34,11 @@ def _per_arch(path: str) -> dict[str, Any]:
 
     from lowbit_pipe.comfy.attention import OVERRIDE_KEY, override_of
     from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
-    from lowbit_pipe.comfy.nodes import LowbitAttention8, LowbitExampleInputs, LowbitPurge, LowbitQuantize
+    from lowbit_pipe.comfy.nodes import LowbitAttention8, LowbitPurge, LowbitQuantize
 
     out: dict[str, Any] = {}
     model = comfy.sd.load_diffusion_model(path)
-    cond, latent = LowbitExampleInputs().make(model, 64, 64, 8, 1, 0)
-
-    def sample(m: Any) -> Any:  # what ComfyUI's KSampler node runs (nodes.common_ksampler, less its previews)
-        image = comfy.sample.fix_empty_latent_channels(m, latent["samples"])
-        noise = comfy.sample.prepare_noise(image, 1)
-        return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", cond, cond, image, disable_pbar=True,
-                                   seed=1).float()
+    sample = example_sampler(model)
 
     stock = sample(model)
     for fmt in ("int8", "fp8"):

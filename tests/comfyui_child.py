@@ -47,3 +47,21 @@ def lora_name(path: str) -> str:
     shutil.copyfile(path, folder / name)
     folder_paths.filename_list_cache.pop("loras", None)  # ComfyUI caches the list; the file is new
     return name
+
+
+def example_sampler(model: Any) -> Callable[[Any], Any]:
+    """`sample(m)`: what ComfyUI's KSampler node runs (nodes.common_ksampler, less its previews) on `m`, 2 Euler steps,
+    cfg 1, seed 1, on the pack's example inputs for `model` (64 x 64, 8 text tokens)."""
+    import comfy.sample
+
+    from lowbit_pipe.comfy.nodes import LowbitExampleInputs
+
+    cond, latent = LowbitExampleInputs().make(model, 64, 64, 8, 1, 0)
+
+    def sample(m: Any) -> Any:
+        image = comfy.sample.fix_empty_latent_channels(m, latent["samples"])
+        noise = comfy.sample.prepare_noise(image, 1)
+        return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", cond, cond, image, disable_pbar=True,
+                                   seed=1).float()
+
+    return sample

@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Any
 
-from comfyui_child import lora_name, run_child
+from comfyui_child import example_sampler, lora_name, run_child
 
 
 def _rel(a: Any, b: Any) -> float:
@@ -40,18 +40,12 @@ def _per_arch(arch: str, path: str, loras: dict[str, str], backend: str, inducto
     from lowbit_pipe.comfy.attention import override_of
     from lowbit_pipe.comfy.compile_node import LowbitCompile, compile_report
     from lowbit_pipe.comfy.node_runs import PurgedModelError
-    from lowbit_pipe.comfy.nodes import LowbitAttention8, LowbitExampleInputs, LowbitLoRA, LowbitPurge, LowbitQuantize
+    from lowbit_pipe.comfy.nodes import LowbitAttention8, LowbitLoRA, LowbitPurge, LowbitQuantize
     from lowbit_pipe.stages.compile import dynamo_counters
 
     out: dict[str, Any] = {}
     model = comfy.sd.load_diffusion_model(path)
-    cond, latent = LowbitExampleInputs().make(model, 64, 64, 8, 1, 0)
-
-    def sample(m: Any) -> Any:  # what ComfyUI's KSampler node runs (nodes.common_ksampler, less its previews)
-        image = comfy.sample.fix_empty_latent_channels(m, latent["samples"])
-        noise = comfy.sample.prepare_noise(image, 1)
-        return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", cond, cond, image, disable_pbar=True,
-                                   seed=1).float()
+    sample = example_sampler(model)
 
     def counted(m: Any) -> tuple[Any, dict[str, int]]:
         before = dynamo_counters()
@@ -190,19 +184,13 @@ def _files(files: dict[str, str], backend: str) -> dict[str, Any]:
     import comfy.sd
 
     from lowbit_pipe.comfy.compile_node import LowbitCompile
-    from lowbit_pipe.comfy.nodes import LowbitExampleInputs, LowbitPurge
+    from lowbit_pipe.comfy.nodes import LowbitPurge
     from lowbit_pipe.stages.compile import dynamo_counters
 
     out: dict[str, Any] = {}
     for case, path in files.items():
         model = comfy.sd.load_diffusion_model(path)
-        cond, latent = LowbitExampleInputs().make(model, 64, 64, 8, 1, 0)
-
-        def sample(m: Any) -> Any:
-            image = comfy.sample.fix_empty_latent_channels(m, latent["samples"])
-            noise = comfy.sample.prepare_noise(image, 1)
-            return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", cond, cond, image, disable_pbar=True,
-                                       seed=1).float()
+        sample = example_sampler(model)
 
         eager = sample(model)
         try:

@@ -32,7 +32,7 @@ import json
 import sys
 from typing import Any
 
-from comfyui_child import run_child
+from comfyui_child import example_sampler, run_child
 
 
 def _round_bf16_to_nearest() -> None:
@@ -308,18 +308,12 @@ def quantize_node(path: str) -> dict[str, Any]:
     import comfy.sd
 
     from lowbit_pipe.comfy import node_runs
-    from lowbit_pipe.comfy.nodes import LowbitExampleInputs, LowbitPurge, LowbitQuantize
+    from lowbit_pipe.comfy.nodes import LowbitPurge, LowbitQuantize
 
     model = comfy.sd.load_diffusion_model(path)
     float_tree = model.get_model_object("diffusion_model")
     float_classes = _classes(float_tree)
-    cond, latent = LowbitExampleInputs().make(model, 64, 64, 8, 1, 0)
-
-    def sample(m: Any) -> Any:
-        image = comfy.sample.fix_empty_latent_channels(m, latent["samples"])
-        noise = comfy.sample.prepare_noise(image, 1)
-        return comfy.sample.sample(m, noise, 2, 1.0, "euler", "simple", cond, cond, image, disable_pbar=True,
-                                   seed=1).float()
+    sample = example_sampler(model)
 
     plain, _ = LowbitQuantize().quantize(model, "default", "", unique_id="plain")
     fused, summary = LowbitQuantize().quantize(model, "default", "attention.fused_norm_rope=true", unique_id="fused")
