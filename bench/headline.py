@@ -148,12 +148,13 @@ def build_krea2(device: torch.device, small: bool) -> torch.nn.Module:
         return Krea2Transformer2DModel(**(SMALL_CONFIG if small else {})).to(torch.bfloat16).eval()
 
 
-def krea2_inputs(model: torch.nn.Module, device: torch.device, small: bool, text_valid: int | None = None
-                 ) -> dict[str, Any]:
-    """One 1024x1024 forward's inputs (4096 image + 512 text tokens; `small`: 64 + 8), seed 1234, bf16.
+def krea2_inputs(model: torch.nn.Module, device: torch.device, small: bool, text_valid: int | None = None,
+                 size: int = 1024) -> dict[str, Any]:
+    """One size x size forward's inputs ((size / 16)² image + 512 text tokens: 4096 + 512 at 1024²; `small`:
+    64 + 8), seed 1234, bf16.
     `text_valid`: also the text padding mask diffusers' Krea2Pipeline always passes (`encoder_attention_mask`),
     the first `text_valid` text tokens attended and the rest padding; None: no mask (every text token valid)."""
-    image_tokens, text_tokens = (64, 8) if small else (4096, 512)
+    image_tokens, text_tokens = (64, 8) if small else ((size // 16) ** 2, 512)
     arch = get_arch("krea2")
     inputs = arch.example_inputs(dict(model.config), batch=1, image_tokens=image_tokens, text_tokens=text_tokens,
                                  generator=torch.Generator().manual_seed(1234), dtype=torch.bfloat16, device=device)
@@ -322,6 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-sage", action="store_true", help="leave out the sageattention rows")
     p.add_argument("--text-valid", type=int, help="pass the pipeline's text padding mask, this many of the text "
                                                   "tokens attended (the pipeline always passes one); default: no mask")
+    p.add_argument("--size", type=int, default=1024, help="image side in pixels: (size / 16)² image tokens")
     p.add_argument("--out", default="bench/results/headline_h200.json")
     args = p.parse_args(argv)
     device = torch.device(args.device)
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build()
     build_s = time.perf_counter() - t
     arch = get_arch("krea2")
-    inputs = krea2_inputs(model, device, args.small, args.text_valid)
+    inputs = krea2_inputs(model, device, args.small, args.text_valid, args.size)
     params = sum(p.numel() for p in model.parameters())
     print(f"Krea 2 {params / 1e9:.2f}B params on {device}, built in {build_s:.1f} s", flush=True)
 
@@ -425,7 +427,7 @@ def write(rows: list[dict[str, Any]], args: argparse.Namespace, device: torch.de
     cmd = "python bench/headline.py " + shlex.join(sys.argv[1:])
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     head = (f"`{cmd}`\n\ndevice: {name} | torch {torch.__version__} | Krea 2 {params / 1e9:.2f}B params, bf16, random "
-            f"weights | {'tiny config' if args.small else '4096 image + 512 text tokens'} | "
+            f"weights | {'tiny config' if args.small else f'{args.size}²: {(args.size // 16) ** 2} image + 512 text tokens'} | "
             f"{'no text mask' if args.text_valid is None else f'text padding mask, {args.text_valid} text tokens valid'}"
             f" | built in {build_s:.1f} s\n\n"
             "x = bf16 compiled ms / variant ms (> 1 faster); err = ||y - y_bf16|| / ||y_bf16|| (random weights: "
