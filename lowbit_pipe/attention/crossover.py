@@ -23,6 +23,11 @@ The choice, per shape, once (then remembered):
    0.22x at 1280, 0.77-0.85x at 4608, 1.13-1.16x at 16896. torch's masked SDPA is the slower: 8-bit attention
    gained 4 % on the whole Krea 2 forward with the text mask and lost 2 % without it, so masked calls take 8-bit
    paths from fewer tokens. bench/attention_route_gpu.py says where this rule's choice would be slower.
+   The folded cuDNN path ("cudnn_fp8_folded", lowbit_pipe.attention.fold: q and k in e4m3 from their RoPE, only
+   v's two passes left) is taken from 4096 tokens: an estimate (the kernel at 1.23x and v's passes plus the
+   output conversion at ~0.1 of bf16's time at 4608 tokens), to be replaced by bench/attention_fold_gpu.py's
+   figures. It serves only calls whose RoPE can fold (CallShape.folded), and is measured without the producer
+   (its RoPE writes half the bytes the bf16 RoPE writes: the measured time is an upper bound of its cost).
 
 Under torch.compile a routed call is one custom op (`lowbit_pipe::routed_attention`, a fake impl giving q's
 layout) whose implementation picks, counts and runs the path when the graph runs: the choice needs no constant

@@ -284,6 +284,8 @@ def _forget(applied: AppliedAttention) -> None:
     the references to the modules and processors, so nothing of the run is kept alive by this object; release
     cuDNN's graphs, workspaces and handles."""
     applied.modules.clear()
+    if applied.fold is not None:
+        applied.fold.bounds.clear()
     if applied.cudnn is not None:
         applied.cudnn.close()
 
