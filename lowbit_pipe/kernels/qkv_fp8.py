@@ -20,10 +20,12 @@ What this module computes, per call:
 Passes over q, k, v (Triton): `qkv_stats` (reads q, k, v once: per-(batch, head) amaxes and per-channel sums,
 minima, maxima; then a small finishing kernel), `quantize_qkv_fp8` (reads them again, writes e4m3 in [B, N, H, D]
 and the scales cuDNN reads), and after the kernel `finish_output` (e4m3 O * descale + m_v, in q's dtype and
-layout). The statistics are the part a producer can fold: a kernel that writes q or k anyway (the fused norm /
-RoPE of lowbit_pipe.kernels.norm_rope) could emit its per-(batch, head) amax and channel sums as an epilogue and
-hand `quantize_qkv_fp8` a `QKVStats` (its `stats` argument), saving the statistics pass. Not done yet: every call
-runs both passes.
+layout). The statistics pass reads each tensor once, one tensor per program, its running values [BLOCK, D] tiles
+reduced once at the end (reducing a tile's rows crosses warps: the first version did it seven times a step and
+took 3x the quantize pass's time). A producer can fold q and k away entirely: lowbit_pipe.kernels.norm_rope's
+rope_e4m3 writes them as e4m3 codes with a scale known in advance (an RMSNorm output's bound), and
+`quantize_folded` then computes v's statistics and codes alone (`v_stats`); lowbit_pipe.attention.fold wires it.
+`quantize_qkv_fp8(..., stats=)` still takes statistics a producer computed.
 
 Each kernel has its torch form here (`reference_qkv_fp8`, `reference_finish_output`): the oracle of the CPU
 interpreter tests and of the GPU checks.
