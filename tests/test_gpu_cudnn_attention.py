@@ -174,10 +174,13 @@ def test_the_cudnn_path_through_the_processors_and_teardown(runner, tiny_model, 
             block.compile(backend="inductor")
     after = _out(model, arch, inputs)
     calls = dict(applied.calls)
-    # the joint blocks (head dim 64) on cuDNN; the text fusion's head dim 32 too unless cuDNN refuses it (then the
-    # model's own attention, saying why: the Triton kernel takes no head dim 32 either)
-    assert calls.get("cudnn_fp8", 0) >= 2 and all(c == "cudnn_fp8" or c.startswith("stock: ") for c in calls), \
+    # the joint blocks (head dim 64) on cuDNN -- in eager with q and k from their RoPE (the fold), compiled through
+    # the routed op; the text fusion's head dim 32 too unless cuDNN refuses it (then the model's own attention,
+    # saying why: the Triton kernel takes no head dim 32 either)
+    joint = "cudnn_fp8" if compiled else "cudnn_fp8_folded"
+    assert calls.get(joint, 0) >= 2 and all(c.startswith("cudnn_fp8") or c.startswith("stock: ") for c in calls), \
         (calls, applied.as_dict())
+    assert compiled or applied.fold.folded_calls == calls[joint]
     assert 0 < _rel(after, before) < 3e-2, _rel(after, before)
     report = applied.as_dict()
     assert report["route"]["route"] == "cudnn" and report["cudnn"]["graphs"] >= 1
@@ -189,6 +192,75 @@ def test_the_cudnn_path_through_the_processors_and_teardown(runner, tiny_model, 
         for block in model.transformer_blocks:
             block._compiled_call_impl = None  # back to the plain forward
     assert torch.equal(_out(model, arch, inputs), before)
+
+
+def _folded_inputs(b, h, n, d, seed=0, masked=False):
+    """Pre-norm q, k (channel offsets, k's larger), v, Krea 2-like norm weights (1 + w ~ 1.7), RoPE tables."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(3, b, n, h, d, device="cuda", generator=gen)
+    x[0] += torch.randn(1, 1, h, d, device="cuda", generator=gen) * 0.5
+    x[1] += torch.randn(1, 1, h, d, device="cuda", generator=gen) * 3
+    x[2] += torch.randn(1, 1, h, d, device="cuda", generator=gen)
+    w = torch.randn(2, d, device="cuda", generator=gen) * 0.3 + 0.7
+    ang = torch.rand(n, d // 2, device="cuda", generator=gen) * 6
+    cos, sin = ang.cos().repeat_interleave(2, 1).contiguous(), ang.sin().repeat_interleave(2, 1).contiguous()
+    mask = None
+    if masked:
+        mask = torch.ones(b, n, dtype=torch.bool, device="cuda")
+        mask[:, n // 8:n // 3] = False
+    return x.bfloat16(), w, cos, sin, mask
+
+
+@pytest.mark.parametrize("b,h,n,d,masked", [(1, 8, 4608, 128, False), (2, 4, 1000, 64, True), (1, 48, 4608, 128, True)])
+def test_the_folded_call_matches_the_torch_forms_and_bf16_attention(runner, b, h, n, d, masked):
+    """q and k written in e4m3 by their RoPE (norm_rope.rope_e4m3, scales from the norm weights' bound), v's passes,
+    cuDNN, the output conversion (attention.fold.folded_attention): the codes are the torch form's, nothing
+    saturates, the output is the torch model's on the same codes and within the target of bf16 attention."""
+    from lowbit_pipe.attention.fold import folded_attention
+    from lowbit_pipe.kernels import norm_rope as R
+    from lowbit_pipe.kernels import qkv_fp8 as Q
+    from lowbit_pipe.kernels.cudnn_fp8_attention import reference_from_codes
+
+    x, w, cos, sin, mask = _folded_inputs(b, h, n, d, seed=n, masked=masked)
+    nq, nk = (R.rms_norm(x[i], w[i], 1e-5, 1.0) for i in (0, 1))
+    scale = 448.0 / torch.cat([R.norm_bound(w[i], 1.0, d, "cuda") for i in (0, 1)])
+    amax = torch.zeros(2, device="cuda")
+    pos = Q.key_order(mask)[0] if masked else None
+    q8 = R.rope_e4m3(nq, cos, sin, scale[0:1], amax[0:1])
+    k8 = R.rope_e4m3(nk, cos, sin, scale[1:2], amax[1:2], mask, pos)
+    for got, y, s, m in ((q8, nq, scale[0], None), (k8, nk, scale[1], mask)):
+        ref = R.reference_rope_e4m3(y, cos, sin, float(s), m)
+        differ = (got.view(torch.uint8) != ref.view(torch.uint8)).float().mean()
+        assert differ < 1e-3, float(differ)
+    assert bool((amax * scale <= 448).all()), (amax, scale)
+    out = folded_attention(runner, q8, k8, scale, x[2], None, mask)  # [B, N, H, D]
+    assert out.dtype == torch.bfloat16 and out.is_contiguous() and not torch.isnan(out).any()
+    q, k = (R.rope(t, cos, sin, 1).transpose(1, 2) for t in (nq, nk))
+    v = x[2].transpose(1, 2)
+    stock = _sdpa(q, k, v, mask)
+    assert _cos(out.transpose(1, 2), stock) > 0.999, _cos(out.transpose(1, 2), stock)
+    unfolded = runner(q, k, v, None, mask)
+    assert abs(_cos(out.transpose(1, 2), stock) - _cos(unfolded, stock)) < 2e-4
+    qkv = Q.quantize_folded(q8, k8, scale, v, mask)
+    model = reference_from_codes(qkv, d ** -0.5, torch.float32, heads=slice(0, 2))
+    assert _rel(out.transpose(1, 2)[:, :2], model) < 0.03, _rel(out.transpose(1, 2)[:, :2], model)
+
+
+def test_the_fixed_statistics_pass_is_exact_on_the_gpu():
+    """The statistics pass (one tensor per program, tiles reduced once) against its torch form at Krea 2's shape,
+    with the text mask; v alone as the folded call runs it."""
+    from lowbit_pipe.kernels import qkv_fp8 as Q
+
+    q, k, v = _qkv(1, 48, 4608, 128, seed=5)
+    mask = torch.ones(1, 4608, dtype=torch.bool, device="cuda")
+    mask[:, 77:512] = False
+    for m in (None, mask):
+        got, ref = Q.qkv_stats(q, k, v, m), Q.reference_stats(q, k, v, m)
+        for name in ("k_mean", "v_mean", "amax"):
+            torch.testing.assert_close(getattr(got, name), getattr(ref, name), rtol=1e-5, atol=1e-5)
+        only_v = Q.v_stats(v, m)
+        torch.testing.assert_close(only_v.v_mean, ref.v_mean, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(only_v.amax[2], ref.amax[2], rtol=1e-5, atol=1e-5)
 
 
 def test_auto_route_on_the_tiny_models_reports_each_calls_path(tiny_model, tmp_path):

@@ -23,6 +23,11 @@ The choice, per shape, once (then remembered):
    0.22x at 1280, 0.77-0.85x at 4608, 1.13-1.16x at 16896. torch's masked SDPA is the slower: 8-bit attention
    gained 4 % on the whole Krea 2 forward with the text mask and lost 2 % without it, so masked calls take 8-bit
    paths from fewer tokens. bench/attention_route_gpu.py says where this rule's choice would be slower.
+   The folded cuDNN path ("cudnn_fp8_folded", lowbit_pipe.attention.fold: q and k in e4m3 from their RoPE, only
+   v's two passes left) is taken from 4096 tokens: an estimate (the kernel at 1.23x and v's passes plus the
+   output conversion at ~0.1 of bf16's time at 4608 tokens), to be replaced by bench/attention_fold_gpu.py's
+   figures. It serves only calls whose RoPE can fold (CallShape.folded), and is measured without the producer
+   (its RoPE writes half the bytes the bf16 RoPE writes: the measured time is an upper bound of its cost).
 
 Under torch.compile a routed call is one custom op (`lowbit_pipe::routed_attention`, a fake impl giving q's
 layout) whose implementation picks, counts and runs the path when the graph runs: the choice needs no constant
@@ -57,8 +62,10 @@ MASKED_FRACTION = 0.1  # keys masked in a measured masked call
 ROUTES = ("auto", "cudnn", "triton")  # apply_attention(route=...): by speed, or that kernel wherever it serves
 
 # default rule: (path kind, masked) -> fewest tokens from which the path is taken without a measurement
-DEFAULT_MIN_TOKENS = {("cudnn", False): 8192, ("cudnn", True): 4096,
+DEFAULT_MIN_TOKENS = {("cudnn_folded", False): 4096, ("cudnn_folded", True): 4096,
+                      ("cudnn", False): 8192, ("cudnn", True): 4096,
                       ("triton", False): 16384, ("triton", True): 4096}
+KINDS = ("cudnn_folded", "cudnn", "triton")  # the default rule's order of preference
 
 @dataclass(frozen=True)
 class CallShape:
@@ -70,26 +77,31 @@ class CallShape:
     head_dim: int
     masked: bool
     dtype: str  # torch dtype name: "bfloat16"
+    folded: bool = False  # q and k can come in e4m3 from their RoPE (lowbit_pipe.attention.fold)
 
     def label(self) -> str:
-        return f"{self.batch}x{self.heads}x{self.tokens}x{self.head_dim}{' masked' if self.masked else ''} {self.dtype}"
+        return (f"{self.batch}x{self.heads}x{self.tokens}x{self.head_dim}{' masked' if self.masked else ''} "
+                f"{self.dtype}{' folded' if self.folded else ''}")
 
     def entry(self, path_label: str) -> str:
-        """The table key of `path_label`'s time at this shape."""
+        """The table key of `path_label`'s time at this shape (a path's time does not depend on `folded`)."""
         return (f"attention|{path_label}|{self.batch}x{self.heads}x{self.tokens}x{self.head_dim}|{self.dtype}"
                 f"|{'masked' if self.masked else 'full'}")
 
 
 @dataclass
 class Path8:
-    """An 8-bit path: its name (as counted), kind ("cudnn" / "triton"), table label (with its software), why it
-    cannot serve a shape (None: it can), and the call itself (q, k, v [B, H, N, D], sm_scale, key_mask [B, N])."""
+    """An 8-bit path: its name (as counted), kind ("cudnn_folded" / "cudnn" / "triton"), table label (with its
+    software), why it cannot serve a shape (None: it can), and the call itself (q, k, v [B, H, N, D], sm_scale,
+    key_mask [B, N]). `prepare(q, k, v, sm_scale, key_mask)`: what the timed call takes instead, made once before
+    timing (the folded path's q and k codes: its producer writes them, not the call)."""
 
     name: str
     kind: str
     label: str
     why_not: Callable[[CallShape], str | None]
     run: Callable[..., torch.Tensor]
+    prepare: Callable[..., tuple] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,7 +121,7 @@ def stock_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale:
 
 def default_choice(shape: CallShape, serving: list[Path8]) -> Choice:
     """The rule without a measurement: the first serving path (cuDNN before Triton) past its token threshold."""
-    for kind in ("cudnn", "triton"):
+    for kind in KINDS:
         for p in serving:
             if p.kind == kind and shape.tokens >= DEFAULT_MIN_TOKENS[(kind, shape.masked)]:
                 return Choice(p.name, None, "default rule")
@@ -132,6 +144,11 @@ def measure_inputs(shape: CallShape, device: torch.device
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32", torch.float64: "float64"}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A CallShape's dtype field."""
+    return _DTYPE_NAMES.get(dtype, "other")
 _KEYS = itertools.count(1)
 _ROUTERS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> AttentionRouter, for the custom op
 
@@ -182,13 +199,14 @@ class AttentionRouter:
         return self.measure and self.device.type == "cuda"
 
     def _choose(self, shape: CallShape, allow_measure: bool) -> Choice:
-        why_not = {p.name: p.why_not(shape) for p in self.paths}
-        serving = [p for p in self.paths if why_not[p.name] is None]
+        paths = [p for p in self.paths if shape.folded or p.kind != "cudnn_folded"]  # folded: q, k from their RoPE
+        why_not = {p.name: p.why_not(shape) for p in paths}
+        serving = [p for p in paths if why_not[p.name] is None]
         if not serving:
             reasons = [w for w in why_not.values() if w]
             return Choice(STOCK, NO_KERNEL if reasons in ([], [NO_KERNEL]) else "; ".join(reasons), "only path")
         if self.route != "auto":
-            forced = [p for p in serving if p.kind == self.route] or serving
+            forced = [p for p in serving if p.kind.split("_")[0] == self.route] or serving
             return Choice(forced[0].name, None, f"route={self.route}")
         labels = {p.name: p.label for p in serving}
         labels[STOCK] = STOCK
@@ -212,14 +230,17 @@ class AttentionRouter:
                  times: dict[str, float]) -> dict[str, float]:
         """Time the paths `times` lacks, add them to the table and save it. A failure leaves the times as they
         were (the default rule then decides) and is reported in `measure_errors`."""
-        runs = {p.name: p.run for p in serving}
-        runs[STOCK] = stock_attention
+        runs = {p.name: (p.run, p.prepare) for p in serving}
+        runs[STOCK] = (stock_attention, None)
         times = dict(times)
         try:
             x = self.inputs(shape, self.device)  # q, k, v, key_mask
-            for name, run in runs.items():
+            for name, (run, prepare) in runs.items():
                 if name not in times:
-                    times[name] = float(self.timer(lambda run=run, x=x: run(x[0], x[1], x[2], None, x[3]), self.device))
+                    args = prepare(x[0], x[1], x[2], None, x[3]) if prepare is not None else (x[0], x[1], x[2], None,
+                                                                                             x[3])
+                    times[name] = float(self.timer(lambda run=run, args=args: run(*args), self.device))
+                    del args
             del x
         except Exception as err:  # noqa: BLE001 - a failed measurement must not fail the model's call
             self.measure_errors[shape.label()] = f"{type(err).__name__}: {str(err)[:300]}"
@@ -236,7 +257,7 @@ class AttentionRouter:
         """(path, why the model's own attention runs or None) for a [B, H, N, D] call (eager: not traced)."""
         b, h, n, d = q.shape
         capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()  # a CUDA graph being captured
-        choice = self.choose(CallShape(int(b), int(h), int(n), int(d), bool(masked), _DTYPE_NAMES.get(q.dtype, "other")),
+        choice = self.choose(CallShape(int(b), int(h), int(n), int(d), bool(masked), dtype_name(q.dtype)),
                              allow_measure=not capturing)
         return choice.path, choice.why
 

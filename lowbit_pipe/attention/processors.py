@@ -34,6 +34,7 @@ from lowbit_pipe.attention.crossover import (
     load_table,
     routed_attention_op,
 )
+from lowbit_pipe.attention.fold import CUDNN_FOLDED, QKFold, fold_form, measure_codes, measured_run
 from lowbit_pipe.attention.route import (
     ATTENTION_FORMATS,
     NO_KERNEL,
@@ -48,6 +49,7 @@ from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.policy import matches
 
 DISPATCH_GLOBAL = "dispatch_attention_fn"
+ROPE_GLOBAL = "apply_rotary_emb"
 
 
 class Dispatch8:
@@ -57,13 +59,15 @@ class Dispatch8:
     shape; without one the Triton kernel serves wherever it runs."""
 
     def __init__(self, qk_format: str, stock: Callable[..., torch.Tensor], calls: Counter,
-                 head_dims: tuple[int, ...] | None = None, router: Any = None, cudnn: Any = None) -> None:
+                 head_dims: tuple[int, ...] | None = None, router: Any = None, cudnn: Any = None,
+                 fold: Any = None) -> None:
         self.qk_format = qk_format
         self.stock = stock
         self.calls = calls
         self.head_dims = head_dims  # what the kernel serves on the model's GPU, looked up once (not in traced code)
         self.router = router
         self.cudnn = cudnn  # lowbit_pipe.kernels.cudnn_fp8_attention.CudnnFP8Attention, when the router may pick it
+        self.fold = fold  # lowbit_pipe.attention.fold.QKFold: e4m3 q and k from the processor's RoPE
         self.cudnn_attend = None
         if cudnn is not None:
             from lowbit_pipe.kernels.cudnn_fp8_attention import attend
@@ -75,6 +79,10 @@ class Dispatch8:
                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
                  attention_kwargs: dict[str, Any] | None = None, *, backend: Any = None,
                  parallel_config: Any = None) -> torch.Tensor:
+        if self.fold is not None and query.dtype == torch.float8_e4m3fn:  # q (and k) folded by the RoPE: cuDNN
+            if key.dtype == torch.float8_e4m3fn:
+                return self.fold.attend(query, key, value, scale)
+            query = self.fold.decode_q(query, value.dtype)  # k did not fold: the unfolded paths
         q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
         if enable_gqa and k.dim() == 4 and q.shape[1] != k.shape[1] and q.shape[1] % k.shape[1] == 0:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -116,9 +124,19 @@ def supports(processor: Any) -> str | None:
 
 def processor_class(stock_cls: type, dispatch: Dispatch8) -> type:
     """A subclass of `stock_cls` whose __call__ is the stock code with `dispatch_attention_fn` bound to `dispatch`
-    (same parameters: diffusers filters the kwargs it passes by the processor's signature)."""
-    cls = rebound_class(stock_cls, {DISPATCH_GLOBAL: dispatch}, "8bit",
+    (same parameters: diffusers filters the kwargs it passes by the processor's signature). With the dispatch's
+    fold and a processor class it knows (fold.FOLD_FORMS), `apply_rotary_emb` is bound to the fold's RoPE too, and
+    each call notes its module and mask for it."""
+    rebinds: dict[str, Any] = {DISPATCH_GLOBAL: dispatch}
+    form = fold_form(stock_cls) if dispatch.fold is not None else None
+    if form is not None and ROPE_GLOBAL in stock_cls.__call__.__globals__:
+        rebinds[ROPE_GLOBAL] = dispatch.fold.rope(stock_cls.__call__.__globals__[ROPE_GLOBAL])
+    else:
+        form = None
+    cls = rebound_class(stock_cls, rebinds, "8bit",
                         f"with its attention call in 8-bit ({dispatch.qk_format} Q·Kᵀ, fp8 P·V)")
+    if form is not None:
+        cls.__call__ = dispatch.fold.wrap_call(cls.__call__, form)
     cls.lowbit_qk_format = dispatch.qk_format
     return cls
 
@@ -164,6 +182,7 @@ class AppliedAttention:
     kept: dict[str, str] = field(default_factory=dict)  # attention module name -> why it keeps its own attention
     calls: Counter = field(default_factory=Counter)
     router: AttentionRouter | None = None  # on a GPU: the path per call shape (lowbit_pipe.attention.crossover)
+    fold: Any = None  # lowbit_pipe.attention.fold.QKFold, with cuDNN: q and k in e4m3 from known processors' RoPE
     cudnn: Any = None  # lowbit_pipe.kernels.cudnn_fp8_attention.CudnnFP8Attention: its graphs, handles, workspaces
     notes: list[str] = field(default_factory=list)
 
@@ -188,6 +207,8 @@ class AppliedAttention:
             out["route"] = self.router.as_dict()
         if self.cudnn is not None:
             out["cudnn"] = self.cudnn.as_dict()
+        if self.fold is not None:
+            out["fold"] = self.fold.as_dict()
         if self.notes:
             out["notes"] = list(self.notes)
         return out
@@ -230,6 +251,8 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
         applied.cudnn = _cudnn_runner(attention_format, device, route, path, applied.notes)
         applied.router = _router(attention_format, device, head_dims, applied.cudnn, route, speed_cache, measure,
                                  applied.notes, applied.calls)
+        if applied.cudnn is not None:
+            applied.fold = QKFold(applied.router, applied.cudnn, applied.calls, traced_counting(applied.calls))
     classes: dict[type, type] = {}
     for name, module in attention_modules(root).items():
         if not any(matches(p, name) for p in layers):
@@ -246,7 +269,7 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
         stock_cls = type(stock)
         if stock_cls not in classes:
             dispatch = Dispatch8(attention_format, stock_cls.__call__.__globals__[DISPATCH_GLOBAL], applied.calls,
-                                 head_dims, applied.router, applied.cudnn)
+                                 head_dims, applied.router, applied.cudnn, applied.fold)
             classes[stock_cls] = processor_class(stock_cls, dispatch)
         proc = processor_for(stock, classes[stock_cls])
         swap_processor(ledger, name, module, stock, proc)
@@ -261,6 +284,8 @@ def _forget(applied: AppliedAttention) -> None:
     the references to the modules and processors, so nothing of the run is kept alive by this object; release
     cuDNN's graphs, workspaces and handles."""
     applied.modules.clear()
+    if applied.fold is not None:
+        applied.fold.bounds.clear()
     if applied.cudnn is not None:
         applied.cudnn.close()
 
@@ -296,6 +321,8 @@ def _router(attention_format: str, device: torch.device, head_dims: tuple[int, .
         def cudnn_why_not(s: CallShape) -> str | None:
             return cudnn.why_not(plan_key(index, s.batch, s.heads, s.tokens, s.head_dim, s.masked))
 
+        paths.append(Path8(CUDNN_FOLDED, "cudnn_folded", f"{CUDNN_FOLDED} ({cudnn.version})", cudnn_why_not,
+                           measured_run(cudnn), measure_codes))
         paths.append(Path8(CUDNN, "cudnn", f"{CUDNN} ({cudnn.version})", cudnn_why_not, cudnn))
     served = head_dims or ()
 

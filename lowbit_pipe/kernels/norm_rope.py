@@ -77,6 +77,35 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, S, ROW_DIV,
 
 
 @triton.jit
+def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, D, S, H,
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # `_rope_kernel` on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
+    # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
+    # largest |y| of the program into amax_ptr (atomic max: the bound's check).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    inside = rows < M
+    ok = inside[:, None] & (cols < D)[None, :]
+    r64 = rows.to(tl.int64)
+    offs = r64[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + r64[:, None] * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
+    rotated = tl.where((cols % 2 == 0)[None, :], -partner, partner)
+    token = (rows // H) % S
+    t_offs = token[:, None].to(tl.int64) * D + cols[None, :]
+    y = x * tl.load(cos_ptr + t_offs, mask=ok, other=0.0) + rotated * tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    code = tl.minimum(tl.maximum(y * tl.load(scale_ptr), -448.0), 448.0)
+    if MASK:
+        bs = r64 // H  # b S + s
+        b = bs // S
+        code = tl.where((tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None], code, 0.0)
+        slot = tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)
+        offs = ((b * S + slot) * H + r64 % H)[:, None] * D + cols[None, :]
+    tl.store(out_ptr + offs, code.to(tl.float8e4nv), mask=ok)
+
+
+@triton.jit
 def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, M, D, L, ROWS_PER_BATCH, F_BATCH, F_TOKEN,
                        ROUND16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -178,6 +207,36 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
     return out
 
 
+def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+              key_mask: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
+    """`rope` of x [B, S, H, D] (sequence_dim 1, contiguous) written as e4m3 codes y * scale (saturating at +-448):
+    [B, S, H, D] e4m3, cuDNN's FP8 attention's layout (lowbit_pipe.kernels.qkv_fp8). `scale` [1] fp32 on x's device
+    (448 / a bound of |y|: `norm_bound`); `amax` [1] fp32, raised to the largest |y| seen (a check of the bound;
+    zero it first). `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of
+    batch b written to slot pos[b, s], masked ones as zero codes."""
+    b, s_len, h, d = x.shape
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    m = x.numel() // d
+    block_m, block_d, warps = _blocks(d)
+    masked = key_mask is not None
+    valid = key_mask.contiguous().view(torch.uint8) if masked else scale
+    _rope_e4m3_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d,
+                                                  s_len, h, MASK=masked, BLOCK_M=block_m, BLOCK_D=block_d,
+                                                  num_warps=warps)
+    return out
+
+
+def norm_bound(weight: torch.Tensor | None, offset: float, dim: int, device: torch.device) -> torch.Tensor:
+    """A bound of |y| for y = RMSNorm(x) * (weight + offset) over `dim` channels, and for its rotary embedding: each
+    |x̂_c| <= sqrt(dim) (the squares sum to dim at most), so each pair's norm is at most sqrt(dim) max|weight +
+    offset|, and a rotation keeps pair norms. Times 1 + 1/64: the 16-bit roundings of the norm's output (2^-8 each)
+    and fp32's in the rotation. [1] fp32 on `device` (computed there: no host sync); weight None: no scale."""
+    if weight is None:
+        return torch.full((1,), dim ** 0.5 * (1 + 1 / 64), dtype=torch.float32, device=device)
+    w = weight.detach().to(device=device, dtype=torch.float32)
+    return ((w + offset).abs().amax() * (dim ** 0.5 * (1 + 1 / 64))).reshape(1)
+
+
 def rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """ComfyUI's RoPE form (comfy.ldm.flux.math apply_rope / apply_rope1: FLUX.1, Krea 2, Qwen-Image) of x [B, H, L,
     D] contiguous, with `freqs` [Bf, 1, Lf, D/2, 2, 2] (Bf 1 or B; Lf >= L, its first L tokens used, or 1) whose last
@@ -226,3 +285,21 @@ def reference_rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     x0, x1 = xc[..., 0::2], xc[..., 1::2]  # [B, H, L, D/2]
     rows = [torch.addcmul(f[..., r, 0] * x0, f[..., r, 1], x1) for r in (0, 1)]
     return torch.stack(rows, dim=-1).flatten(-2).to(x.dtype)
+
+
+def reference_rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float,
+                        key_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The torch form of `rope_e4m3` (y in fp32, not rounded to x's dtype first)."""
+    from lowbit_pipe.kernels.qkv_fp8 import e4m3, key_order
+
+    real, imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+    rotated = torch.stack([-imag, real], dim=-1).flatten(3)
+    y = x.float() * cos[None, :, None] + rotated.float() * sin[None, :, None]
+    codes = e4m3(y * scale)
+    if key_mask is not None:
+        codes = torch.where(key_mask[:, :, None, None], codes, 0.0)
+        pos, _ = key_order(key_mask)
+        placed = torch.empty_like(codes)
+        placed.scatter_(1, pos.long()[:, :, None, None].expand_as(codes), codes)
+        codes = placed
+    return codes.to(torch.float8_e4m3fn)

@@ -20,10 +20,12 @@ What this module computes, per call:
 Passes over q, k, v (Triton): `qkv_stats` (reads q, k, v once: per-(batch, head) amaxes and per-channel sums,
 minima, maxima; then a small finishing kernel), `quantize_qkv_fp8` (reads them again, writes e4m3 in [B, N, H, D]
 and the scales cuDNN reads), and after the kernel `finish_output` (e4m3 O * descale + m_v, in q's dtype and
-layout). The statistics are the part a producer can fold: a kernel that writes q or k anyway (the fused norm /
-RoPE of lowbit_pipe.kernels.norm_rope) could emit its per-(batch, head) amax and channel sums as an epilogue and
-hand `quantize_qkv_fp8` a `QKVStats` (its `stats` argument), saving the statistics pass. Not done yet: every call
-runs both passes.
+layout). The statistics pass reads each tensor once, one tensor per program, its running values [BLOCK, D] tiles
+reduced once at the end (reducing a tile's rows crosses warps: the first version did it seven times a step and
+took 3x the quantize pass's time). A producer can fold q and k away entirely: lowbit_pipe.kernels.norm_rope's
+rope_e4m3 writes them as e4m3 codes with a scale known in advance (an RMSNorm output's bound), and
+`quantize_folded` then computes v's statistics and codes alone (`v_stats`); lowbit_pipe.attention.fold wires it.
+`quantize_qkv_fp8(..., stats=)` still takes statistics a producer computed.
 
 Each kernel has its torch form here (`reference_qkv_fp8`, `reference_finish_output`): the oracle of the CPU
 interpreter tests and of the GPU checks.
@@ -47,7 +49,7 @@ SCALE_ROWS = 9
 SCALE_STRIDE = 4  # floats between rows
 
 STATS_CHUNK = 256  # tokens per statistics program
-STATS_BLOCK = 32  # rows per step inside it
+STATS_BLOCK = 16  # rows per step inside it (the running [BLOCK, D] tiles stay in registers)
 QUANT_BLOCK = 64  # tokens per quantize / output program
 
 
@@ -87,90 +89,94 @@ class QKVFP8:
 @triton.jit
 def _stats_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, part_ptr, qpart_ptr, H, N, BH, CHUNKS,
                   sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
-                  D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr):
-    # Program (token chunk, batch*head): q's amax per channel; k's and v's sum, min and max per channel over the
-    # attended keys of the chunk. part: [6, CHUNKS, BH, D] (k sum, k min, k max, v sum, v min, v max).
+                  D: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, MASK: tl.constexpr,
+                  FIRST: tl.constexpr):
+    # Program (token chunk, batch*head, tensor FIRST + program_id(2): 0 q, 1 k, 2 v): q's amax per channel, or k's /
+    # v's sum, min and max per channel over the attended keys of the chunk, into part [6, CHUNKS, BH, D] (k sum,
+    # k min, k max, v sum, v min, v max) / qpart [CHUNKS, BH, D]. The running values are [BLOCK, D] tiles, reduced
+    # over their rows once at the end: a reduction across a tile's rows crosses warps (shared memory and a barrier),
+    # which the first version paid seven times per step, three tensors per program -- 3x the quantize pass's time
+    # for the same bytes read (bench/results/attention_route_h100.md).
     c = tl.program_id(0)
     bh = tl.program_id(1)
+    which = tl.program_id(2) + FIRST
     b = bh // H
     h = bh % H
     cols = tl.arange(0, D)
-    q_amax = tl.zeros([D], dtype=tl.float32)
-    k_sum = tl.zeros([D], dtype=tl.float32)
-    v_sum = tl.zeros([D], dtype=tl.float32)
-    k_min = tl.full([D], float("inf"), dtype=tl.float32)
-    v_min = tl.full([D], float("inf"), dtype=tl.float32)
-    k_max = tl.full([D], float("-inf"), dtype=tl.float32)
-    v_max = tl.full([D], float("-inf"), dtype=tl.float32)
-    for i in range(CHUNK // BLOCK):
-        rows = c * CHUNK + i * BLOCK + tl.arange(0, BLOCK)
-        inside = rows < N
-        ok = inside
-        if MASK:
-            ok = ok & (tl.load(valid_ptr + b * N + rows, mask=inside, other=0) != 0)
-        x = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqn + cols[None, :] * sqd, mask=inside[:, None],
-                    other=0.0).to(tl.float32)
-        q_amax = tl.maximum(q_amax, tl.max(tl.abs(x), axis=0))
-        x = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skn + cols[None, :] * skd, mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        k_sum += tl.sum(x, axis=0)
-        k_min = tl.minimum(k_min, tl.min(tl.where(ok[:, None], x, float("inf")), axis=0))
-        k_max = tl.maximum(k_max, tl.max(tl.where(ok[:, None], x, float("-inf")), axis=0))
-        x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd, mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        v_sum += tl.sum(x, axis=0)
-        v_min = tl.minimum(v_min, tl.min(tl.where(ok[:, None], x, float("inf")), axis=0))
-        v_max = tl.maximum(v_max, tl.max(tl.where(ok[:, None], x, float("-inf")), axis=0))
-    field = CHUNKS * BH * D
     base = (c * BH + bh) * D + cols
-    tl.store(part_ptr + base, k_sum)
-    tl.store(part_ptr + field + base, k_min)
-    tl.store(part_ptr + 2 * field + base, k_max)
-    tl.store(part_ptr + 3 * field + base, v_sum)
-    tl.store(part_ptr + 4 * field + base, v_min)
-    tl.store(part_ptr + 5 * field + base, v_max)
-    tl.store(qpart_ptr + base, q_amax)
+    if which == 0:
+        amax = tl.zeros([BLOCK, D], dtype=tl.float32)
+        for i in tl.range(0, CHUNK, BLOCK):
+            rows = c * CHUNK + i + tl.arange(0, BLOCK)
+            x = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqn + cols[None, :] * sqd,
+                        mask=(rows < N)[:, None], other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        tl.store(qpart_ptr + base, tl.max(amax, axis=0))
+    else:
+        if which == 1:
+            x_ptr = k_ptr + b * skb + h * skh
+            sn = skn
+            sd = skd
+        else:
+            x_ptr = v_ptr + b * svb + h * svh
+            sn = svn
+            sd = svd
+        acc_sum = tl.zeros([BLOCK, D], dtype=tl.float32)
+        acc_min = tl.full([BLOCK, D], float("inf"), dtype=tl.float32)
+        acc_max = tl.full([BLOCK, D], float("-inf"), dtype=tl.float32)
+        for i in tl.range(0, CHUNK, BLOCK):
+            rows = c * CHUNK + i + tl.arange(0, BLOCK)
+            ok = rows < N
+            if MASK:
+                ok = ok & (tl.load(valid_ptr + b * N + rows, mask=ok, other=0) != 0)
+            x = tl.load(x_ptr + rows[:, None] * sn + cols[None, :] * sd, mask=ok[:, None], other=0.0).to(tl.float32)
+            acc_sum += x
+            acc_min = tl.minimum(acc_min, tl.where(ok[:, None], x, float("inf")))
+            acc_max = tl.maximum(acc_max, tl.where(ok[:, None], x, float("-inf")))
+        field = CHUNKS * BH * D
+        first = (which - 1) * 3 * field
+        tl.store(part_ptr + first + base, tl.sum(acc_sum, axis=0))
+        tl.store(part_ptr + first + field + base, tl.min(acc_min, axis=0))
+        tl.store(part_ptr + first + 2 * field + base, tl.max(acc_max, axis=0))
 
 
 @triton.jit
 def _stats_finish_kernel(part_ptr, qpart_ptr, count_ptr, k_mean_ptr, v_mean_ptr, amax_ptr, H, N, BH, CHUNKS,
-                         D: tl.constexpr, HAS_COUNT: tl.constexpr):
-    # Program (batch*head): the chunks' partials -> means, and the amaxes of q, k - k_mean, v - v_mean. Over a
-    # channel, k - m ranges over [min - m, max - m]: the smoothed amax is exact without another pass over k.
+                         D: tl.constexpr, HAS_COUNT: tl.constexpr, FIRST: tl.constexpr):
+    # Program (batch*head): the chunks' partials -> means, and the amaxes of q, k - k_mean, v - v_mean (those of
+    # tensor FIRST on). Over a channel, x - m ranges over [min - m, max - m]: the smoothed amax is exact without
+    # another pass over x.
     bh = tl.program_id(0)
     cols = tl.arange(0, D)
     field = CHUNKS * BH * D
-    q_amax = tl.zeros([D], dtype=tl.float32)
-    k_sum = tl.zeros([D], dtype=tl.float32)
-    v_sum = tl.zeros([D], dtype=tl.float32)
-    k_min = tl.full([D], float("inf"), dtype=tl.float32)
-    v_min = tl.full([D], float("inf"), dtype=tl.float32)
-    k_max = tl.full([D], float("-inf"), dtype=tl.float32)
-    v_max = tl.full([D], float("-inf"), dtype=tl.float32)
-    for c in range(CHUNKS):
-        base = (c * BH + bh) * D + cols
-        q_amax = tl.maximum(q_amax, tl.load(qpart_ptr + base))
-        k_sum += tl.load(part_ptr + base)
-        k_min = tl.minimum(k_min, tl.load(part_ptr + field + base))
-        k_max = tl.maximum(k_max, tl.load(part_ptr + 2 * field + base))
-        v_sum += tl.load(part_ptr + 3 * field + base)
-        v_min = tl.minimum(v_min, tl.load(part_ptr + 4 * field + base))
-        v_max = tl.maximum(v_max, tl.load(part_ptr + 5 * field + base))
     if HAS_COUNT:
         count = tl.load(count_ptr + bh // H).to(tl.float32)
     else:
         count = N * 1.0
     inv = 1.0 / tl.maximum(count, 1.0)
-    k_mean = k_sum * inv
-    v_mean = v_sum * inv
-    # no attended key: min / max are +-inf; amax 0 (the batch's rows come out NaN in finish_output)
-    k_amax = tl.where(count > 0, tl.max(tl.maximum(k_max - k_mean, k_mean - k_min), axis=0), 0.0)
-    v_amax = tl.where(count > 0, tl.max(tl.maximum(v_max - v_mean, v_mean - v_min), axis=0), 0.0)
-    tl.store(k_mean_ptr + bh * D + cols, k_mean)
-    tl.store(v_mean_ptr + bh * D + cols, v_mean)
-    tl.store(amax_ptr + bh, tl.max(q_amax, axis=0))
-    tl.store(amax_ptr + BH + bh, k_amax)
-    tl.store(amax_ptr + 2 * BH + bh, v_amax)
+    if FIRST == 0:
+        q_amax = tl.zeros([D], dtype=tl.float32)
+        for c in range(CHUNKS):
+            q_amax = tl.maximum(q_amax, tl.load(qpart_ptr + (c * BH + bh) * D + cols))
+        tl.store(amax_ptr + bh, tl.max(q_amax, axis=0))
+    for which in tl.static_range(max(FIRST, 1), 3):
+        first = (which - 1) * 3 * field
+        x_sum = tl.zeros([D], dtype=tl.float32)
+        x_min = tl.full([D], float("inf"), dtype=tl.float32)
+        x_max = tl.full([D], float("-inf"), dtype=tl.float32)
+        for c in range(CHUNKS):
+            base = first + (c * BH + bh) * D + cols
+            x_sum += tl.load(part_ptr + base)
+            x_min = tl.minimum(x_min, tl.load(part_ptr + field + base))
+            x_max = tl.maximum(x_max, tl.load(part_ptr + 2 * field + base))
+        mean = x_sum * inv
+        # no attended key: min / max are +-inf; amax 0 (the batch's rows come out NaN in finish_output)
+        amax = tl.where(count > 0, tl.max(tl.maximum(x_max - mean, mean - x_min), axis=0), 0.0)
+        if which == 1:
+            tl.store(k_mean_ptr + bh * D + cols, mean)
+        else:
+            tl.store(v_mean_ptr + bh * D + cols, mean)
+        tl.store(amax_ptr + which * BH + bh, amax)
 
 
 @triton.jit
@@ -182,20 +188,26 @@ def _scale_of(amax_ptr, which, BH, BH_P2: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, pos_ptr, k_mean_ptr, v_mean_ptr, amax_ptr, scales_ptr,
-                     q8_ptr, k8_ptr, v8_ptr, H, N, BH,
+def _quantize_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, pos_ptr, k_mean_ptr, v_mean_ptr, amax_ptr, qk_scale_ptr,
+                     scales_ptr, q8_ptr, k8_ptr, v8_ptr, H, N, BH,
                      sqb, sqh, sqn, sqd, skb, skh, skn, skd, svb, svh, svn, svd,
                      D: tl.constexpr, BLOCK: tl.constexpr, BH_P2: tl.constexpr, MASK: tl.constexpr,
-                     S_SCALE_C: tl.constexpr, ROW: tl.constexpr):
+                     S_SCALE_C: tl.constexpr, ROW: tl.constexpr, QK: tl.constexpr):
     # Program (token block, batch*head): q, k - k_mean, v - v_mean of the block times their tensor's scale, cast to
     # e4m3 (saturating at +-448) into [B, N, H, D]; keys of a masked call go to their slot in key_order, masked ones
-    # as zeros. Program (0, 0) also writes the scales cuDNN reads.
+    # as zeros. QK False: q and k are e4m3 already (a producer wrote them, lowbit_pipe.kernels.norm_rope's
+    # rope_e4m3), their scales at qk_scale_ptr [2]; only v is written. Program (0, 0) also writes the scales cuDNN
+    # reads.
     blk = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    sq = _scale_of(amax_ptr, 0, BH, BH_P2)
-    sk = _scale_of(amax_ptr, 1, BH, BH_P2)
+    if QK:
+        sq = _scale_of(amax_ptr, 0, BH, BH_P2)
+        sk = _scale_of(amax_ptr, 1, BH, BH_P2)
+    else:
+        sq = tl.load(qk_scale_ptr)
+        sk = tl.load(qk_scale_ptr + 1)
     sv = _scale_of(amax_ptr, 2, BH, BH_P2)
     cols = tl.arange(0, D)
     rows = blk * BLOCK + tl.arange(0, BLOCK)
@@ -205,15 +217,17 @@ def _quantize_kernel(q_ptr, k_ptr, v_ptr, valid_ptr, pos_ptr, k_mean_ptr, v_mean
     if MASK:
         ok = ok & (tl.load(valid_ptr + b * N + rows, mask=inside, other=0) != 0)
         dst = tl.load(pos_ptr + b * N + rows, mask=inside, other=0)
-    x = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqn + cols[None, :] * sqd, mask=inside[:, None],
-                other=0.0).to(tl.float32)
-    out = ((b * N + rows[:, None]).to(tl.int64) * H + h) * D + cols[None, :]
-    tl.store(q8_ptr + out, tl.minimum(tl.maximum(x * sq, -448.0), 448.0).to(tl.float8e4nv), mask=inside[:, None])
     out = ((b * N + dst[:, None]).to(tl.int64) * H + h) * D + cols[None, :]
-    x = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skn + cols[None, :] * skd, mask=ok[:, None],
-                other=0.0).to(tl.float32)
-    x = tl.where(ok[:, None], (x - tl.load(k_mean_ptr + bh * D + cols)[None, :]) * sk, 0.0)
-    tl.store(k8_ptr + out, tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv), mask=inside[:, None])
+    if QK:
+        x = tl.load(q_ptr + b * sqb + h * sqh + rows[:, None] * sqn + cols[None, :] * sqd, mask=inside[:, None],
+                    other=0.0).to(tl.float32)
+        q_out = ((b * N + rows[:, None]).to(tl.int64) * H + h) * D + cols[None, :]
+        tl.store(q8_ptr + q_out, tl.minimum(tl.maximum(x * sq, -448.0), 448.0).to(tl.float8e4nv),
+                 mask=inside[:, None])
+        x = tl.load(k_ptr + b * skb + h * skh + rows[:, None] * skn + cols[None, :] * skd, mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        x = tl.where(ok[:, None], (x - tl.load(k_mean_ptr + bh * D + cols)[None, :]) * sk, 0.0)
+        tl.store(k8_ptr + out, tl.minimum(tl.maximum(x, -448.0), 448.0).to(tl.float8e4nv), mask=inside[:, None])
     x = tl.load(v_ptr + b * svb + h * svh + rows[:, None] * svn + cols[None, :] * svd, mask=ok[:, None],
                 other=0.0).to(tl.float32)
     x = tl.where(ok[:, None], (x - tl.load(v_mean_ptr + bh * D + cols)[None, :]) * sv, 0.0)
@@ -281,21 +295,34 @@ def qkv_stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch
     """The statistics pass (Triton; CPU tensors only under TRITON_INTERPRET). `count`: key_mask's attended keys per
     batch ([B] int32, as key_order gives it), computed here when None."""
     check(q, k, v, key_mask)
-    b, h, n, d = q.shape
+    return _stats(q, k, v, key_mask, count, first=0)
+
+
+def v_stats(v: torch.Tensor, key_mask: torch.Tensor | None = None, count: torch.Tensor | None = None) -> QKVStats:
+    """The statistics of v alone (a folded call: q and k came in e4m3 from their producer): v_mean and amax row 2
+    as `qkv_stats` computes them; k_mean zeros and amax rows 0 and 1 unset."""
+    check(v, v, v, key_mask)
+    return _stats(v, v, v, key_mask, count, first=2)
+
+
+def _stats(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask: torch.Tensor | None,
+           count: torch.Tensor | None, first: int) -> QKVStats:
+    b, h, n, d = v.shape
     chunks = triton.cdiv(n, STATS_CHUNK)
-    dev = q.device
+    dev = v.device
     part = torch.empty(6, chunks, b * h, d, dtype=torch.float32, device=dev)
-    qpart = torch.empty(chunks, b * h, d, dtype=torch.float32, device=dev)
-    k_mean, v_mean = (torch.empty(b * h, d, dtype=torch.float32, device=dev) for _ in range(2))
+    qpart = torch.empty(chunks, b * h, d, dtype=torch.float32, device=dev) if first == 0 else part
+    v_mean = torch.empty(b * h, d, dtype=torch.float32, device=dev)
+    k_mean = (torch.empty if first <= 1 else torch.zeros)(b * h, d, dtype=torch.float32, device=dev)
     amax = torch.empty(3, b * h, dtype=torch.float32, device=dev)
     if key_mask is not None and count is None:
         count = key_mask.sum(dim=1, dtype=torch.int32)
     valid = key_mask.view(torch.uint8) if key_mask is not None else part
-    _stats_kernel[(chunks, b * h)](q, k, v, valid, part, qpart, h, n, b * h, chunks, *q.stride(), *k.stride(),
-                                   *v.stride(), D=d, CHUNK=STATS_CHUNK, BLOCK=STATS_BLOCK, MASK=key_mask is not None,
-                                   num_warps=4)
+    _stats_kernel[(chunks, b * h, 3 - first)](q, k, v, valid, part, qpart, h, n, b * h, chunks, *q.stride(),
+                                              *k.stride(), *v.stride(), D=d, CHUNK=STATS_CHUNK, BLOCK=STATS_BLOCK,
+                                              MASK=key_mask is not None, FIRST=first, num_warps=4)
     _stats_finish_kernel[(b * h,)](part, qpart, count if count is not None else part, k_mean, v_mean, amax, h, n,
-                                   b * h, chunks, D=d, HAS_COUNT=count is not None, num_warps=4)
+                                   b * h, chunks, D=d, HAS_COUNT=count is not None, FIRST=first, num_warps=4)
     return QKVStats(k_mean, v_mean, amax)
 
 
@@ -305,22 +332,51 @@ def quantize_qkv_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
     `stats`: the statistics when a producer already has them (None: the statistics pass runs here)."""
     check(q, k, v, key_mask)
     b, h, n, d = q.shape
-    dev = q.device
     pos = count = None
     if key_mask is not None:
         key_mask = key_mask.contiguous()
         pos, count = key_order(key_mask)
     if stats is None:
         stats = qkv_stats(q, k, v, key_mask, count)
-    q8, k8, v8 = (torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn, device=dev) for _ in range(3))
+    q8, k8 = (torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn, device=q.device) for _ in range(2))
+    return _quantize(q, k, v, q8, k8, None, key_mask, pos, count, stats)
+
+
+def quantize_folded(q8: torch.Tensor, k8: torch.Tensor, qk_scale: torch.Tensor, v: torch.Tensor,
+                    key_mask: torch.Tensor | None = None) -> QKVFP8:
+    """cuDNN's operands when a producer wrote q and k in e4m3 (lowbit_pipe.kernels.norm_rope.rope_e4m3): q8, k8
+    [B, N, H, D] e4m3 contiguous (k8's keys already in key_order for a masked call), `qk_scale` [2] fp32 the scales
+    they were written with (codes = value * scale). Only v's statistics and codes are computed here."""
+    b, n, h, d = q8.shape
+    for name, t in (("q8", q8), ("k8", k8)):
+        if t.dtype != torch.float8_e4m3fn or tuple(t.shape) != (b, n, h, d) or not t.is_contiguous():
+            raise ValueError(f"quantize_folded: {name} must be [B, N, H, D] = {[b, n, h, d]} e4m3 contiguous, got "
+                             f"{list(t.shape)} {t.dtype}")
+    if tuple(v.shape) != (b, h, n, d):
+        raise ValueError(f"quantize_folded: v must be [B, H, N, D] = {[b, h, n, d]}, got {list(v.shape)}")
+    check(v, v, v, key_mask)
+    pos = count = None
+    if key_mask is not None:
+        key_mask = key_mask.contiguous()
+        pos, count = key_order(key_mask)
+    stats = v_stats(v, key_mask, count)
+    return _quantize(v, v, v, q8, k8, qk_scale, key_mask, pos, count, stats)
+
+
+def _quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor,
+              qk_scale: torch.Tensor | None, key_mask: torch.Tensor | None, pos: torch.Tensor | None,
+              count: torch.Tensor | None, stats: QKVStats) -> QKVFP8:
+    """The quantize kernel: q, k and v into q8, k8 and a new v8 (qk_scale None), or v alone (q8 / k8 given)."""
+    b, h, n, d = v.shape
+    v8 = torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn, device=v.device)
     # rows DESCALE_Q..DESCALE_O written by the kernel, AMAX_S / AMAX_O by cuDNN; the other columns are padding
-    scales = torch.empty(SCALE_ROWS, SCALE_STRIDE, dtype=torch.float32, device=dev)
+    scales = torch.empty(SCALE_ROWS, SCALE_STRIDE, dtype=torch.float32, device=v.device)
     valid = key_mask.view(torch.uint8) if key_mask is not None else scales
     _quantize_kernel[(triton.cdiv(n, QUANT_BLOCK), b * h)](
-        q, k, v, valid, pos if pos is not None else scales, stats.k_mean, stats.v_mean, stats.amax, scales, q8, k8, v8,
-        h, n, b * h, *q.stride(), *k.stride(), *v.stride(), D=d, BLOCK=QUANT_BLOCK,
-        BH_P2=triton.next_power_of_2(b * h), MASK=key_mask is not None, S_SCALE_C=S_SCALE, ROW=SCALE_STRIDE,
-        num_warps=4)
+        q, k, v, valid, pos if pos is not None else scales, stats.k_mean, stats.v_mean, stats.amax,
+        qk_scale if qk_scale is not None else scales, scales, q8, k8, v8, h, n, b * h, *q.stride(), *k.stride(),
+        *v.stride(), D=d, BLOCK=QUANT_BLOCK, BH_P2=triton.next_power_of_2(b * h), MASK=key_mask is not None,
+        S_SCALE_C=S_SCALE, ROW=SCALE_STRIDE, QK=qk_scale is None, num_warps=4)
     seq_len_kv = count.view(b, 1, 1, 1) if count is not None else None
     return QKVFP8(q8, k8, v8, scales, stats.v_mean, seq_len_kv)
 
