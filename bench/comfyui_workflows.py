@@ -49,8 +49,9 @@ def _widget_values(spec: Any, value: Any) -> list[Any]:
 
 
 def to_workflow(api: dict[str, Any], info: dict[str, Any], titles: dict[str, str] | None = None,
-                note: str | None = None) -> dict[str, Any]:
-    """An API-format graph as a UI workflow (nodes laid out in columns by depth)."""
+                note: str | None = None, models: dict[str, list[dict[str, str]]] | None = None) -> dict[str, Any]:
+    """An API-format graph as a UI workflow (nodes laid out in columns by depth); `models`: node key -> the model
+    files it loads ({name, url, directory}), which ComfyUI's front end offers to download when they are missing."""
     ids = {key: i + 1 for i, key in enumerate(api)}
     depth: dict[str, int] = {}
 
@@ -82,7 +83,9 @@ def to_workflow(api: dict[str, Any], info: dict[str, Any], titles: dict[str, str
         rows[col] = rows.get(col, 0) + 1
         nodes.append({"id": ids[key], "type": kind, "pos": [60 + 360 * col, 60 + 240 * (rows[col] - 1)],
                       "size": [320, 200], "flags": {}, "order": 0, "mode": 0, "inputs": inputs, "outputs": [],
-                      "properties": {"Node name for S&R": kind}, "widgets_values": widgets,
+                      "properties": {"Node name for S&R": kind,
+                                     **({"models": models[key]} if models and key in models else {})},
+                      "widgets_values": widgets,
                       **({"title": titles[key]} if titles and key in titles else {})})
     for node, key in zip(nodes, api):
         d = info[api[key]["class_type"]]
@@ -130,66 +133,103 @@ def to_api(workflow: dict[str, Any], info: dict[str, Any]) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------ the examples
-def examples() -> dict[str, tuple[dict[str, Any], dict[str, str], str]]:
-    """name -> (API graph, node titles, note). Krea 2 with its text encoder and VAE, as users run it; the last
-    one runs with no text encoder (the pack's Example inputs), which is also how the tests queue it."""
-    prompt = "a lighthouse on a cliff at dusk, oil painting"
-    text = {"clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": "qwen3vl_4b.safetensors", "type": "krea2"}},
-            "pos": {"class_type": "CLIPTextEncode", "inputs": {"text": prompt, "clip": ["clip", 0]}},
-            "neg": {"class_type": "CLIPTextEncode", "inputs": {"text": "", "clip": ["clip", 0]}},
-            "lat": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
-            "vae": {"class_type": "VAELoader", "inputs": {"vae_name": "wan_2.1_vae.safetensors"}}}
+KREA2_FILES = "https://huggingface.co/Comfy-Org/Krea-2/resolve/main"  # as ComfyUI's own Krea 2 templates name them
+TEXT_ENCODER = {"name": "qwen3vl_4b_fp8_scaled.safetensors", "directory": "text_encoders",
+                "url": f"{KREA2_FILES}/text_encoders/qwen3vl_4b_fp8_scaled.safetensors"}
+VAE = {"name": "qwen_image_vae.safetensors", "directory": "vae", "url": f"{KREA2_FILES}/vae/qwen_image_vae.safetensors"}
+STYLE_LORA = {"name": "krea2_darkbrush.safetensors", "directory": "loras",
+              "url": f"{KREA2_FILES}/loras/krea2_darkbrush.safetensors"}
+FLOAT_MODEL = ("Load Diffusion Model: a float (bf16) Krea 2 or FLUX.1 file in models/diffusion_models, picked in "
+               "the node (krea2.safetensors here). Quantize needs float weights, and no download link is offered for "
+               "them: Comfy-Org/Krea-2 on Hugging Face lists Krea 2's BF16 variant. Its krea2_turbo_fp8_scaled / "
+               "int8_convrot files are quantized already: Quantize refuses them; LoRA residual, 8-bit attention and "
+               "Compile take them as they are.")
+
+
+def examples() -> dict[str, tuple[dict[str, Any], dict[str, str], str, dict[str, list[dict[str, str]]]]]:
+    """Title (the file's name: ComfyUI's template browser shows a pack's template by its file name) -> (API graph,
+    node titles, note, model files per node). Krea 2 with its text encoder and VAE, as ComfyUI's own Krea 2
+    templates run it (8 steps, cfg 1, the negative zeroed); the last one runs with no file but the diffusion model
+    (the pack's Example inputs), which is how the tests queue it."""
+    text = {"clip": {"class_type": "CLIPLoader", "inputs": {"clip_name": TEXT_ENCODER["name"], "type": "krea2"}},
+            "pos": {"class_type": "CLIPTextEncode", "inputs": {"text": "a lighthouse on a cliff at dusk, monochrome "
+                                                                       "ink wash style", "clip": ["clip", 0]}},
+            "neg": {"class_type": "ConditioningZeroOut", "inputs": {"conditioning": ["pos", 0]}},
+            "lat": {"class_type": "EmptyLatentImage", "inputs": {"width": 1024, "height": 1024, "batch_size": 1}},
+            "vae": {"class_type": "VAELoader", "inputs": {"vae_name": VAE["name"]}}}
+    files = {"clip": [TEXT_ENCODER], "vae": [VAE]}
 
     def sampler(model: list) -> dict[str, Any]:
         return {"ks": {"class_type": "KSampler", "inputs": {
-            "model": model, "seed": 42, "steps": 28, "cfg": 4.0, "sampler_name": "euler", "scheduler": "simple",
+            "model": model, "seed": 42, "steps": 8, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
             "positive": ["pos", 0], "negative": ["neg", 0], "latent_image": ["lat", 0], "denoise": 1.0}},
             "dec": {"class_type": "VAEDecode", "inputs": {"samples": ["ks", 0], "vae": ["vae", 0]}},
             "img": {"class_type": "SaveImage", "inputs": {"images": ["dec", 0], "filename_prefix": "lowbit"}}}
 
+    def quantize(recipe: str, **more: Any) -> dict[str, Any]:
+        return {"class_type": "LowbitQuantize", "inputs": {"model": ["unet", 0], "recipe": recipe, "overrides": "",
+                                                           "recipe_text": "", **more}}
+
     unet = {"unet": {"class_type": "UNETLoader", "inputs": {"unet_name": "krea2.safetensors", "weight_dtype": "default"}}}
-    lora = {"class_type": "LowbitLoRA", "inputs": {"model": ["q", 0], "lora_name": "style.safetensors", "strength": 0.8}}
-    out: dict[str, tuple[dict[str, Any], dict[str, str], str]] = {}
-    out["lowbit_quantize_lora_purge"] = (
-        {**unet, **text, "q": {"class_type": "LowbitQuantize", "inputs": {"model": ["unet", 0], "recipe": "auto",
-                                                                           "overrides": ""}},
-         "l": lora, **sampler(["l", 0]),
+    loader = {"unet": "Load Diffusion Model (float Krea 2)"}
+    lora = {"class_type": "LowbitLoRA", "inputs": {"model": ["q", 0], "lora_name": STYLE_LORA["name"], "strength": 0.8}}
+    out = {}
+    out["Quantize, LoRA, sample, Purge (Krea 2)"] = (
+        {**unet, **text, "q": quantize("auto"), "l": lora, **sampler(["l", 0]),
          "p": {"class_type": "LowbitPurge", "inputs": {"model": ["l", 0], "after": ["dec", 0]}}},
-        {"q": "Quantize (recipe auto: krea2_nvfp4_stock)", "l": "LoRA as exact residual branches"},
-        "Quantize the float Krea 2, add a LoRA as exact residual branches, sample, then Purge once the image is "
-        "decoded ('after'). Queue again with another seed: Quantize re-runs by itself after a Purge. Models: "
-        "diffusion_models/krea2.safetensors, text_encoders/qwen3vl_4b.safetensors, vae/wan_2.1_vae.safetensors, "
-        "loras/style.safetensors (rename to yours).")
-    out["lowbit_export_and_reload"] = (
-        {**unet, "q": {"class_type": "LowbitQuantize", "inputs": {"model": ["unet", 0], "recipe": "krea2_nvfp4",
-                                                                   "overrides": ""}},
-         "x": {"class_type": "LowbitExport", "inputs": {"model": ["q", 0], "filename": "lowbit/krea2_nvfp4.safetensors"}}},
-        {"x": "Export into models/diffusion_models/lowbit/"},
-        "Quantize once and keep the file: Export writes models/diffusion_models/lowbit/krea2_nvfp4.safetensors, which "
-        "Load Diffusion Model lists (refresh the browser). krea2_nvfp4 uses lowbit_* kinds, so it loads in a ComfyUI "
-        "with this node pack; recipe krea2_nvfp4_stock writes a file stock ComfyUI loads.")
-    out["lowbit_calibrated_svdquant"] = (
-        {**unet, **text, "q": {"class_type": "LowbitQuantize", "inputs": {
-            "model": ["unet", 0], "recipe": "krea2_svdquant", "overrides": "", "conditioning": ["pos", 0],
-            "latent": ["lat", 0]}}, **sampler(["q", 0])},
-        {"q": "Quantize, calibrated on this prompt"},
+        {**loader, "q": "Quantize (recipe auto: krea2_nvfp4_stock)", "l": "LoRA as exact residual branches"},
+        "Quantize the float Krea 2, add a LoRA as exact residual branches (never rounded into the 4-bit weights), "
+        "sample, then Purge once the image is decoded ('after'): the summary shows on Quantize, the proof on Purge. "
+        "Queue again: Quantize re-runs by itself after a Purge. The text encoder, VAE and LoRA (Comfy-Org/Krea-2) "
+        "download from ComfyUI's missing-models list. " + FLOAT_MODEL,
+        {**files, "l": [STYLE_LORA]})
+    out["Export a quantized file (Krea 2)"] = (
+        {**unet, "q": quantize("krea2_nvfp4_stock"),
+         "x": {"class_type": "LowbitExport", "inputs": {"model": ["q", 0],
+                                                        "filename": "lowbit/krea2_nvfp4_stock.safetensors"}},
+         "p": {"class_type": "LowbitPurge", "inputs": {"model": ["q", 0], "after": ["x", 0]}}},
+        {**loader, "x": "Export into models/diffusion_models/lowbit/"},
+        "Quantize once and keep the file: Export writes models/diffusion_models/lowbit/krea2_nvfp4_stock.safetensors, "
+        "which Load Diffusion Model lists (refresh the browser), then Purge gives the run's memory back. "
+        "krea2_nvfp4_stock writes kinds stock ComfyUI loads; krea2_nvfp4 (ConvRot) loads with this node pack. "
+        "Runs with the diffusion model alone. " + FLOAT_MODEL, {})
+    out["Calibrated SVDQuant on your prompt (Krea 2)"] = (
+        {**unet, **text, "q": quantize("krea2_svdquant", conditioning=["pos", 0], latent=["lat", 0]),
+         **sampler(["q", 0]), "p": {"class_type": "LowbitPurge", "inputs": {"model": ["q", 0], "after": ["dec", 0]}}},
+        {**loader, "q": "Quantize, calibrated on this prompt"},
         "Recipes that calibrate (SVDQuant's smoothing and GPTQ, static fp8 scales) run the model on the CONDITIONING "
         "and LATENT wired into Quantize, through ComfyUI's own forward; without them, on the architecture's seeded "
-        "example inputs. Calibrate on prompts like the ones you will generate.")
-    out["lowbit_try_without_text_encoder"] = (
+        "example inputs. Calibrate on prompts like the ones you will generate. The text encoder and VAE "
+        "(Comfy-Org/Krea-2) download from ComfyUI's missing-models list. " + FLOAT_MODEL, files)
+    out["Try the pack without a text encoder (Krea 2)"] = (
         {**unet, "ex": {"class_type": "LowbitExampleInputs", "inputs": {
             "model": ["unet", 0], "width": 512, "height": 512, "text_tokens": 64, "batch_size": 1, "seed": 0}},
-         "q": {"class_type": "LowbitQuantize", "inputs": {"model": ["unet", 0], "recipe": "auto", "overrides": ""}},
+         "q": quantize("auto"),
          "ks": {"class_type": "KSampler", "inputs": {
              "model": ["q", 0], "seed": 42, "steps": 4, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple",
              "positive": ["ex", 0], "negative": ["ex", 0], "latent_image": ["ex", 1], "denoise": 1.0}},
          "sl": {"class_type": "SaveLatent", "inputs": {"samples": ["ks", 0], "filename_prefix": "latents/lowbit"}},
-         "p": {"class_type": "LowbitPurge", "inputs": {"model": ["q", 0], "after": ["sl", 0]}}},
-        {"ex": "Example inputs (no text encoder needed)"},
+         "p": {"class_type": "LowbitPurge", "inputs": {"model": ["q", 0], "after": ["ks", 0]}}},
+        {**loader, "ex": "Example inputs (no text encoder needed)"},
         "Quantize and sample a diffusion model with no text encoder or VAE at hand: the pack's Example inputs give "
-        "seeded text states and an empty latent of the model's widths. Good for checking speed and memory; the "
-        "latents are not pictures.")
+        "seeded text states and an empty latent of the model's widths. Good for checking speed, memory and the "
+        "summary on Quantize; the latents are not pictures. Runs with the diffusion model alone. " + FLOAT_MODEL, {})
     return out
+
+
+def write_examples(info: dict[str, Any], out: Path = OUT) -> list[Path]:
+    """Write every example as `<title>.json` into `out`, removing example files of older names."""
+    out.mkdir(parents=True, exist_ok=True)
+    wanted = examples()
+    for stale in out.glob("*.json"):
+        if stale.stem not in wanted:
+            stale.unlink()
+    written = []
+    for name, (api, titles, note, models) in wanted.items():
+        path = out / f"{name}.json"
+        path.write_text(json.dumps(to_workflow(api, info, titles, note, models), indent=1) + "\n")
+        written.append(path)
+    return written
 
 
 def main() -> int:
@@ -206,10 +246,7 @@ def main() -> int:
             info = server.object_info()
         finally:
             server.stop()
-    OUT.mkdir(parents=True, exist_ok=True)
-    for name, (api, titles, note) in examples().items():
-        path = OUT / f"{name}.json"
-        path.write_text(json.dumps(to_workflow(api, info, titles, note), indent=1) + "\n")
+    for path in write_examples(info):
         print(f"wrote {path.relative_to(ROOT)}")
     return 0
 

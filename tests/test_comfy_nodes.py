@@ -267,3 +267,41 @@ def test_old_node_run_folders_are_pruned(tmp_path):
     assert [p.name for p in removed] == ["10-00-00-node0", "10-00-00-node1", "10-00-00-node2"]
     assert sorted(p.name for p in tmp_path.glob("*/*-node*")) == ["10-00-00-node3", "10-00-00-node4"]
     assert (tmp_path / "2026-12-01" / "notes.txt").exists() and not (tmp_path / "2026-12-02").exists()
+
+
+def test_quantize_shows_its_summary_on_the_node_and_takes_recipe_text_over_the_list(krea2):
+    model, _ = krea2
+    shown = LowbitQuantize().quantize_node(model, "default", "quantize.default.format=int8", unique_id="21")
+    quantized, summary = shown["result"]
+    assert shown["ui"]["text"] == [summary] and summary.startswith("lowbit_pipe run: ok")  # ComfyUI's `ui` text
+    assert isinstance(_layer(quantized), QuantLinear)
+    text = LowbitQuantize().quantize_node(model, "default", "", recipe_text="quantize:\n  default:\n    format: fp8\n")
+    assert "fp8" in text["ui"]["text"][0] and "int8" not in text["ui"]["text"][0].split("arch:")[1].split("float")[0]
+    with pytest.raises(ValueError, match=r"^recipe: '/etc/passwd' is not 'auto', a packaged recipe, a \.yaml file "
+                                         r"in models/lowbit_recipes/, or YAML text\npackaged recipes: default"):
+        LowbitQuantize().quantize_node(model, "auto", "", recipe_text="/etc/passwd")  # the cause first, one line
+    for made in (shown, text):
+        LowbitPurge().purge(made["result"][0])
+
+
+def test_the_recipe_list_offers_the_packaged_recipes_the_node_runs_and_still_takes_any_text():
+    from lowbit_pipe.comfy.node_inputs import offered_recipes
+    from lowbit_pipe.paths import packaged_recipes
+
+    spec = LowbitQuantize.INPUT_TYPES()
+    choices = spec["required"]["recipe"][0]
+    assert choices[0] == "auto" and choices[1:] == offered_recipes()
+    assert {"default", "flux1_fp8", "krea2_nvfp4", "krea2_nvfp4_stock", "krea2_svdquant"} <= set(choices)
+    assert not any(name.endswith("_tiny") for name in choices) and "krea2_auto_speed_tiny" in packaged_recipes()
+    assert "krea2_auto_speed" not in choices  # quantize.target: planned by the CLI, refused in the node
+    assert "krea2_nvfp4_lora" not in choices  # sets pipeline / lora, which the node does not run
+    assert spec["optional"]["recipe_text"][0] == "STRING"
+    # ComfyUI skips its list check for an input VALIDATE_INPUTS takes: an older workflow's text still queues
+    assert LowbitQuantize.VALIDATE_INPUTS(recipe="quantize:\n  default:\n    format: int8\n") is True
+    assert LowbitQuantize.VALIDATE_INPUTS(recipe=None) is True  # a linked input is validated as None
+    assert "not text" in LowbitQuantize.VALIDATE_INPUTS(recipe=3)
+
+
+def test_example_inputs_seed_defaults_to_fixed_in_the_ui():
+    seed = LowbitExampleInputs.INPUT_TYPES()["required"]["seed"][1]
+    assert seed["control_after_generate"] == "fixed"  # ComfyUI's front end: default mode, never "randomize"

@@ -272,7 +272,7 @@ def test_install_replaces_only_its_own_entry_files(tmp_path):
 
 def test_the_package_ships_the_example_workflows():
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    assert "example_workflows/*.json" in data["tool"]["setuptools"]["package-data"]["lowbit_pipe.comfy"]
+    assert {"example_workflows/*.json", "web/*.js"} <= set(data["tool"]["setuptools"]["package-data"]["lowbit_pipe.comfy"])
     assert data["project"]["optional-dependencies"]["comfy"] == [f"comfy-kitchen>={compat.PACK_MIN_COMFY_KITCHEN}"]
 
 
@@ -323,3 +323,54 @@ def test_comfyui_029_loads_w4a8_and_w6a8_through_the_pack(comfyui_029, tmp_path)
         layers = c["pack"]["layers"]
         assert layers["max_rel_diff_enabled"] == 0 and not layers.get("errors")
         assert c["uninstall"]["restored"]
+
+
+def test_install_writes_the_front_end_extension_the_locale_and_thumbnails(tmp_path):
+    from lowbit_pipe.comfy.install import WORKFLOW_SOURCE
+
+    root = _comfyui(tmp_path)
+    install(root)
+    pack = root / "custom_nodes" / PACK
+    assert 'WEB_DIRECTORY = "./web"' in SHIM and (pack / "web" / "lowbit_pipe.js").is_file()
+    script = (pack / "web" / "lowbit_pipe.js").read_text()
+    assert 'const CATEGORY = "lowbit_pipe"' in script and "onExecuted" in script and "serialize = false" in script
+    assert json.loads((pack / "locales" / "en" / "main.json").read_text()) == \
+        {"templateWorkflows": {"category": {PACK: "lowbit_pipe"}}}  # the template browser's category name
+    workflows = sorted(WORKFLOW_SOURCE.glob("*.json"))
+    assert len(workflows) == 4
+    from PIL import Image
+
+    for path in workflows:
+        thumb = pack / "example_workflows" / f"{path.stem}.jpg"  # the name ComfyUI's front end asks for
+        assert 0 < thumb.stat().st_size < 100 * 1024, thumb
+        with Image.open(thumb) as image:
+            assert image.format == "JPEG" and image.size == (512, 384)
+            low, high = image.convert("L").getextrema()
+            assert high - low > 100  # a drawing, not a blank card
+    assert PREVIOUS_SHIMS[0].count("WEB_DIRECTORY") == 0  # the entry file before this one is still ours
+
+
+def test_the_example_workflows_read_as_a_user_meets_them():
+    """Titles as file names (ComfyUI's template browser shows the name), model files with a download where one
+    exists, Example inputs' seed fixed, Quantize's three widgets, and every link joining matching sockets."""
+    from lowbit_pipe.comfy.install import WORKFLOW_SOURCE
+
+    for path in sorted(WORKFLOW_SOURCE.glob("*.json")):
+        workflow = json.loads(path.read_text())
+        assert "_" not in path.stem and path.stem.endswith("(Krea 2)"), path.name
+        nodes = {n["id"]: n for n in workflow["nodes"]}
+        for node in nodes.values():
+            for model in node["properties"].get("models", []):
+                assert model["url"].startswith("https://huggingface.co/") and model["url"].endswith(model["name"])
+                assert model["name"] in node["widgets_values"] and model["directory"] in ("text_encoders", "vae",
+                                                                                          "loras")
+            if node["type"] == "LowbitExampleInputs":
+                assert node["widgets_values"][-1] == "fixed"
+            if node["type"] == "LowbitQuantize":
+                assert len(node["widgets_values"]) == 3 and node["widgets_values"][2] == ""
+        loaders = [n for n in nodes.values() if n["type"] in ("CLIPLoader", "VAELoader", "LowbitLoRA")]
+        assert all(n["properties"].get("models") for n in loaders), path.name  # nothing named only in a Note
+        for link_id, src, slot, dst, dst_slot, kind in workflow["links"]:
+            assert nodes[src]["outputs"][slot]["type"] == kind and link_id in nodes[src]["outputs"][slot]["links"]
+            assert nodes[dst]["inputs"][dst_slot]["link"] == link_id
+        assert any(n["type"] == "LowbitPurge" for n in nodes.values()), path.name

@@ -498,7 +498,7 @@ def test_the_packs_example_workflows_are_valid_and_the_runnable_one_runs(comfy):
             want = next(i["type"] for i in target["inputs"] if i["link"] == link[0])
             assert kind == want or "*" in (kind, want), f"{path.name}: link {link} into a {want} input"
         assert any(n["class_type"].startswith("Lowbit") for n in api.values()), path.name
-    runnable = json.loads((folder / "lowbit_try_without_text_encoder.json").read_text())
+    runnable = json.loads((folder / "Try the pack without a text encoder (Krea 2).json").read_text())
     api = to_api(runnable, info)
     for node in api.values():
         if node["class_type"] == "UNETLoader":

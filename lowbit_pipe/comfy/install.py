@@ -10,7 +10,10 @@ Run it with ComfyUI's own Python after `pip install lowbit_pipe` there. It write
   "Load Diffusion Model" reads every file lowbit_pipe writes; where it cannot, the nodes still load and one
   log line says what needs a newer ComfyUI;
 - `pyproject.toml`, the pack's metadata in the Comfy Registry's convention (`requires-comfyui` included);
-- `example_workflows/*.json`, copies of the package's example workflows, when it has any.
+- `example_workflows/*.json`, copies of the package's example workflows, when it has any, each with its thumbnail
+  (`<name>.jpg`, drawn from the workflow where Pillow is installed: lowbit_pipe.comfy.thumbnails);
+- `web/lowbit_pipe.js`, the front-end extension that shows the nodes' text on the nodes (`WEB_DIRECTORY`), and
+  `locales/en/main.json`, which names the pack's template category as the node library names its nodes.
 
 Every file is written atomically. A pack folder this command did not write (no `__init__.py` of ours in it: another
 pack of the same name, or an empty folder someone made) is refused without `--force`; a symbolic link at the pack
@@ -33,7 +36,23 @@ from lowbit_pipe.version import __version__
 PACK = "lowbit_pipe_nodes"
 WORKFLOWS = "example_workflows"
 WORKFLOW_SOURCE = Path(__file__).resolve().parent / WORKFLOWS  # package data (pyproject: lowbit_pipe.comfy)
+WEB = "web"  # the front-end extension (WEB_DIRECTORY), package data too
+WEB_SOURCE = Path(__file__).resolve().parent / WEB
+# ComfyUI's front end names a pack's template category by its folder ("lowbit_pipe_nodes") unless the pack's
+# locales name it: the same name as the node library's category.
+LOCALE = {"templateWorkflows": {"category": {PACK: "lowbit_pipe"}}}
 SHIM = '''"""lowbit_pipe's ComfyUI nodes (written by `python -m lowbit_pipe.comfy install`; the code is lowbit_pipe's)."""
+
+from lowbit_pipe.comfy.compat import register_loader
+from lowbit_pipe.comfy.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+REGISTRATION = register_loader()  # None, with one log line saying why, where this ComfyUI cannot load lowbit kinds
+WEB_DIRECTORY = "./web"  # the front-end extension that shows the nodes' text on the nodes
+
+__all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS", "WEB_DIRECTORY"]
+'''
+# Entry files earlier versions of this command wrote: replaced without --force (they are ours).
+PREVIOUS_SHIMS = ('''"""lowbit_pipe's ComfyUI nodes (written by `python -m lowbit_pipe.comfy install`; the code is lowbit_pipe's)."""
 
 from lowbit_pipe.comfy.compat import register_loader
 from lowbit_pipe.comfy.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
@@ -41,9 +60,7 @@ from lowbit_pipe.comfy.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPI
 REGISTRATION = register_loader()  # None, with one log line saying why, where this ComfyUI cannot load lowbit kinds
 
 __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
-'''
-# Entry files earlier versions of this command wrote: replaced without --force (they are ours).
-PREVIOUS_SHIMS = ('''"""lowbit_pipe's ComfyUI nodes (written by `python -m lowbit_pipe.comfy install`; the code is lowbit_pipe's)."""
+''', '''"""lowbit_pipe's ComfyUI nodes (written by `python -m lowbit_pipe.comfy install`; the code is lowbit_pipe's)."""
 
 from lowbit_pipe.comfy.nodes import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
 from lowbit_pipe.comfy.registry import install_into_comfyui
@@ -56,10 +73,10 @@ __all__ = ["NODE_CLASS_MAPPINGS", "NODE_DISPLAY_NAME_MAPPINGS"]
 
 @dataclass(frozen=True)
 class PackFile:
-    """One file of the node pack: its path relative to the pack folder and its text."""
+    """One file of the node pack: its path relative to the pack folder and its text (or bytes: a thumbnail)."""
 
     relpath: str
-    text: str
+    text: str | bytes
 
 
 def registry_pyproject(version: str = __version__) -> str:
@@ -89,25 +106,38 @@ def registry_pyproject(version: str = __version__) -> str:
 
 
 def example_workflows(source: Path = WORKFLOW_SOURCE) -> list[PackFile]:
-    """The package's example workflows (every `*.json` in `source`, checked to be JSON); none when the folder
-    is missing or empty."""
+    """The package's example workflows (every `*.json` in `source`, checked to be JSON), each with its thumbnail
+    (`<name>.jpg`, drawn from the workflow: lowbit_pipe.comfy.thumbnails; none without Pillow); none when the
+    folder is missing or empty."""
+    from lowbit_pipe.comfy import thumbnails
+    from lowbit_pipe.comfy.nodes import NODE_DISPLAY_NAME_MAPPINGS
+
     if not source.is_dir():
         return []
     out = []
     for path in sorted(source.glob("*.json")):
         text = path.read_text()
         try:
-            json.loads(text)
+            workflow = json.loads(text)
         except json.JSONDecodeError as err:
             raise LowbitError(f"{path}: not valid JSON ({err}); not copied into the node pack") from err
         out.append(PackFile(f"{WORKFLOWS}/{path.name}", text))
+        image = thumbnails.draw(workflow, NODE_DISPLAY_NAME_MAPPINGS)
+        if image is not None:
+            out.append(PackFile(f"{WORKFLOWS}/{path.stem}.jpg", image))
     return out
+
+
+def web_files(source: Path = WEB_SOURCE) -> list[PackFile]:
+    """The front-end extension's files (`web/*.js`) and the pack's locale (its template category's name)."""
+    scripts = [PackFile(f"{WEB}/{p.name}", p.read_text()) for p in sorted(source.glob("*.js"))]
+    return [*scripts, PackFile("locales/en/main.json", json.dumps(LOCALE, indent=1) + "\n")]
 
 
 def pack_files(workflow_source: Path = WORKFLOW_SOURCE) -> list[PackFile]:
     """Everything `install` writes into custom_nodes/lowbit_pipe_nodes/."""
     return [PackFile("__init__.py", SHIM), PackFile("pyproject.toml", registry_pyproject()),
-            *example_workflows(workflow_source)]
+            *example_workflows(workflow_source), *web_files()]
 
 
 def custom_nodes_dir(comfyui_dir: str | Path | None = None, *, base_directory: str | Path | None = None) -> Path:
@@ -139,8 +169,23 @@ def install(comfyui_dir: str | Path | None = None, *, base_directory: str | Path
     for f in files:
         path = pack / f.relpath
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, f.text)
+        if isinstance(f.text, bytes):
+            _write_bytes(path, f.text)
+        else:
+            atomic_write_text(path, f.text)
     return target
+
+
+def _write_bytes(path: Path, data: bytes) -> None:
+    """`data` to `path` through a temporary file and a rename (a failure leaves `path` as it was)."""
+    from lowbit_pipe.tempfiles import publish, temp_path
+
+    tmp = temp_path(path)
+    try:
+        tmp.write_bytes(data)
+        publish(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _check_target(pack: Path, files: list[PackFile], force: bool) -> None:

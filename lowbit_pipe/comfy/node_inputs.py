@@ -113,10 +113,38 @@ def recipe_file(name: str, folder: Path | None) -> Path:
     return path
 
 
+INTERNAL_SUFFIX = "_tiny"  # CI variants of a recipe for the embedded tiny models: not offered in the node's list
+
+
+def offered_recipes() -> list[str]:
+    """The packaged recipes the Quantize node offers in its list: those that set only what the node runs (the rules
+    of `check_recipe_data`, through the packaged recipes they extend), without the tiny-model variants. Any packaged
+    name still works when typed (the node's `recipe_text`, or an older workflow's value)."""
+    return [name for name in packaged_recipes() if not name.endswith(INTERNAL_SUFFIX) and _runs_in_node(name)]
+
+
+def _runs_in_node(name: str, depth: int = 0) -> bool:
+    from lowbit_pipe.compose import read_recipe_file
+
+    path = packaged_recipes().get(name)
+    if path is None or depth > 8:
+        return path is not None
+    data = read_recipe_file(path, name)
+    try:
+        check_recipe_data(data, name)
+    except RecipeError:
+        return False
+    bases = [item for item in data.get("defaults") or [] if isinstance(item, str) and item != "_self_"]
+    return all(_runs_in_node(base, depth + 1) for base in bases)
+
+
 def unknown_recipe(text: str) -> ValueError:
+    """The refusal of a recipe input that names nothing the node may read: the cause on the first line (what
+    ComfyUI's error panel shows first), the packaged names on the next."""
     shown = text if len(text) <= 80 else text[:77] + "..."
-    return ValueError(f"recipe: '{shown}' is not 'auto', a packaged recipe ({', '.join(sorted(packaged_recipes()))}), "
-                      f"a .yaml file in models/{RECIPE_FOLDER}/, or YAML text")
+    shown = shown.splitlines()[0] if shown.strip() else shown
+    return ValueError(f"recipe: '{shown}' is not 'auto', a packaged recipe, a .yaml file in models/{RECIPE_FOLDER}/, "
+                      f"or YAML text\npackaged recipes: {', '.join(sorted(packaged_recipes()))}")
 
 
 def free_target(path: Path, what: str, *, overwrite: bool) -> None:

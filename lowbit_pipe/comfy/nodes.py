@@ -145,23 +145,24 @@ class LowbitQuantize:
     DESCRIPTION = ("Quantizes the diffusion model by a lowbit_pipe recipe (NVFP4, INT8, FP8, W4A4, ...). The MODEL "
                    "given stays as it was. ComfyUI LoRAs already on the MODEL become exact residual branches. Recipes "
                    "that calibrate (static activations, GPTQ, SVDQuant) run the model on the CONDITIONING / LATENT "
-                   "given, or on the architecture's example inputs.")
+                   "given, or on the architecture's example inputs. The run's summary is shown on the node.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL", "STRING")
     RETURN_NAMES = ("model", "report")
     OUTPUT_TOOLTIPS = ("the quantized model (a new MODEL; the input one is unchanged)",
-                       "the run's summary: layers per format, bytes before / after, seconds")
-    FUNCTION = "quantize"
+                       "the run's summary: layers per format, bytes before / after, seconds (also shown on the node)")
+    FUNCTION = "quantize_node"
 
     @classmethod
     def INPUT_TYPES(cls) -> dict[str, Any]:  # noqa: N802 - ComfyUI's name
+        from lowbit_pipe.comfy.node_inputs import RECIPE_FOLDER, offered_recipes
+
         return {
             "required": {
                 "model": ("MODEL", {"tooltip": "the float diffusion model (Load Diffusion Model)"}),
-                "recipe": ("STRING", {"default": AUTO, "multiline": True, "tooltip": (
-                    "'auto' (Krea 2: krea2_nvfp4_stock, FLUX.1: flux1_fp8, others: default = int8), a packaged "
-                    "recipe's name (krea2_nvfp4, krea2_svdquant, krea2_nvfp4_gptq, flux1_fp8, default, ...), a "
-                    ".yaml path, or YAML text")}),
+                "recipe": ([AUTO, *offered_recipes()], {"default": AUTO, "tooltip": (
+                    "'auto' (Krea 2: krea2_nvfp4_stock, FLUX.1: flux1_fp8, others: default = int8) or a packaged "
+                    "recipe; recipe_text, when not empty, is used instead")}),
                 "overrides": ("STRING", {"default": "", "multiline": True, "tooltip": (
                     "recipe overrides, key=value, one per line (e.g. quantize.default.format=fp8)")}),
             },
@@ -170,13 +171,30 @@ class LowbitQuantize:
                     "calibration prompt states (only recipes that calibrate use them); without: the architecture's "
                     "seeded example inputs")}),
                 "latent": ("LATENT", {"tooltip": "calibration image size (its shape; the noise is seeded)"}),
+                "recipe_text": ("STRING", {"default": "", "multiline": True, "tooltip": (
+                    f"instead of the list: a .yaml file in models/{RECIPE_FOLDER}/, YAML text, or any packaged "
+                    "recipe's name; empty: the list's choice")}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     @classmethod
+    def VALIDATE_INPUTS(cls, recipe: Any = None) -> bool | str:  # noqa: N802 - ComfyUI's name
+        """Any text passes ComfyUI's check of the list: a workflow saved when `recipe` was free text (a .yaml name,
+        YAML text) still queues. What it may name is checked when the node runs (node_recipe), as before."""
+        return recipe is None or isinstance(recipe, str) or f"recipe: {type(recipe).__name__} is not text"
+
+    @classmethod
     def IS_CHANGED(cls, unique_id: str | None = None, **_: Any) -> str:  # noqa: N802 - ComfyUI's name
         return f"purges={PURGES.of(unique_id)}"  # moves when this node's run is purged: re-queue re-runs it
+
+    def quantize_node(self, model: Any, recipe: str, overrides: str = "", conditioning: Any = None,
+                      latent: Any = None, recipe_text: str = "", unique_id: str | None = None) -> dict[str, Any]:
+        """ComfyUI's entry: `quantize` with recipe_text in place of the list's choice when given, its summary
+        shown on the node."""
+        chosen = recipe_text if recipe_text.strip() else recipe
+        out, summary = self.quantize(model, chosen, overrides, conditioning, latent, unique_id)
+        return _ui(summary, (out, summary))
 
     def quantize(self, model: Any, recipe: str, overrides: str = "", conditioning: Any = None, latent: Any = None,
                  unique_id: str | None = None) -> tuple[Any, str]:
@@ -561,7 +579,10 @@ class LowbitExampleInputs:
             "height": ("INT", {"default": 64, "min": 16, "max": 4096, "step": 16, "tooltip": "image height in pixels"}),
             "text_tokens": ("INT", {"default": 16, "min": 1, "max": 4096, "tooltip": "length of the text states"}),
             "batch_size": ("INT", {"default": 1, "min": 1, "max": 64, "tooltip": "images per batch"}),
-            "seed": ("INT", {"default": 0, "min": 0, "max": 2**32 - 1, "tooltip": "seed of the text states"}),
+            # "fixed": ComfyUI's UI would otherwise add its "randomize" control to an INT named seed, changing the
+            # inputs (and re-running everything after this node) at every queue
+            "seed": ("INT", {"default": 0, "min": 0, "max": 2**32 - 1, "control_after_generate": "fixed",
+                             "tooltip": "seed of the text states"}),
         }}
 
     def make(self, model: Any, width: int, height: int, text_tokens: int, batch_size: int, seed: int) -> tuple:
