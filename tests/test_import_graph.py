@@ -191,3 +191,21 @@ def test_the_checks_catch_an_arrow_up_and_a_cycle_in_each_import_style(tmp_path)
     package = _package(tmp_path / "g", {"__init__.py": "", "errors.py": "from lowbit_pipe.formats import c\n",
                                         "formats/__init__.py": "", "formats/c.py": ""})
     assert arrows_up(import_edges(package)[0], package) == {("lowbit_pipe.errors", "formats"): ["lowbit_pipe.formats.c"]}
+
+
+def test_docs_layout_draws_these_floors_and_names_every_module():
+    """docs/layout.md's picture is FLOORS (floor N lists its folders), and it names every folder and module of the
+    package, so the page cannot drift from the tree unnoticed."""
+    import re
+
+    text = (ROOT / "docs" / "layout.md").read_text()
+    drawn = {int(m.group(1)): {w.rstrip("/") for w in m.group(2).split()}
+             for m in re.finditer(r"^ {4}floor (\d+) +(.+)$", text, re.M)}
+    assert drawn == dict(enumerate(FLOORS)), drawn
+    ground = re.search(r"^ {4}ground floor +(.+)$", text, re.M).group(1).split()
+    package = ROOT / "lowbit_pipe"
+    assert sorted(ground) == sorted(m.split(".")[1] for m in module_files(package) if unit(m, package) == "ground")
+    missing = [str(p.relative_to(package)) for p in package.rglob("*.py") if p.stem != "__init__"
+               and not re.search(rf"\b{re.escape(p.stem)}\b", text)]
+    missing += [f"{p.name}/" for p in package.iterdir() if (p / "__init__.py").is_file() and f"{p.name}/" not in text]
+    assert missing == [], f"docs/layout.md does not name {missing}"
