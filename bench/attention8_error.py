@@ -37,13 +37,13 @@ sys.path.insert(0, str(ROOT / "bench"))
 from outputs import save_outputs  # noqa: E402
 
 import lowbit_pipe  # noqa: E402
-from lowbit_pipe import sampler  # noqa: E402
 from lowbit_pipe.arch.registry import get_arch  # noqa: E402
 from lowbit_pipe.arch.tiny import build_tiny, tiny_model_config  # noqa: E402
 from lowbit_pipe.attention import apply_attention  # noqa: E402
 from lowbit_pipe.attention.processors import Dispatch8, attention_modules, processor_class, processor_for  # noqa: E402
 from lowbit_pipe.kernels.attention8 import exact_attention, sdpa8  # noqa: E402
 from lowbit_pipe.ledger import Ledger  # noqa: E402
+from lowbit_pipe.measure import sampler  # noqa: E402
 
 ARCHS = ("krea2", "flux1")
 QK_FORMATS = ("int8", "fp8")

@@ -11,7 +11,7 @@ with Krea 2's text padding mask: 77 of 512 text tokens attend):
   (reference_from_codes, same codes, 2 heads) relative error <= 0.05 (a layout or scale bug is ~1); no NaN; and
   the router's choice (measured on the spot into a fresh table) not slower than torch's bf16 attention by more
   than 5 % in this run's own times ("never slower");
-- times (ms, lowbit_pipe.timing.time_ms: CUDA events around 20 back-to-back calls after 3): torch SDPA bf16 (with
+- times (ms, lowbit_pipe.measure.timing.time_ms: CUDA events around 20 back-to-back calls after 3): torch SDPA bf16 (with
   the mask where there is one), cuDNN's whole call, its quantization alone, its kernel alone, its kernel plus the
   output conversion, the Triton 8-bit attention (fp8 and int8) whole and its fp8 kernel alone; each as a ratio to
   torch SDPA bf16 of the same run;
@@ -107,7 +107,7 @@ def bench_shape(s: Shape, runner, args, timing) -> dict:
     from lowbit_pipe.kernels import attention8 as A
     from lowbit_pipe.kernels import qkv_fp8 as Q
     from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key, reference_from_codes
-    from lowbit_pipe.timing import time_ms
+    from lowbit_pipe.measure.timing import time_ms
 
     row: dict = {"shape": s.name, **asdict(s), "checks": {}, "ms": {}, "x_sdpa": {}, "failures": [], "notes": []}
     q, k, v, mask = inputs(s)
@@ -277,7 +277,7 @@ def main() -> int:
         print("needs a Hopper (or newer) GPU", file=sys.stderr)
         return 2
     from lowbit_pipe.kernels.cudnn_fp8_attention import CudnnFP8Attention
-    from lowbit_pipe.timing import TimingSettings
+    from lowbit_pipe.measure.timing import TimingSettings
 
     try:
         runner = CudnnFP8Attention()

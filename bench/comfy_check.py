@@ -568,7 +568,7 @@ def _compare_layers(dm: Any, ref: Any, arch: Any, arch_cfg: Any, torch: Any) -> 
     """Every quantized Linear of ComfyUI's model vs lowbit_pipe's QuantLinear(s) of the same layer."""
     from comfy_kitchen.tensor import QuantizedTensor
 
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     ref_modules = dict(ref.named_modules())
     per_layer, worst = [], {"cpu": (0.0, None), "enabled": (0.0, None)}

@@ -54,7 +54,7 @@ def check(src: Path, recipe: str, tmp: Path) -> dict[str, Any]:
 
     from lowbit_pipe.comfy import install_into_comfyui
     from lowbit_pipe.comfy.nodes import LowbitExport, LowbitLoRA, LowbitPurge, LowbitQuantize
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     registration = install_into_comfyui()
     model = comfy.sd.load_diffusion_model(str(tmp / "float.safetensors"))

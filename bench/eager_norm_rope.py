@@ -36,11 +36,11 @@ from lowbit_pipe.arch.base import LayerPolicy
 from lowbit_pipe.attention.fused import apply_fused_norm_rope
 from lowbit_pipe.kernels import norm_rope
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.policy import plan_layers
+from lowbit_pipe.measure.timing import TimingSettings, time_ms
+from lowbit_pipe.plan.policy import plan_layers
 from lowbit_pipe.recipe import FormatChoice, QuantizeConfig
 from lowbit_pipe.stages.detect import linear_shapes
 from lowbit_pipe.stages.quantize import quantize_module
-from lowbit_pipe.timing import TimingSettings, time_ms
 
 FULL = {"hidden": 6144, "heads": 48, "kv_heads": 12, "mlp": 16384, "image": 4096, "text": 512, "attended": 77}
 SMALL = {"hidden": 256, "heads": 4, "kv_heads": 2, "mlp": 512, "image": 48, "text": 16, "attended": 5}
@@ -144,7 +144,7 @@ def main() -> None:
         applied = apply_fused_norm_rope(blocks, ledger) if fused else None
         with torch.no_grad():
             out = blocks(*args_in)
-        # lowbit_pipe.timing: CUDA events around --iters calls (CPU: the fastest call); the median of --repeats
+        # lowbit_pipe.measure.timing: CUDA events around --iters calls (CPU: the fastest call); the median of --repeats
         ms = statistics.median(time_ms(lambda: blocks(*args_in), device, TimingSettings(warmup=3, reps=args.iters))
                                for _ in range(args.repeats))
         name = f"{fmt}{' + fused norm/RoPE' if fused else ''}"

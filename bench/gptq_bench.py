@@ -55,8 +55,8 @@ import torch
 
 import lowbit_pipe
 from lowbit_pipe.formats import FormatSpec, get_format
-from lowbit_pipe.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
 from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.quant.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
 
 FORMATS = ["int8", "fp8", "mxfp8", "nvfp4", "awq_w4a16", "svdquant_w4a4", "convrot_w4a4", "w4a8", "w6a8"]
 PROMPTS = [
@@ -454,7 +454,7 @@ def dit_inputs(ctx, seed: int, spec: dict[str, Any]) -> dict[str, Any]:
 def dit_errors(ctx, sets: dict[str, tuple[list[int], dict[str, Any]]]) -> dict[str, list[float]]:
     """Per set, per seed: relative output MSE (summed over steps) of the quantized model against the float one,
     both fed the float model's own Euler trajectory."""
-    from lowbit_pipe import sampler
+    from lowbit_pipe.measure import sampler
     from lowbit_pipe.stages.evaluate import float_reference
 
     model, arch = ctx.transformer, ctx.arch

@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 
-from lowbit_pipe import gptq as gptq_mod
 from lowbit_pipe.formats import FormatSpec
-from lowbit_pipe.gptq import GPTQSettings, gptq_quantize
+from lowbit_pipe.quant import gptq as gptq_mod
+from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize
 
 _torch_threads = gptq_mod.torch_threads
 SHAPES = [(384, 1536), (1536, 384), (1024, 1024)]

@@ -31,7 +31,7 @@ from lowbit_pipe.formats import FormatSpec, common, get_format
 from lowbit_pipe.formats.nvfp4 import computes_weight_only
 from lowbit_pipe.formats.w4a8 import decode_int8_grid
 from lowbit_pipe.kernels import dispatch, reference, rotation
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 KREA2_KN = ((6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536))
 FULL_SHAPES = [(4608, k, n) for k, n in KREA2_KN] + [(256, k, n) for k, n in KREA2_KN]

@@ -31,7 +31,7 @@ from lowbit_pipe.formats import (
 )
 from lowbit_pipe.lora.bake import bake_layer, delta_kept, supports_stochastic
 from lowbit_pipe.lora.branches import LoraBranch, LoraStack
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 SHAPE = (1024, 2048)
 RANK = 32

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from lowbit_pipe.formats import FormatSpec
 from lowbit_pipe.lora.branches import LoraBranch, LoraStack
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 KREA2 = (4608, [(6144, 6144), (6144, 16384), (16384, 6144), (6144, 1536)])
 SMALL = (128, [(512, 512), (512, 1024), (1024, 512), (512, 128)])

@@ -28,8 +28,8 @@ from typing import Any
 import torch
 
 from lowbit_pipe.arch import get_arch
-from lowbit_pipe.checkpoint import StreamingWriter
-from lowbit_pipe.lazy import LazyTensor
+from lowbit_pipe.files.checkpoint import StreamingWriter
+from lowbit_pipe.files.lazy import LazyTensor
 
 
 def _value(key: str, shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:

@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from outputs import save_outputs
 
-from lowbit_pipe.solver import LayerCosts, Problem, frontier, solve
-from lowbit_pipe.targets import Target
+from lowbit_pipe.plan.solver import LayerCosts, Problem, frontier, solve
+from lowbit_pipe.plan.targets import Target
 
 
 def problem(layers: int, candidates: int, seed: int) -> Problem:

@@ -41,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffusers.models.transformers.transformer_krea2 import Krea2TransformerBlock
 
 from lowbit_pipe.arch.base import LayerPolicy
-from lowbit_pipe.context import Context
-from lowbit_pipe.policy import plan_layers
+from lowbit_pipe.plan.policy import plan_layers
 from lowbit_pipe.recipe import CompileConfig, FormatChoice, QuantizeConfig, Recipe
 from lowbit_pipe.stages.compile import block_targets, compile_modules
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.detect import linear_shapes
 from lowbit_pipe.stages.quantize import quantize_module
 from lowbit_pipe.stages.teardown import teardown

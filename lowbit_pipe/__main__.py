@@ -4,7 +4,7 @@
 Exit codes: 0 done; 1 a stage failed (the run dir holds report.json; in a sweep, once every job has run);
 2 refused before any work (bad recipe, missing file, no such device: no run dir is created); 130 stopped by
 SIGINT (Ctrl-C), 143 by SIGTERM (Slurm, `timeout`, `docker stop`): after teardown, with one line on stderr saying
-where it stopped (lowbit_pipe.interrupts).
+where it stopped (lowbit_pipe.running.interrupts).
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from lowbit_pipe.compose import cli_recipes, recipe_file_args, register_schema, split_cli, to_recipe
+from lowbit_pipe.config.compose import cli_recipes, recipe_file_args, register_schema, split_cli, to_recipe
+from lowbit_pipe.config.preflight import check_extras, check_groups, check_run_dir, preflight
 from lowbit_pipe.errors import LowbitError
-from lowbit_pipe.interrupts import Interrupted, OrderlyStop, as_interrupted
 from lowbit_pipe.paths import config_dir
-from lowbit_pipe.preflight import check_extras, check_groups, check_run_dir, preflight
 from lowbit_pipe.progress import Console
-from lowbit_pipe.runner import Runner
+from lowbit_pipe.running.interrupts import Interrupted, OrderlyStop, as_interrupted
+from lowbit_pipe.running.runner import Runner
 
 register_schema()
 
@@ -39,7 +39,7 @@ def _main(cfg: DictConfig) -> float | None:
         console.say((result.run_dir / "summary.txt").read_text().rstrip("\n"))
     except LowbitError as err:
         print(f"{console.prefix}lowbit_pipe: {err}  (run dir: {run_dir})", file=sys.stderr)
-        if sweep:  # the other jobs still run; lowbit_pipe.sweep_outcome exits 1 at the sweep's end
+        if sweep:  # the other jobs still run; lowbit_pipe.running.sweep_outcome exits 1 at the sweep's end
             return float("nan")
         sys.exit(1)
     except KeyboardInterrupt as err:  # SIGINT / SIGTERM: the run is torn down; a stop ends a sweep too
@@ -68,7 +68,7 @@ def stopped_line(stopped: Interrupted) -> str:
 
 
 REFRESH_OVERRIDE = "quantize.speed_refresh=true"
-# Lets a recipe file call OmegaConf resolvers (${oc.env:...}); recipe text is data otherwise (lowbit_pipe.untrusted).
+# Lets a recipe file call OmegaConf resolvers (${oc.env:...}); recipe text is data otherwise (lowbit_pipe.config.untrusted).
 ALLOW_RESOLVERS = "--allow-resolvers"
 
 

@@ -11,11 +11,11 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from lowbit_pipe.arch import detect_module
-from lowbit_pipe.context import Context
+from lowbit_pipe.config.validate import validate
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import QuantizeConfig, Recipe
-from lowbit_pipe.runner import Runner, RunResult
-from lowbit_pipe.validate import validate
+from lowbit_pipe.running.runner import Runner, RunResult
+from lowbit_pipe.stages.context import Context
 
 
 def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
@@ -23,7 +23,7 @@ def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[s
         allow_resolvers: bool = False) -> RunResult:
     """Run a recipe (packaged name, YAML path, dict, or a composed Recipe) with CLI-style overrides.
 
-    A YAML file or dict is data (lowbit_pipe.untrusted: no `_target_`, no Hydra callbacks, no YAML anchors);
+    A YAML file or dict is data (lowbit_pipe.config.untrusted: no `_target_`, no Hydra callbacks, no YAML anchors);
     `allow_resolvers=True` lets it call OmegaConf resolvers such as ${oc.env:NAME}.
 
     `model`: a diffusers model or pipeline, or an nn.Module, used instead of `model.path`; the caller keeps
@@ -37,8 +37,8 @@ def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[s
     natively named model (a ComfyUI diffusion model) calibratable at all. The ComfyUI Quantize node passes one
     that samples with ComfyUI's own model forward.
     """
-    from lowbit_pipe.compose import compose_recipe
-    from lowbit_pipe.preflight import preflight
+    from lowbit_pipe.config.compose import compose_recipe
+    from lowbit_pipe.config.preflight import preflight
 
     if isinstance(recipe, Recipe):
         if overrides:
@@ -65,8 +65,8 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     (`gptq: {enabled: true}`; it is called once per pass, on the module as quantized so far).
     """
     from lowbit_pipe.arch import generic_policy
-    from lowbit_pipe.calibration import static_input_amax
-    from lowbit_pipe.policy import plan_layers
+    from lowbit_pipe.plan.calibration import static_input_amax
+    from lowbit_pipe.plan.policy import plan_layers
     from lowbit_pipe.stages.detect import linear_shapes
     from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
 
@@ -105,10 +105,10 @@ def _fixed_plan_config(config: dict[str, Any] | QuantizeConfig) -> QuantizeConfi
             raise RecipeError(f"quantize.{sorted(unknown)[0]}", "no such key")
         config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(QuantizeConfig), config))
     validate(Recipe(pipeline=["load"], quantize=config))
-    from lowbit_pipe.preflight import check_device
+    from lowbit_pipe.config.preflight import check_device
 
     check_device(config.compute_device, "quantize.compute_device")  # no CUDA here: said now, not mid-way
-    from lowbit_pipe.targets import resolve_target
+    from lowbit_pipe.plan.targets import resolve_target
 
     target = resolve_target(config)
     if target is not None:  # it would be ignored here: no arch example inputs to time or calibrate the forward on
@@ -146,7 +146,7 @@ def export(model: Any, path: str | Path, *, layout: str = "comfy", dtype: Any = 
     cfg = ExportConfig(path=str(path), layout=layout, shard_bytes=shard_bytes, residual_lora=residual_lora,
                        overwrite=overwrite)
     validate(Recipe(pipeline=["load"], export=cfg))
-    from lowbit_pipe.preflight import check_export_path
+    from lowbit_pipe.config.preflight import check_export_path
 
     check_export_path(Path(path), "path", overwrite=overwrite)
     found = detect_module(transformer)

@@ -7,7 +7,7 @@ clear the caches it filled -- and returns the proof (same as
 
 CLI: `python -m lowbit_pipe.purge RUN_DIR [RUN_DIR ...] [--dry-run] [--json] [--min-age S]`
 cleans what a crashed or killed run left on disk: the temporary files of
-atomic writes (`.<name>.tmp-<pid>-<host>-<random>`, lowbit_pipe.tempfiles, whose
+atomic writes (`.<name>.tmp-<pid>-<host>-<random>`, lowbit_pipe.files.tempfiles, whose
 writer is gone; `.<name>.tmp` from an earlier version's report write older than
 --min-age seconds), searched under each run dir (sweep dirs included) and beside
 the export target each run's recipe.yaml names. It then reports, per run,
@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from lowbit_pipe import tempfiles
+from lowbit_pipe.files import tempfiles
 
 _PLAIN_TMP = re.compile(r"^\..+\.tmp$")  # report writes of earlier versions (no pid in the name)
 

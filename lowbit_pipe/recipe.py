@@ -2,7 +2,7 @@
 
 The schemas are registered in Hydra's ConfigStore, so an unknown key or a wrong
 type is refused while composing. What types cannot say (format, rotation and
-stage names, rule syntax, value ranges) is checked by `lowbit_pipe.validate`,
+stage names, rule syntax, value ranges) is checked by `lowbit_pipe.config.validate`,
 beside composition; every error names the recipe path at fault.
 """
 
@@ -32,7 +32,7 @@ class ModelConfig:
     # never loaded): pipeline [load, detect, quantize, export(, teardown)], float weights, nothing calibrated on
     # forwards (static activations, budgets, GPTQ). "auto" (or null): stream whenever the run allows it; true:
     # stream, or refuse naming what prevents it; false: load the model whole. The plan line and report.json's
-    # `stream` say which, and why (lowbit_pipe.stream_choice; docs/streaming.md).
+    # `stream` say which, and why (lowbit_pipe.plan.stream_choice; docs/streaming.md).
     stream: Any = "auto"
 
 
@@ -101,7 +101,7 @@ def _target_candidates() -> list[FormatChoice]:
 @dataclass
 class TargetConfig:
     """The recipe that writes itself: per-layer formats chosen among `candidates` (and float) to meet one target
-    with the least error, or, for an error target, the most speed (lowbit_pipe.target_plan; docs/recipes.md)."""
+    with the least error, or, for an error target, the most speed (lowbit_pipe.plan.target_plan; docs/recipes.md)."""
 
     speedup: Optional[float] = None  # forward time of the float model over the quantized one's (1.6: 1.6x faster)
     bytes: Optional[int] = None  # the whole transformer's bytes (as quantize.budget_bytes)
@@ -120,7 +120,7 @@ class TargetConfig:
     # has a compile stage.
     compiled: Optional[bool] = None
     check_forward: bool = True  # time the whole quantized forward once and report how far the prediction was off
-    # One timed forward per candidate with every layer it fits really quantized at it (lowbit_pipe.speed_model): the
+    # One timed forward per candidate with every layer it fits really quantized at it (lowbit_pipe.plan.speed_model): the
     # candidate's layer times are scaled so a uniform plan's predicted time is its measured time, and the solver's
     # plan (its error probed in one forward) is weighed against the uniform plans that meet the target.
     uniform_probes: bool = True

@@ -48,7 +48,7 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
 
     from lowbit_pipe.comfy.node_runs import PurgedModelError
     from lowbit_pipe.comfy.nodes import LowbitLoRA, LowbitPurge, LowbitQuantize
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     out: dict[str, Any] = {}
     float_model = comfy.sd.load_diffusion_model(job["model"])

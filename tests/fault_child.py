@@ -20,7 +20,7 @@ import sys
 
 
 def _kill_at(point: str) -> None:
-    from lowbit_pipe import checkpoint
+    from lowbit_pipe.files import checkpoint
 
     me = os.getpid()
     if point.startswith("bytes:"):
@@ -84,7 +84,7 @@ def send_signal(sig: str, stage: str, args: list[str]) -> None:
 
     cls.run = signalled
     if stage == "teardown":  # the teardown stage is the runner's own function, not Stage.run
-        from lowbit_pipe import runner
+        from lowbit_pipe.running import runner
 
         teardown = runner.teardown
 
@@ -101,8 +101,8 @@ def diskfull(target: str) -> None:
     Prints what it found as JSON (the filesystem lives only as long as this process's mount namespace)."""
     import torch
 
-    from lowbit_pipe.checkpoint import atomic_save
     from lowbit_pipe.errors import WriteError
+    from lowbit_pipe.files.checkpoint import atomic_save
 
     previous = {"w": torch.arange(1000, dtype=torch.float32)}
     atomic_save(previous, target)

@@ -14,11 +14,11 @@ from safetensors import safe_open
 from torch import nn
 
 import lowbit_pipe
-from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.config.compose import compose_recipe
 from lowbit_pipe.formats import FormatSpec, common, get_format
 from lowbit_pipe.formats.base import WEIGHT_ONLY_KEY
 from lowbit_pipe.kernels import reference, rotation
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 FORMATS = [("int8", "none"), ("int8", "convrot"), ("int8", "hadanorm"), ("fp8", "none"), ("fp8", "quarot"),
            ("nvfp4", "none"), ("nvfp4", "convrot"), ("convrot_w4a4", "convrot"), ("w4a8", "convrot"),

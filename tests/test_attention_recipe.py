@@ -10,7 +10,7 @@ import lowbit_pipe
 from lowbit_pipe.arch import detect_model
 from lowbit_pipe.attention import apply_attention
 from lowbit_pipe.attention.processors import attention_modules
-from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.config.compose import compose_recipe
 from lowbit_pipe.errors import RecipeError, StageError
 from lowbit_pipe.kernels.attention8 import exact_attention, reference_attention8
 from lowbit_pipe.ledger import Ledger

@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 pytest.importorskip("triton")
 
-from lowbit_pipe import speed_table  # noqa: E402
 from lowbit_pipe.attention import crossover as X  # noqa: E402
 from lowbit_pipe.attention.route import NO_KERNEL  # noqa: E402
+from lowbit_pipe.plan import speed_table  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------------ router
 K48 = X.CallShape(1, 48, 4608, 128, False, "bfloat16")

@@ -38,7 +38,7 @@ from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import FORMATS, get_format, is_stock_loadable
 from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY
 from lowbit_pipe.kernels import reference
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 K, N, TOKENS, PAD, LOUD = 256, 96, 16, 5, 100.0  # K: ConvRot's 256 group; N: mxfp8's 32 and nvfp4's 16 divide it
 INTEGER_GEMM = ("int8", "convrot_w4a4", "w4a8", "w6a8")  # activations' codes meet integer weight codes: exact sums

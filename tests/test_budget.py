@@ -7,11 +7,11 @@ import torch
 from torch import nn
 
 import lowbit_pipe
-from lowbit_pipe.budget import plan_budget
 from lowbit_pipe.errors import StageError
 from lowbit_pipe.formats import FormatSpec
 from lowbit_pipe.ledger import tensor_bytes
-from lowbit_pipe.policy import LayerPlan
+from lowbit_pipe.plan.budget import plan_budget
+from lowbit_pipe.plan.policy import LayerPlan
 
 
 @pytest.mark.parametrize("ratio", [0.45, pytest.param(0.5, marks=pytest.mark.slow)])

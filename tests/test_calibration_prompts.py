@@ -11,7 +11,7 @@ from torch import nn
 
 import lowbit_pipe
 from lowbit_pipe.errors import RecipeError, StageError
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 PROMPTS = ["a red cat on the mat", "blue sky"]
 SETTINGS = ["pipeline=[load,detect,quantize]", "quantize.default.activations=static", "quantize.calibration_steps=2",

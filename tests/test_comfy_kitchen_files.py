@@ -12,7 +12,7 @@ ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402
 
 import lowbit_pipe  # noqa: E402
-from lowbit_pipe.nn import QuantLinear  # noqa: E402
+from lowbit_pipe.quant.nn import QuantLinear  # noqa: E402
 
 # layout, its `.comfy_quant` record, quantize kwargs
 LAYOUTS = [

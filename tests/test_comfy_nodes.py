@@ -26,7 +26,7 @@ from lowbit_pipe.comfy.nodes import (
 )
 from lowbit_pipe.comfy.weight_patches import UnsupportedPatchError
 from lowbit_pipe.lora.make_example import example_lora
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 class BaseModel(torch.nn.Module):

@@ -15,7 +15,7 @@ from lowbit_pipe.comfy import stock_lora, weight_patches
 from lowbit_pipe.comfy.weight_patches import UnsupportedPatchError
 from lowbit_pipe.formats import FormatSpec
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 GEN = torch.Generator().manual_seed(0)
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import lowbit_pipe
-from lowbit_pipe import metrics, sampler
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.images import spatial_latent
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.measure import metrics, sampler
+from lowbit_pipe.measure.images import spatial_latent
+from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.stages.evaluate import Evaluate, layer_probes
 
 
@@ -149,7 +149,7 @@ def test_images_on_a_tiny_offline_pipeline(tiny_model, tmp_path):
     from PIL import Image
 
     grid = Image.open(tmp_path / "p" / "images.png")
-    from lowbit_pipe.images import LABEL_HEIGHT
+    from lowbit_pipe.measure.images import LABEL_HEIGHT
 
     # 2 seeds x (float | quantized | diff) square tiles, under a title line, a column header and a label per seed
     assert grid.size[0] == 3 * (grid.size[1] - 4 * LABEL_HEIGHT) // 2

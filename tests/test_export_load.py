@@ -162,7 +162,7 @@ def test_same_tensors_and_metadata_give_the_same_bytes(tmp_path):
     several metadata entries (ours and ComfyUI's) is byte-identical from save to save, and still loads."""
     import hashlib
 
-    from lowbit_pipe.checkpoint import atomic_save
+    from lowbit_pipe.files.checkpoint import atomic_save
     tensors = {"b.weight": torch.arange(6, dtype=torch.int8).reshape(2, 3), "a.bias": torch.ones(3)}
     metadata = {f"key{i}": json.dumps({"i": i, "name": "é/ü"}) for i in range(6)}
     digests = set()
@@ -179,7 +179,7 @@ def test_mxfp8_block_scales_are_written_as_bytes_and_reload_exactly(tmp_path):
     """E8M0 scales go to disk as U8 (ComfyUI 0.29's own reader, the GPU path, has no F8_E8M0) and come back equal."""
     import struct
 
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     path = tmp_path / "m.safetensors"
     result = lowbit_pipe.run("default", ["pipeline=[load,detect,quantize,export]", "quantize.default.format=mxfp8",

@@ -31,12 +31,12 @@ import lowbit_pipe
 from lowbit_pipe import lora
 from lowbit_pipe.arch import get_arch
 from lowbit_pipe.arch.detect import detect_state_dict
-from lowbit_pipe.checkpoint import read_header, shard_files
 from lowbit_pipe.errors import FormatError, LoraError, LowbitError, RecipeError, StageError
+from lowbit_pipe.files.checkpoint import read_header, shard_files
+from lowbit_pipe.files.lazy import SafetensorsFiles
+from lowbit_pipe.files.stream import diffusers_dir_files
 from lowbit_pipe.formats import FORMATS, FormatSpec, decode_record, format_for_record
-from lowbit_pipe.lazy import SafetensorsFiles
 from lowbit_pipe.stages.load import load_single_file
-from lowbit_pipe.stream import diffusers_dir_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -379,7 +379,7 @@ from pathlib import Path
 from hostile_files import Entry, claim_file, read_entries
 from lowbit_pipe import lora
 from lowbit_pipe.errors import LowbitError
-from lowbit_pipe.lazy import SafetensorsFiles
+from lowbit_pipe.files.lazy import SafetensorsFiles
 from lowbit_pipe.stages.load import load_single_file
 
 entries, meta = read_entries(Path(sys.argv[1]))

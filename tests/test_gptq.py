@@ -11,9 +11,9 @@ from torch import nn
 import lowbit_pipe
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import FormatSpec, get_format
-from lowbit_pipe.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
 from lowbit_pipe.kernels import rotation
 from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.quant.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
 
 SPECS = [FormatSpec("int8"), FormatSpec("int8", rotation="quarot"), FormatSpec("fp8"), FormatSpec("mxfp8"),
          FormatSpec("nvfp4"),
@@ -109,7 +109,7 @@ def test_pipeline_gptq_on_the_tiny_dit_held_out_and_reloaded(tmp_path):
 
 
 def test_passes_keep_fused_groups_together_and_respect_the_hessian_budget():
-    from lowbit_pipe.policy import LayerPlan
+    from lowbit_pipe.plan.policy import LayerPlan
     from lowbit_pipe.stages.quantize import gptq_passes
 
     spec = FormatSpec("int8")
@@ -124,7 +124,7 @@ def test_passes_keep_fused_groups_together_and_respect_the_hessian_budget():
 def test_layers_without_grid_rounding_fall_back_to_nearest_and_are_named():
     """A layer GPTQ cannot round (nvfp4 padded to 16 x 16: the policy never plans one, a caller's plan may)
     is rounded to nearest, warned about once and listed; the others still get GPTQ."""
-    from lowbit_pipe.policy import LayerPlan
+    from lowbit_pipe.plan.policy import LayerPlan
     from lowbit_pipe.recipe import GPTQConfig
     from lowbit_pipe.stages.quantize import quantize_module
 
@@ -170,7 +170,7 @@ def _one_layer_gptq(x: torch.Tensor, width: int = 64, **cfg):
     """GPTQ (int8) of one Linear(width, 32) calibrated on `x`: (quantize result, warnings' messages)."""
     import warnings
 
-    from lowbit_pipe.policy import LayerPlan
+    from lowbit_pipe.plan.policy import LayerPlan
     from lowbit_pipe.recipe import GPTQConfig
     from lowbit_pipe.stages.quantize import quantize_module
 
@@ -227,7 +227,7 @@ def test_warns_when_enough_tokens_span_only_part_of_the_inputs():
 
 
 def test_gptq_threads_follow_the_free_cores_and_torch_is_restored(monkeypatch):
-    from lowbit_pipe import gptq as gptq_mod
+    from lowbit_pipe.quant import gptq as gptq_mod
 
     before = torch.get_num_threads()
     monkeypatch.setattr(gptq_mod.os, "getloadavg", lambda: (50.0, 50.0, 50.0))  # every core busy elsewhere

@@ -115,7 +115,7 @@ def test_the_router_is_never_slower_than_the_models_attention(runner, tmp_path):
     from lowbit_pipe.attention import crossover as X
     from lowbit_pipe.attention.route import NO_KERNEL, attend8
     from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key
-    from lowbit_pipe.timing import TimingSettings, time_ms
+    from lowbit_pipe.measure.timing import TimingSettings, time_ms
 
     dev = torch.cuda.current_device()
     paths = [X.Path8(X.CUDNN, "cudnn", "cudnn_fp8 (test)", lambda s: runner.why_not(

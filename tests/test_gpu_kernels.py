@@ -60,7 +60,7 @@ def test_fp8_linear_with_branch_equals_unfused(rot, gran, static, dtype):
     """QuantLinear(fp8) + LoraStack on the GPU path vs the format's linear + the unfused branch."""
     from lowbit_pipe.formats import FormatSpec
     from lowbit_pipe.lora.branches import LoraBranch, LoraStack
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     gen = torch.Generator().manual_seed(3)
     k, n, rank = 1024, 768, 24
@@ -186,7 +186,7 @@ def test_quantized_linear_on_the_gpu_matches_the_reference(fmt, opts, prepack, d
     odd row counts, a single row, and M above DECODE_MIN_ROWS."""
     from lowbit_pipe.formats import FormatSpec
     from lowbit_pipe.kernels import dispatch
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     gen = torch.Generator().manual_seed(21)
     k, n = 768, 224 if fmt == "mxfp8" else 208  # mxfp8 stores multiples of 32 only
@@ -226,7 +226,7 @@ def test_nvfp4_auto_computes_weight_only_on_a_gpu_without_fp4():
     """A dynamic-activation nvfp4 layer under the default setting on Hopper: the weight-only numerics."""
     from lowbit_pipe.formats import FormatSpec
     from lowbit_pipe.kernels import dispatch
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     if not dispatch.lacks_fp4(torch.device("cuda")):
         pytest.skip("this GPU has FP4 tensor cores")
@@ -250,7 +250,7 @@ def test_a_sample_on_the_gpu_does_not_depend_on_its_batch_mates(fmt, opts, token
     kernels and configs); alone vs in the batch within one bf16 ulp (another row count may take
     another tile config or path: the sums' order changes, never a statistic)."""
     from lowbit_pipe.formats import FormatSpec
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     gen = torch.Generator().manual_seed(26)
     k, n = 512, 256
@@ -312,7 +312,7 @@ def test_svdquant_operands_gemm_and_lora_on_the_gpu():
     from lowbit_pipe.kernels.decode import svdquant_decode
     from lowbit_pipe.kernels.fp8_gemm import float_gemm
     from lowbit_pipe.lora.branches import LoraBranch, LoraStack
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     fmt = get_format("svdquant_w4a4")
     gen = torch.Generator().manual_seed(27)
@@ -421,7 +421,7 @@ def test_awq_and_mxfp8_weight_decodes_on_the_gpu(dtype):
     dtype, and a weight-only QuantLinear on the GPU (decode + cuBLAS) against its CPU reference."""
     from lowbit_pipe.formats import FormatSpec, get_format
     from lowbit_pipe.kernels.decode import awq_decode, mxfp8_decode
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     gen = torch.Generator().manual_seed(25)
     n, k = 160, 320
@@ -476,7 +476,7 @@ def test_gptq_block_graph_replays_the_eager_loop():
     """GPTQ's column loop captured as a CUDA graph (one per layer, replayed per block) gives the eager loop's
     codes and losses bit for bit, for every format with a grid rounder, with act-order and a ragged last block."""
     from lowbit_pipe.formats import FormatSpec
-    from lowbit_pipe.gptq import GPTQSettings, gptq_quantize
+    from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize
 
     specs = [FormatSpec("int8"), FormatSpec("int8", rotation="quarot"), FormatSpec("fp8"), FormatSpec("mxfp8"),
              FormatSpec("nvfp4"), FormatSpec("nvfp4", rotation="hadanorm", rotation_group=64),
@@ -503,7 +503,7 @@ def test_quantize_on_the_gpu_a_model_that_stays_on_the_cpu(fmt, tiny_model):
     is, as good as CPU rounding's layer. The GPU's scale arithmetic may differ in a last bit, which moves a code
     that sat on a rounding boundary (seen on the H200: int8 per-row scales; nvfp4 layers 1.1e-3 apart in output)."""
     import lowbit_pipe
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     float_model, cpu_model, gpu_model = tiny_model("krea2"), tiny_model("krea2"), tiny_model("krea2")
     cfg = {"default": {"format": fmt}}

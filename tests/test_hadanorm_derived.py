@@ -10,7 +10,7 @@ from lowbit_pipe.formats import FormatSpec, QuantizedWeight
 from lowbit_pipe.kernels import rotation
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.lora.bake import bake_layer
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _layer(fmt: str, seed: int = 0) -> QuantLinear:

@@ -14,8 +14,8 @@ from hostile_files import F32, HOSTILE_HEADERS, header_mutations, write_raw
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lowbit_pipe.checkpoint import read_header
 from lowbit_pipe.errors import CheckpointError
+from lowbit_pipe.files.checkpoint import read_header
 
 _file = write_raw
 

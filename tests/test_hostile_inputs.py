@@ -20,11 +20,11 @@ import pytest
 import torch
 from test_comfy_nodes import _layer, krea2  # noqa: F401 - krea2 is a fixture used here
 
-from lowbit_pipe import untrusted
 from lowbit_pipe.comfy.nodes import LowbitExport, LowbitLoRA, LowbitQuantize, node_recipe
-from lowbit_pipe.compose import compose_recipe, recipe_file_args
+from lowbit_pipe.config import untrusted
+from lowbit_pipe.config.compose import compose_recipe, recipe_file_args
 from lowbit_pipe.errors import LowbitError, RecipeError, WriteError
-from lowbit_pipe.tempfiles import publish, temp_path
+from lowbit_pipe.files.tempfiles import publish, temp_path
 
 ROOT = Path(__file__).resolve().parents[1]
 CANARY = "canary-" + secrets.token_hex(8)
@@ -216,7 +216,7 @@ def test_the_lora_node_reads_only_comfyuis_lora_list(comfy_folders, krea2):  # n
 def test_a_recipe_file_cannot_configure_hydra_callbacks(tmp_path):
     victim = tmp_path / "pwned.pth"
     evil = tmp_path / "evil.yaml"
-    evil.write_text("hydra:\n  callbacks:\n    x:\n      _target_: lowbit_pipe.tempfiles.atomic_write_text\n"
+    evil.write_text("hydra:\n  callbacks:\n    x:\n      _target_: lowbit_pipe.files.tempfiles.atomic_write_text\n"
                     f"      path: {victim}\n      text: import os\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, "-m", "lowbit_pipe", f"recipe={evil}"], capture_output=True, text=True,
@@ -277,7 +277,7 @@ def test_a_file_that_is_not_yaml_is_never_parsed(tmp_path):
 
 
 def test_every_packaged_recipe_passes_the_rules():
-    from lowbit_pipe.compose import read_recipe_file
+    from lowbit_pipe.config.compose import read_recipe_file
     from lowbit_pipe.paths import packaged_recipes
 
     for name, path in packaged_recipes().items():
@@ -287,7 +287,7 @@ def test_every_packaged_recipe_passes_the_rules():
 def test_the_cli_export_refuses_to_replace_a_file_without_overwrite(tmp_path):
     out = tmp_path / "m.safetensors"
     out.write_bytes(b"keep me")
-    from lowbit_pipe.preflight import preflight
+    from lowbit_pipe.config.preflight import preflight
 
     recipe = compose_recipe("default", [f"export.path={out}"])
     with pytest.raises(RecipeError, match=r"export.path.*m.safetensors exists.*export.overwrite=true"):
@@ -305,7 +305,7 @@ def test_of_two_writers_racing_for_one_new_path_exactly_one_wins(tmp_path):
     with pytest.raises(FileExistsError):
         publish(b, target, replace=False)
     assert target.read_bytes() == b"a" and b.exists()
-    from lowbit_pipe.tempfiles import write_error
+    from lowbit_pipe.files.tempfiles import write_error
 
     err = write_error(FileExistsError(17, "File exists", str(target)), target)
     assert isinstance(err, WriteError) and "another run" in str(err) and "export.overwrite=true" in str(err)

@@ -605,7 +605,7 @@ def case_mxfp8() -> None:
     from lowbit_pipe.formats.mxfp8 import fake_quant
     from lowbit_pipe.kernels import dispatch, rotation
     from lowbit_pipe.kernels.act_dequant import mxfp8_act
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     gen = torch.Generator().manual_seed(32)
     x = torch.randn(9, 544, generator=gen) * 5  # 544: a ragged last 512-column block
@@ -685,7 +685,7 @@ def case_formats() -> None:
         assert y.shape == ref.shape and y.dtype == ref.dtype
         _close(y, ref, _tol(spec.rotation), f"{name} {spec.rotation} {spec.granularity}")
     # hadanorm: torch centring + rotation, the int8 path unrotated, the mean term from the layer's row sums
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     layer = QuantLinear.from_linear(torch.nn.Linear(k, n), FormatSpec("int8", rotation="hadanorm"))
     xm = x + 1.5  # a mean per group for the correction to carry

@@ -17,9 +17,9 @@ import torch
 from safetensors import safe_open
 
 import lowbit_pipe
-from lowbit_pipe import checkpoint, tempfiles
-from lowbit_pipe.checkpoint import atomic_save
 from lowbit_pipe.errors import StageError, WriteError
+from lowbit_pipe.files import checkpoint, tempfiles
+from lowbit_pipe.files.checkpoint import atomic_save
 from lowbit_pipe.purge import purge_run_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,7 +241,7 @@ def test_a_full_run_dir_still_tears_the_run_down(tmp_path, monkeypatch, tiny_mod
             raise WriteError(str(path), "disk full: test")
         return real(path, text)
 
-    from lowbit_pipe import runner
+    from lowbit_pipe.running import runner
 
     monkeypatch.setattr(runner, "atomic_write_text", full_after_start)
     with pytest.raises(WriteError, match="disk full"):

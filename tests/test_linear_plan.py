@@ -14,7 +14,7 @@ from lowbit_pipe.formats.w4a8 import W4A8Plan
 from lowbit_pipe.kernels import dispatch
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.lora.bake import bake_layer
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 SPECS = {
     "int8": FormatSpec("int8"),

@@ -8,7 +8,7 @@ from torch import nn
 
 from lowbit_pipe.formats import FormatSpec
 from lowbit_pipe.lora.bake import bake_layer, delta_kept, stochastic_round
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _layer(fmt: str, seed: int = 0) -> tuple[QuantLinear, torch.Tensor]:

@@ -17,7 +17,7 @@ from lowbit_pipe import api, lora
 from lowbit_pipe.arch import get_arch
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.lora.make_example import example_lora
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 STRENGTH = 0.7
 # diffusers' kohya FLUX converter hard-codes the real model's linear1 split (3072 x 3 + 12288), so the

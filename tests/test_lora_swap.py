@@ -13,7 +13,7 @@ from lowbit_pipe.arch import get_arch
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.lora.branches import stack_of
 from lowbit_pipe.lora.make_example import example_lora
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _setup(tiny_model, fmt="nvfp4", ledger=None):

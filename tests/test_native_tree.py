@@ -15,7 +15,7 @@ import lowbit_pipe
 from lowbit_pipe import lora
 from lowbit_pipe.arch import detect_module, get_arch
 from lowbit_pipe.lora.make_example import example_lora
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _native_twin(tmp_path, arch_id: str, fmt: str):
@@ -51,7 +51,7 @@ def test_loras_on_a_native_tree_match_the_diffusers_model(tmp_path, tiny_model):
     native qkv of FLUX: each native layer's LoRA delta is its diffusers parts' deltas, row for row."""
     model = tiny_model("flux1")
     arch = get_arch("flux1")
-    from lowbit_pipe import layout
+    from lowbit_pipe.files import layout
 
     cfg = arch.config_from_model(model)
     tree = native_module(layout.to_native({k: v.detach() for k, v in model.state_dict().items()}, arch, cfg, {}))

@@ -10,7 +10,7 @@ import pytest
 from conftest import cli, one_line_refusal
 
 import lowbit_pipe
-from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.config.compose import compose_recipe
 from lowbit_pipe.errors import RecipeError
 
 # ---- (a) lora.files without a lora stage -----------------------------------------------------------------------
@@ -69,7 +69,7 @@ def test_quantize_api_on_a_deeper_module_warns_nothing():
 @pytest.mark.parametrize("target", ["/proc/model.safetensors", "/proc/lowbit_pipe/out/model.safetensors"])
 def test_an_export_path_that_cannot_be_written_is_refused_before_any_work(target, tmp_path):
     """Root passes every permission check and /proc refuses what its bits allow: the folder is tried, not read."""
-    from lowbit_pipe.preflight import preflight
+    from lowbit_pipe.config.preflight import preflight
 
     with pytest.raises(RecipeError) as err:
         preflight(compose_recipe("default", [f"export.path={target}"]))
@@ -130,7 +130,7 @@ def test_version_flag_prints_the_version_and_exits_0(tmp_path):
 
 
 def test_a_hydra_plugin_option_without_its_extra_names_the_pip_command(monkeypatch):
-    from lowbit_pipe import preflight
+    from lowbit_pipe.config import preflight
 
     monkeypatch.setattr(preflight, "_importable", lambda module: False)
     for arg, extra in [("hydra/sweeper=optuna_budget", "optuna"), ("hydra/launcher=local", "sweep"),
@@ -214,7 +214,7 @@ def test_a_repeated_warning_is_one_report_entry_with_its_count_and_torch_interna
 
 def _fp32_split(model):
     from lowbit_pipe.arch.base import keeps_fp32
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     kept = keeps_fp32(type(model))
     quant = [n + "." for n, m in model.named_modules() if isinstance(m, QuantLinear)]  # fp32 scales by design
@@ -292,7 +292,7 @@ def test_load_export_and_evaluate_report_progress(tmp_path):
     import io
 
     from lowbit_pipe.progress import Console
-    from lowbit_pipe.runner import Runner
+    from lowbit_pipe.running.runner import Runner
 
     source = lowbit_pipe.run("default", ["pipeline=[load,detect,export]"], run_dir=tmp_path / "float").export_path
     recipe = compose_recipe("default", [f"model.path={source}", "pipeline=[load,detect,quantize,evaluate,export]",
@@ -314,7 +314,7 @@ def test_load_export_and_evaluate_report_progress(tmp_path):
 def test_images_png_panels_are_labelled(tmp_path):
     from PIL import Image
 
-    from lowbit_pipe.images import COLUMNS, LABEL_HEIGHT, grid_layout
+    from lowbit_pipe.measure.images import COLUMNS, LABEL_HEIGHT, grid_layout
 
     layout = grid_layout((128, 128), "krea2_nvfp4: int8 + nvfp4, 4 Euler steps", ["seed 1: PSNR 40.0 dB", "seed 2"])
     texts = [t for _, _, t in layout.texts]
@@ -355,7 +355,7 @@ def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the
     assert not is_ours(str(venv_torch), (package,)) and is_ours(str(package / "stages" / "quantize.py"), (package,))
     assert not is_ours(str(clone / "lowbit_pipe_extra" / "x.py"), (package,))  # a sibling folder, not the package
     # with the folders this process imports from
-    assert is_ours(str(Path(lowbit_pipe.__file__).parent / "runner.py")) and is_ours(__import__("diffusers").__file__)
+    assert is_ours(str(Path(lowbit_pipe.__file__).parent / "running" / "runner.py")) and is_ours(__import__("diffusers").__file__)
     assert not is_ours(torch.__file__) and not is_ours("<frozen importlib._bootstrap>")
 
 
@@ -474,7 +474,7 @@ def test_every_lowbit_pipe_run_in_the_tests_names_its_run_dir():
 def test_compute_device_cuda_without_cuda_is_refused_before_any_work(monkeypatch, tmp_path):
     import torch
 
-    from lowbit_pipe.preflight import preflight
+    from lowbit_pipe.config.preflight import preflight
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RecipeError) as err:
@@ -488,9 +488,9 @@ def test_compute_device_cuda_without_cuda_is_refused_before_any_work(monkeypatch
     preflight(compose_recipe("default", ["quantize.compute_device=cuda", "pipeline=[load,detect]"]))  # not used
 
 
-@pytest.mark.parametrize("key", list(__import__("lowbit_pipe.validate", fromlist=["MAX_COUNTS"]).MAX_COUNTS))
+@pytest.mark.parametrize("key", list(__import__("lowbit_pipe.config.validate", fromlist=["MAX_COUNTS"]).MAX_COUNTS))
 def test_a_count_over_its_stated_bound_is_refused_naming_the_key_and_the_bound(key):
-    from lowbit_pipe.validate import MAX_COUNTS
+    from lowbit_pipe.config.validate import MAX_COUNTS
 
     bound = MAX_COUNTS[key]
     with pytest.raises(RecipeError) as err:
@@ -537,7 +537,7 @@ def test_purge_on_a_folder_that_is_not_a_run_says_so_and_exits_1(tmp_path, capsy
 
 
 def test_stream_true_on_an_already_quantized_file_is_refused_before_the_work(tmp_path):
-    from lowbit_pipe.preflight import preflight
+    from lowbit_pipe.config.preflight import preflight
 
     export = ["pipeline=[load,detect,quantize,export]"]
     quantized = lowbit_pipe.run("default", [*export, f"export.path={tmp_path / 'q.safetensors'}"],
@@ -557,8 +557,8 @@ def test_stream_true_on_an_already_quantized_file_is_refused_before_the_work(tmp
 
 
 def test_a_ratio_target_under_the_byte_floor_is_refused_before_calibration_and_timing(tmp_path, monkeypatch):
-    from lowbit_pipe import target_plan
     from lowbit_pipe.errors import LowbitError
+    from lowbit_pipe.plan import target_plan
 
     def calibrated(*args, **kwargs):
         raise AssertionError("calibrated before the floor was checked")
@@ -577,13 +577,13 @@ def test_a_ratio_target_under_the_byte_floor_is_refused_before_calibration_and_t
 def test_byte_floor_is_a_lower_bound_of_the_solvers_smallest_plan(tmp_path):
     """The floor counts stored tensors from shapes; the solver's bytes (quantized_bytes) add records and derived
     buffers: the floor never refuses a target the solver could meet (the README's ratio 0.45 among them)."""
-    from lowbit_pipe.candidates import Candidate
-    from lowbit_pipe.error_model import quantized_bytes
     from lowbit_pipe.formats import get_format
     from lowbit_pipe.ledger import tensor_bytes
-    from lowbit_pipe.policy import _spec, plan_layers
+    from lowbit_pipe.plan.candidates import Candidate
+    from lowbit_pipe.plan.error_model import quantized_bytes
+    from lowbit_pipe.plan.policy import _spec, plan_layers
+    from lowbit_pipe.plan.target_plan import byte_floor, free_layers
     from lowbit_pipe.stages.detect import linear_shapes
-    from lowbit_pipe.target_plan import byte_floor, free_layers
 
     ctx = lowbit_pipe.run("krea2_auto_speed_tiny", ["pipeline=[load,detect]"], run_dir=tmp_path / "run").context
     cfg, model = ctx.recipe.quantize, ctx.transformer
@@ -601,7 +601,7 @@ def test_byte_floor_is_a_lower_bound_of_the_solvers_smallest_plan(tmp_path):
 
 
 def test_run_dir_that_cannot_be_created_names_hydra_run_dir(tmp_path, monkeypatch):
-    from lowbit_pipe.preflight import check_run_dir
+    from lowbit_pipe.config.preflight import check_run_dir
 
     monkeypatch.chdir("/proc")  # not writable, even as root
     with pytest.raises(RecipeError) as err:
@@ -614,8 +614,8 @@ def test_run_dir_that_cannot_be_created_names_hydra_run_dir(tmp_path, monkeypatc
 
 
 def test_an_unknown_model_group_option_names_the_group_and_its_choices():
+    from lowbit_pipe.config.preflight import check_groups
     from lowbit_pipe.paths import tiny_models
-    from lowbit_pipe.preflight import check_groups
 
     for args in (["model=tiny_sdxl"], ["+model=tiny_sdxl"], ["model=tiny_krea2,tiny_sdxl", "evaluate.samples=1"]):
         with pytest.raises(RecipeError) as err:
@@ -662,10 +662,10 @@ def test_the_readme_opens_with_what_it_does_and_a_quick_start_before_any_benchma
                                            ("krea2_nvfp4", False)])
 def test_the_readmes_comfyui_promise_matches_what_each_recipe_exports(recipe, stock):
     """The first screen says which exports stock ComfyUI loads as they are and which need the node pack; each recipe
-    it names is judged by the `.comfy_quant` records its formats write (lowbit_pipe.loadable, what the export's
+    it names is judged by the `.comfy_quant` records its formats write (lowbit_pipe.plan.loadable, what the export's
     warning uses)."""
-    from lowbit_pipe.loadable import loadable
-    from lowbit_pipe.policy import _spec
+    from lowbit_pipe.plan.loadable import loadable
+    from lowbit_pipe.plan.policy import _spec
 
     q = compose_recipe(recipe).quantize
     specs = [_spec(q.default), *([_spec(q.sensitive)] if q.sensitive is not None else []),

@@ -11,7 +11,7 @@ import lowbit_pipe
 from lowbit_pipe import api
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _pair() -> tuple[nn.Sequential, nn.Sequential]:

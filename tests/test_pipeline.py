@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import lowbit_pipe
 from lowbit_pipe.errors import RecipeError, StageError
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _report(run_dir: Path) -> dict:

@@ -13,7 +13,7 @@ from lowbit_pipe import api
 from lowbit_pipe.formats.w4a8 import decode_int8_grid
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.lora.bake import bake_layer
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _stack(seed: int = 0) -> nn.Sequential:

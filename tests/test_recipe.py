@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import cli
 
-from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.config.compose import compose_recipe
 from lowbit_pipe.errors import RecipeError
 
 
@@ -113,7 +113,7 @@ def test_a_packaged_recipe_edited_in_a_running_process_is_composed_anew(tmp_path
     changed since it was stored is stored again: a long-lived process (a ComfyUI server) sees the edit."""
     import os
 
-    from lowbit_pipe import compose
+    from lowbit_pipe.config import compose
 
     path = tmp_path / "zz_edited.yaml"
     path.write_text("# @package _global_\nquantize:\n  default:\n    format: int8\n")

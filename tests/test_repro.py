@@ -64,7 +64,7 @@ def test_rerun_of_a_non_default_model_replaces_the_model_group(tmp_path):
     from hydra.core.global_hydra import GlobalHydra
 
     from lowbit_pipe.__main__ import recipe_file_args
-    from lowbit_pipe.compose import compose_recipe, register_schema, to_recipe
+    from lowbit_pipe.config.compose import compose_recipe, register_schema, to_recipe
     from lowbit_pipe.paths import config_dir
 
     first = compose_recipe("flux1_fp8", ["evaluate.steps=3"])

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 import lowbit_pipe
-from lowbit_pipe import checkpoint
 from lowbit_pipe.__main__ import stopped_line
-from lowbit_pipe.interrupts import Interrupted, OrderlyStop
+from lowbit_pipe.files import checkpoint
+from lowbit_pipe.running.interrupts import Interrupted, OrderlyStop
 from lowbit_pipe.stages import STAGES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ FAST = {("TERM", "export"), ("INT", "quantize")}
 def _signal_at_start(monkeypatch, stage: str, signum: int) -> None:
     """Send the signal to this process as `stage` starts (the handler raises at the next bytecode)."""
     if stage == "teardown":
-        from lowbit_pipe import runner
+        from lowbit_pipe.running import runner
 
         real = runner.teardown
         monkeypatch.setattr(runner, "teardown", lambda ctx: (os.kill(os.getpid(), signum), real(ctx))[1])
@@ -87,7 +87,7 @@ def test_a_signal_mid_write_leaves_no_partial_export(tmp_path, monkeypatch):
 
 
 def test_signals_after_the_first_do_not_cut_the_teardown(tmp_path, monkeypatch):
-    from lowbit_pipe import runner
+    from lowbit_pipe.running import runner
 
     real = runner.teardown
 

@@ -112,7 +112,7 @@ def test_a_handle_kept_past_a_ledger_teardown_keeps_nothing_alive(tiny_model):
 def test_quantize_does_not_recompose_the_recipe_store(tiny_model, monkeypatch):
     """api.quantize re-read and re-registered every packaged recipe with Hydra on each call (0.12-0.16 s, the
     largest host cost of a soak cycle); it needs none of them."""
-    from lowbit_pipe import compose
+    from lowbit_pipe.config import compose
 
     def refuse() -> None:
         raise AssertionError("api.quantize registered the recipe schema")

@@ -14,9 +14,9 @@ import torch
 
 import lowbit_pipe
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.nn import QuantLinear
-from lowbit_pipe.solver import LayerCosts, Problem, frontier, predict, solve
-from lowbit_pipe.targets import Target
+from lowbit_pipe.plan.solver import LayerCosts, Problem, frontier, predict, solve
+from lowbit_pipe.plan.targets import Target
+from lowbit_pipe.quant.nn import QuantLinear
 
 
 def _problem(layers: int, options: int, seed: int) -> Problem:
@@ -95,7 +95,7 @@ def test_solving_per_attention_format_takes_the_best_met_plan():
     picks the format with less error; one neither meets names the closest format and what it reaches."""
     from dataclasses import replace
 
-    from lowbit_pipe.target_plan import solve_per_attention
+    from lowbit_pipe.plan.target_plan import solve_per_attention
 
     problem = _problem(8, 3, 4)
     fastest = problem.fixed_ms + sum(min(lay.time_ms) for lay in problem.layers)
@@ -265,9 +265,9 @@ def test_a_met_uniform_plan_with_less_measured_error_replaces_the_solvers():
     """The measured figures decide between the solver's plan and the uniform plans (the error model mispredicted
     a mixed int8 / fp8 / float plan at full size, below all-int8 that measured less): the winner meets the
     target; a speedup target takes the least error, an error target the least time."""
-    from lowbit_pipe.solver import LayerCosts
-    from lowbit_pipe.speed_model import SpeedModel, UniformProbe
-    from lowbit_pipe.target_plan import weigh_uniform
+    from lowbit_pipe.plan.solver import LayerCosts
+    from lowbit_pipe.plan.speed_model import SpeedModel, UniformProbe
+    from lowbit_pipe.plan.target_plan import weigh_uniform
 
     labels = ("a", "b", "float")
     layers = [LayerCosts("l0", labels, (1.0, 0.5, 2.0), (1, 1, 2), (1e-6, 4e-6, 0.0)),
@@ -356,8 +356,8 @@ def test_recipe_errors_name_the_key(tmp_path):
 
 
 def test_a_target_needs_the_model_loaded():
+    from lowbit_pipe.plan.stream_choice import stream_blockers
     from lowbit_pipe.recipe import Recipe
-    from lowbit_pipe.stream_choice import stream_blockers
 
     recipe = Recipe()
     assert not any(k == "quantize.target" for k, _ in stream_blockers(recipe))

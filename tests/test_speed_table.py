@@ -10,11 +10,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lowbit_pipe import speed_table as st
-from lowbit_pipe.candidates import Candidate, spec_label
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import FormatSpec
-from lowbit_pipe.timing import TimingSettings, time_ms
+from lowbit_pipe.measure.timing import TimingSettings, time_ms
+from lowbit_pipe.plan import speed_table as st
+from lowbit_pipe.plan.candidates import Candidate, spec_label
 
 CPU = torch.device("cpu")
 FAST = TimingSettings(warmup=1, reps=2)

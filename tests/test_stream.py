@@ -155,8 +155,8 @@ STREAMABLE = [*FILE, "pipeline=[load,detect,quantize,export]"]
     ([*STREAMABLE, "model.stream=auto"], True, None, "no stage"),
 ])
 def test_auto_streams_exactly_when_nothing_needs_the_model_loaded(overrides, streams, key, words):
-    from lowbit_pipe.compose import compose_recipe
-    from lowbit_pipe.stream_choice import decide_stream
+    from lowbit_pipe.config.compose import compose_recipe
+    from lowbit_pipe.plan.stream_choice import decide_stream
 
     choice = decide_stream(compose_recipe("default", overrides))
     assert choice.stream == streams and words in choice.reason, choice
@@ -168,8 +168,8 @@ def test_auto_streams_exactly_when_nothing_needs_the_model_loaded(overrides, str
 def test_auto_loads_what_the_caller_keeps():
     """A model handed in is loaded already; lowbit_pipe.run hands the quantized model back (result.model) unless
     the pipeline tears it down, so there auto loads it (the CLI keeps nothing: hands_back=False)."""
-    from lowbit_pipe.compose import compose_recipe
-    from lowbit_pipe.stream_choice import decide_stream
+    from lowbit_pipe.config.compose import compose_recipe
+    from lowbit_pipe.plan.stream_choice import decide_stream
 
     rec = compose_recipe("default", STREAMABLE)
     assert not decide_stream(rec, model_given=True).stream

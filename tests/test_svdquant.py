@@ -10,7 +10,7 @@ from test_gptq import outlier_layer, output_error
 
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FormatSpec, get_format
-from lowbit_pipe.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
+from lowbit_pipe.quant.gptq import GPTQSettings, HessianAccumulator, gptq_quantize
 
 ck = pytest.importorskip("comfy_kitchen")
 from comfy_kitchen.tensor import QuantizedTensor  # noqa: E402

@@ -19,13 +19,13 @@ import torch
 from safetensors.torch import save_file
 
 import lowbit_pipe
-from lowbit_pipe.compose import compose_recipe
+from lowbit_pipe.config.compose import compose_recipe
 from lowbit_pipe.errors import StageError
-from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.purge import main as purge_main
 from lowbit_pipe.purge import purge
+from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.recipe import LoraFile
-from lowbit_pipe.runner import Runner
+from lowbit_pipe.running.runner import Runner
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import DYNAMO_CAVEAT
 

@@ -1,4 +1,4 @@
-"""hydra/callbacks=mlflow (lowbit_pipe/tracking.py): one MLflow run per job holding the recipe as params,
+"""hydra/callbacks=mlflow (lowbit_pipe/running/tracking.py): one MLflow run per job holding the recipe as params,
 report.json's numbers as metrics and its files as artifacts; a failed job is a FAILED run with its error."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from omegaconf import OmegaConf
 import lowbit_pipe
 from lowbit_pipe import report
 from lowbit_pipe.errors import StageError
-from lowbit_pipe.tracking import MlflowCallback, default_store
+from lowbit_pipe.running.tracking import MlflowCallback, default_store
 
 pytest.importorskip("mlflow", reason="hydra/callbacks=mlflow needs `pip install '.[mlflow]'`")
 
@@ -140,7 +140,7 @@ def test_ray_sweep_records_a_failing_job_as_failed_and_finishes_the_others(tmp_p
     proc = cli(["-m", "hydra/callbacks=mlflow", *RAY_LOCAL, "evaluate.samples=1", "evaluate.trajectory_seeds=0",
                 f"model.path=null,{bad}"], tmp_path)
     # A failed stage's job returns (NaN) instead of exiting: callbacks see it, the other job runs to the end, and
-    # the sweep exits 1 naming the failed job (lowbit_pipe.sweep_outcome).
+    # the sweep exits 1 naming the failed job (lowbit_pipe.running.sweep_outcome).
     assert proc.returncode == 1 and "lowbit_pipe: 1 job(s) of the sweep failed:" in proc.stderr
     (sweep,) = [p for p in (tmp_path / "runs" / "multirun").glob("*/*") if p.is_dir() and p.name != "mlflow"]
     by_status = {r.info.status: r for r in runs_of(client_for(sweep))}

@@ -32,7 +32,7 @@ LOCAL_ONLY = ("num_cpus", "num_gpus", "object_store_memory")
 
 class JobExited(RuntimeError):
     """A job's task function called sys.exit with a failure status (lowbit_pipe's CLI does when interrupted; a
-    failed stage in a sweep returns NaN instead, see lowbit_pipe.sweep_outcome)."""
+    failed stage in a sweep returns NaN instead, see lowbit_pipe.running.sweep_outcome)."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ A `KeyMap` converts key->shape maps and state dicts (tensors) both ways, and
 single module names (for LoRA and export). Rules are templates where `{i}` is
 a block index. Keys no rule matches pass through unchanged (identity).
 
-Values may be tensors, lazy tensors (lowbit_pipe.lazy: streaming reads) or shape tuples:
+Values may be tensors, lazy tensors (lowbit_pipe.files.lazy: streaming reads) or shape tuples:
 the same code converts all three, so shape maps (detection), real weights (load / export)
 and a checkpoint streamed tensor by tensor share one mapping.
 """

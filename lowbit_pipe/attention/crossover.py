@@ -13,7 +13,7 @@ The choice, per shape, once (then remembered):
    for it), from the measured table when it has them all. The fastest is taken; an 8-bit path only when it takes
    at most MARGIN of the stock time (timing noise must not make a model slower).
 3. Times the table lacks are measured on the spot -- random q, k, v of the call's shape, a tenth of the keys
-   masked for a masked call (Krea 2 pads its text), each path's whole call timed by lowbit_pipe.timing -- and
+   masked for a masked call (Krea 2 pads its text), each path's whole call timed by lowbit_pipe.measure.timing -- and
    saved, unless the call is being captured into a CUDA graph or measuring is off.
 4. Otherwise the default rule (DEFAULT_MIN_TOKENS), from the figures measured on an H100 (issue 43, one run):
    cuDNN's kernel alone ran 0.84x torch's bf16 attention at 24 heads x 1280 tokens, 1.17-1.23x at 4608 and 1.42x
@@ -35,7 +35,7 @@ shapes (a recompile with dynamic shapes keeps working), calls are counted one by
 happens at the first real call of a shape, never while tracing. Inside it the model's own attention is torch's
 SDPA (what diffusers' native backend calls, and what the times compare against).
 
-The table is the speed table's mechanism (lowbit_pipe.speed_table: one JSON file per device and torch / triton /
+The table is the speed table's mechanism (lowbit_pipe.plan.speed_table: one JSON file per device and torch / triton /
 lowbit_pipe versions, written atomically), in its own file under the cache directory's `attention/`; an entry
 names the path with its software (cuDNN's frontend and library versions for cuDNN's kernel).
 """
@@ -51,9 +51,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from lowbit_pipe import speed_table
 from lowbit_pipe.attention.route import NO_KERNEL
-from lowbit_pipe.timing import TimingSettings, time_ms
+from lowbit_pipe.measure.timing import TimingSettings, time_ms
+from lowbit_pipe.plan import speed_table
 
 CUDNN = "cudnn_fp8"
 STOCK = "stock"

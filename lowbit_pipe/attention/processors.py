@@ -46,7 +46,7 @@ from lowbit_pipe.attention.route import (
     traced_counting,
 )
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.policy import matches
+from lowbit_pipe.plan.policy import matches
 
 DISPATCH_GLOBAL = "dispatch_attention_fn"
 ROPE_GLOBAL = "apply_rotary_emb"

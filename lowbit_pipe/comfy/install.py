@@ -28,8 +28,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowbit_pipe.checkpoint import atomic_write_text
 from lowbit_pipe.errors import LowbitError
+from lowbit_pipe.files.checkpoint import atomic_write_text
 from lowbit_pipe.formats.comfy_versions import PACK_MIN_COMFY_KITCHEN, SUPPORTED_COMFYUI
 from lowbit_pipe.version import __version__
 

@@ -122,9 +122,9 @@ def forward(tree: nn.Module, x: torch.Tensor, timestep: torch.Tensor, inputs: Na
 
 def calibration_runner(arch_id: str, tree: nn.Module, sample: Callable[[int], NativeInputs], *, samples: int,
                        steps: int) -> Callable[[], None]:
-    """`run()`: `samples` input sets (`sample(i)`), each denoised in `steps` Euler steps (lowbit_pipe.sampler, the
+    """`run()`: `samples` input sets (`sample(i)`), each denoised in `steps` Euler steps (lowbit_pipe.measure.sampler, the
     CLI's calibration sampler) through `tree`'s forward, or run once at its timestep when steps is 0."""
-    from lowbit_pipe import sampler
+    from lowbit_pipe.measure import sampler
 
     _require(arch_id, "calibration")
 

@@ -2,7 +2,7 @@
 is checked as hostile before it is used:
 
 - a recipe is "auto", a packaged recipe's name, a `.yaml` file inside `models/lowbit_recipes/` (checked after the
-  real path is resolved), or YAML text; the text and overrides are data (lowbit_pipe.untrusted: size cap, no
+  real path is resolved), or YAML text; the text and overrides are data (lowbit_pipe.config.untrusted: size cap, no
   anchors, no `_target_`, no resolvers) and may set only the sections the Quantize node runs;
 - a file name to write is a name, with at most one sub-folder, resolved inside its models folder, never replacing
   a file unless the node's `overwrite` input says so;
@@ -16,7 +16,7 @@ import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lowbit_pipe import untrusted
+from lowbit_pipe.config import untrusted
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.paths import packaged_recipes
 
@@ -156,7 +156,7 @@ def free_target(path: Path, what: str, *, overwrite: bool) -> None:
 def recipe_arch(source: str | dict, depth: int = 0) -> str | None:
     """The architecture a recipe is written for: the tiny model its `defaults` choose (`override /model: tiny_krea2`),
     through the recipes it extends; None for a recipe of no architecture (default)."""
-    from lowbit_pipe.compose import read_recipe_file
+    from lowbit_pipe.config.compose import read_recipe_file
     from lowbit_pipe.paths import tiny_models
 
     if isinstance(source, str):
@@ -178,7 +178,7 @@ def recipe_arch(source: str | dict, depth: int = 0) -> str | None:
 def check_patterns(quantize: Any, layers: list[str], recipe: str, written_for: str | None, arch_id: str | None) -> None:
     """Refuse a recipe whose `quantize.rules` / `quantize.keep` patterns match no layer of the model: they name another
     architecture's layers (or none), and would be ignored without a word."""
-    from lowbit_pipe.policy import matches
+    from lowbit_pipe.plan.policy import matches
 
     patterns = [(f"quantize.rules[{i}].match", r.match) for i, r in enumerate(quantize.rules)] + \
                [(f"quantize.keep[{i}]", p) for i, p in enumerate(quantize.keep)]

@@ -53,7 +53,7 @@ class NodeRun:
     ledger: Ledger
     made_by: str  # "Quantize (lowbit_pipe) node 5", for messages
     node_id: str | None  # whose IS_CHANGED moves when this is purged
-    result: Any = None  # lowbit_pipe.runner.RunResult of a quantize run
+    result: Any = None  # lowbit_pipe.running.runner.RunResult of a quantize run
     trees: list[weakref.ref] = field(default_factory=list)
     purged: str | None = None  # after Purge: when and by what
     # ComfyUI's clone_base_uuid of every MODEL made from this run: ComfyUI unloads them together, nothing else.

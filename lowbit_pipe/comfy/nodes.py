@@ -35,8 +35,8 @@ from lowbit_pipe.comfy import node_runs
 from lowbit_pipe.comfy.node_runs import PURGES, LoraSpec, NodeRun, NodeState
 from lowbit_pipe.comfy.patchers import model_with_tree, release_weights, unload_from_comfy
 from lowbit_pipe.comfy.stock_lora import STOCK_LORA_NOTE, is_quantized
-from lowbit_pipe.nn import QuantLinear
-from lowbit_pipe.tempfiles import move
+from lowbit_pipe.files.tempfiles import move
+from lowbit_pipe.quant.nn import QuantLinear
 
 CATEGORY = "lowbit_pipe"
 AUTO = "auto"
@@ -109,7 +109,7 @@ def node_recipe(recipe: str, overrides: str, arch_id: str | None, fixed: list[st
     .yaml file in models/lowbit_recipes, or YAML text) with its override lines, every part checked as hostile input
     (lowbit_pipe.comfy.node_inputs), then `fixed` (the node's own settings) and the node's pipeline."""
     from lowbit_pipe.comfy import node_inputs
-    from lowbit_pipe.compose import compose_recipe, parse_recipe_text, read_recipe_file
+    from lowbit_pipe.config.compose import compose_recipe, parse_recipe_text, read_recipe_file
     from lowbit_pipe.paths import packaged_recipes
 
     text = recipe.strip()
@@ -407,8 +407,8 @@ class LowbitExport:
 
     def export(self, model: Any, filename: str, overwrite: bool = False) -> dict[str, Any]:
         import lowbit_pipe
-        from lowbit_pipe.checkpoint import export_targets
         from lowbit_pipe.comfy import node_inputs
+        from lowbit_pipe.files.checkpoint import export_targets
         from lowbit_pipe.lora import has_residual_lora
 
         node_runs.check_usable(_tree(model), "Export (lowbit_pipe)")

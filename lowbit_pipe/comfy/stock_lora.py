@@ -72,7 +72,7 @@ def is_quantized(module: nn.Module) -> bool:
     """A layer whose weight a ComfyUI weight patch cannot change exactly: lowbit_pipe's QuantLinear, or ComfyUI's
     mixed-precision Linear holding a comfy-kitchen QuantizedTensor (stock kinds, and lowbit kinds loaded through
     the pack's layout)."""
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     if isinstance(module, QuantLinear):
         return True

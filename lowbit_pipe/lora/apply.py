@@ -32,7 +32,7 @@ from torch import nn
 from lowbit_pipe.lora import branches as br
 from lowbit_pipe.lora.bake import _replace, bake_group, bake_layer, check_bakeable
 from lowbit_pipe.lora.files import LayerFactors, LoraData, LoraError, check_matched, parse_lora
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 REGISTRY = "_lowbit_lora"
 

@@ -24,7 +24,7 @@ from lowbit_pipe.errors import LoraError
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, common, get_format
 from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY
 from lowbit_pipe.kernels import reference, rotation
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.quant.nn import QuantLinear
 
 BAKE_MODES = ("standard", "stochastic")
 
@@ -185,7 +185,7 @@ def bake_group(layers: list[tuple[str, QuantLinear]], deltas: dict[str, Callable
     """Bake into layers that were quantized as ONE fused native weight (FLUX qkv / linear1): requantize the
     fused weight jointly and split it, so the parts keep sharing their per-tensor scales and the native
     export stays exact. `deltas`: per layer name (layers without one only get requantized)."""
-    from lowbit_pipe.layout import split_rows
+    from lowbit_pipe.files.layout import split_rows
 
     if mode not in BAKE_MODES:
         raise ValueError(f"unknown bake mode '{mode}' (known: {list(BAKE_MODES)})")

@@ -145,7 +145,7 @@ def conform(stack: LoraStack, branch: LoraBranch) -> LoraBranch:
 def ensure_stack(layer: nn.Module, where: str, ledger=None) -> LoraStack:
     """The layer's LoraStack, installing it (and, on a float Linear, the forward hook); the ledger
     records both, and its undo takes them off again (the layer is then exactly as before)."""
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     stack = stack_of(layer)
     if stack is not None:

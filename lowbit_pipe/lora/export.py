@@ -239,7 +239,7 @@ def save_residual_lora(model: nn.Module, path: str | Path, layout: str = "diffus
     """Write the model's residual LoRA branches as one LoRA file in `layout`'s key style ("native":
     ComfyUI names, "diffusers": peft names); kw: `residual_pairs`'s. Returns bytes written (0: no branch,
     no file)."""
-    from lowbit_pipe.checkpoint import atomic_save
+    from lowbit_pipe.files.checkpoint import atomic_save
 
     if not has_residual_lora(model):
         return 0

@@ -59,7 +59,7 @@ def is_linear(module: nn.Module) -> bool:
     `lora` stack. Wrappers that hold their Linear as a child (peft's LoRA layers) are not matched;
     their child is.
     """
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     if isinstance(module, (QuantLinear, nn.Linear)):
         return True
@@ -140,7 +140,7 @@ def read_state(path_or_state: str | Path | Mapping[str, torch.Tensor], max_tenso
     the header, before anything is read."""
     if isinstance(path_or_state, Mapping):
         return dict(path_or_state), {}, "<state dict>"
-    from lowbit_pipe.checkpoint import load_tensors, read_header
+    from lowbit_pipe.files.checkpoint import load_tensors, read_header
 
     path = str(path_or_state)
     if not Path(path).is_file():

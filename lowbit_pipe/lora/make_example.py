@@ -26,7 +26,7 @@ BLOCKS = re.compile(r"(^|\.)(transformer_blocks|single_transformer_blocks|layers
 
 def _weight(layer: nn.Module) -> torch.Tensor:
     """The layer's float weight: dequantized for a QuantLinear or a comfy-kitchen QuantizedTensor weight."""
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     if isinstance(layer, QuantLinear):
         return layer.dequantize()
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from lowbit_pipe.arch import get_arch
     from lowbit_pipe.arch.tiny import build_tiny
-    from lowbit_pipe.checkpoint import atomic_save
+    from lowbit_pipe.files.checkpoint import atomic_save
     from lowbit_pipe.paths import tiny_models
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    from lowbit_pipe.context import Context
+    from lowbit_pipe.stages.context import Context
 
 
 class Stage:

@@ -34,10 +34,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.recipe import CompileConfig
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 
 MODES = ("regional", "full")  # recipe.validate checks compile.mode against these

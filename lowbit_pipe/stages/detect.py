@@ -9,11 +9,11 @@ from typing import Any
 from torch import nn
 
 from lowbit_pipe.arch import Generic, ModuleArch, detect_module, generic_policy, get_arch
-from lowbit_pipe.context import Context
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import get_format
-from lowbit_pipe.policy import LayerPlan, plan_layers
+from lowbit_pipe.plan.policy import LayerPlan, plan_layers
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.summary import fmt_bytes
 

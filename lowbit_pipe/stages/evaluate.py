@@ -19,10 +19,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe import metrics, sampler
-from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import parent_of, tensor_bytes
+from lowbit_pipe.measure import metrics, sampler
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 
 TRAJECTORY_SEED_OFFSET = 10_000  # trajectory seeds differ from the output-sample seeds
@@ -180,7 +180,7 @@ class Evaluate(Stage):
             if cfg.trajectory_seeds:
                 result["trajectory"], finals = self._trajectory(ctx, forward)
             if cfg.images:
-                from lowbit_pipe.images import compare_images
+                from lowbit_pipe.measure.images import compare_images
 
                 result["images"] = compare_images(ctx, finals, ctx.run_dir / "images.png",
                                                   seeds=result["trajectory"]["seeds"], steps=cfg.steps)

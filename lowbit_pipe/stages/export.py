@@ -10,20 +10,20 @@ from typing import Any
 import torch
 from omegaconf import OmegaConf
 
-from lowbit_pipe import layout
 from lowbit_pipe.arch.base import Arch, ArchConfig
-from lowbit_pipe.checkpoint import export_targets, metadata_json, save_unpublished
-from lowbit_pipe.context import Context
+from lowbit_pipe.files import layout
+from lowbit_pipe.files.checkpoint import export_targets, metadata_json, save_unpublished
+from lowbit_pipe.files.tempfiles import discard, publish, publish_together, write_error, write_temp_text
 from lowbit_pipe.formats import comfy_versions as compat
 from lowbit_pipe.formats import decode_record, is_stock_loadable
 from lowbit_pipe.lora import has_residual_lora, residual_metadata, residual_state_dict
-from lowbit_pipe.nn import QuantLinear
 from lowbit_pipe.progress import Console
+from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.recipe import ExportConfig
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.load import METADATA_KEY, QUANT_METADATA_KEY
 from lowbit_pipe.stages.registry import register
-from lowbit_pipe.tempfiles import discard, publish, publish_together, write_error, write_temp_text
 from lowbit_pipe.version import __version__
 
 
@@ -194,8 +194,8 @@ class Export(Stage):
         dtype = ctx.dtype if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
         if ctx.stream is not None:
+            from lowbit_pipe.files.stream import stream_export
             from lowbit_pipe.stages.quantize import compute_device
-            from lowbit_pipe.stream import stream_export
 
             # Rounding runs where the loading path would run it: quantize.compute_device, else model.device.
             device = torch.device(ctx.recipe.model.device or "cpu") if ctx.recipe.model.device != "auto" else \

@@ -14,17 +14,17 @@ from torch import nn
 from lowbit_pipe.arch import ARCHS, Arch, ArchConfig, get_arch
 from lowbit_pipe.arch.base import compute_dtype, keeps_fp32
 from lowbit_pipe.arch.tiny import build_tiny
-from lowbit_pipe.checkpoint import all_finite, load_tensors, metadata_json, read_header, shard_files
-from lowbit_pipe.context import Context
 from lowbit_pipe.errors import CheckpointError, FormatError
+from lowbit_pipe.files.checkpoint import all_finite, load_tensors, metadata_json, read_header, shard_files
 from lowbit_pipe.formats import decode_record, encode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
-from lowbit_pipe.nn import QuantLinear
+from lowbit_pipe.plan.stream_choice import StreamChoice, decide_stream
 from lowbit_pipe.progress import Console
+from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.load_fit import check_config, check_fits
 from lowbit_pipe.stages.registry import register
-from lowbit_pipe.stream_choice import StreamChoice, decide_stream
 from lowbit_pipe.summary import fmt_bytes
 
 METADATA_KEY = "lowbit_pipe"  # header metadata written by export: JSON with arch, config, recipe
@@ -295,8 +295,8 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
                      console: Console | None = None) -> tuple[nn.Module, dict]:
     """A state dict in one file (or an index of shards): diffusers or native layout, any prefix, float or quantized.
     `console`: a line saying what is read, then progress per tensor (a 12B model's load is minutes)."""
-    from lowbit_pipe import layout
     from lowbit_pipe.arch.detect import strip_prefix
+    from lowbit_pipe.files import layout
 
     src = inspect_file(path, arch_id, config_override)
     arch, arch_config, records = src.arch, src.arch_config, src.records
@@ -339,7 +339,7 @@ def load_single_file(path: str, arch_id: str | None, config_override: dict[str, 
 
 def inspect_dir(path: str, config_override: dict[str, Any]) -> SourceFile:
     """A diffusers model folder as a SourceFile: its class from config.json, its safetensors shards."""
-    from lowbit_pipe.stream import diffusers_dir_files
+    from lowbit_pipe.files.stream import diffusers_dir_files
 
     config_file = Path(path) / "config.json"
     if not config_file.is_file():

@@ -10,17 +10,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lowbit_pipe.calibration import input_hessians, static_input_amax
-from lowbit_pipe.context import Context
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
-from lowbit_pipe.gptq import GPTQSettings, gptq_quantize
 from lowbit_pipe.ledger import tensor_bytes
-from lowbit_pipe.nn import QuantLinear
-from lowbit_pipe.policy import LayerPlan, _spec, plan_layers, unfit
+from lowbit_pipe.plan.calibration import input_hessians, static_input_amax
+from lowbit_pipe.plan.policy import LayerPlan, _spec, plan_layers, unfit
 from lowbit_pipe.progress import Console, progress
+from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize
+from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.recipe import GPTQConfig, QuantizeConfig
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.detect import linear_shapes
 from lowbit_pipe.stages.registry import register
 
@@ -34,7 +34,7 @@ def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]],
 
     This is what a quantizer working on the native file does (one per-tensor / global scale for the
     whole fused weight), so the native export of the parts is exact. `device`: where the math runs."""
-    from lowbit_pipe.layout import split_rows
+    from lowbit_pipe.files.layout import split_rows
 
     linears = [root.get_submodule(name) for name, _, _ in group]
     home = linears[0].weight.device
@@ -411,7 +411,7 @@ def example_runner(ctx: Context, what: str) -> Callable[[], None]:
     the diffusers pipeline the run was given. Otherwise the transformer on `quantize.calibration_samples` seeded
     example input sets (the arch's own); with `calibration_steps` > 0 each set is denoised by the Euler sampler, so
     every timestep's input is seen."""
-    from lowbit_pipe import sampler
+    from lowbit_pipe.measure import sampler
 
     cfg = ctx.recipe.quantize
     if ctx.calibrate is not None:
@@ -455,7 +455,7 @@ def calibration_source(cfg: QuantizeConfig) -> dict[str, Any]:
 
 
 def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan], dict[str, Any]]:
-    from lowbit_pipe.budget import plan_budget
+    from lowbit_pipe.plan.budget import plan_budget
 
     cfg = ctx.recipe.quantize
     model = ctx.transformer
@@ -468,9 +468,9 @@ def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan]
 
 
 def _target_plan(ctx: Context, plans: list[LayerPlan]):
-    """quantize.target: the solver's plan (lowbit_pipe.target_plan), or None when the recipe sets no target."""
-    from lowbit_pipe.target_plan import plan_for_target, require_example_forward
-    from lowbit_pipe.targets import resolve_target
+    """quantize.target: the solver's plan (lowbit_pipe.plan.target_plan), or None when the recipe sets no target."""
+    from lowbit_pipe.plan.target_plan import plan_for_target, require_example_forward
+    from lowbit_pipe.plan.targets import resolve_target
 
     target = resolve_target(ctx.recipe.quantize)
     if target is None:
@@ -486,7 +486,7 @@ def _target_plan(ctx: Context, plans: list[LayerPlan]):
 def _check_target(ctx: Context, target_plan) -> dict[str, Any]:
     """The whole-forward check of a target plan (quantize.target.check_forward): into the report, and the stage's
     figures (predicted vs measured ms and by how much the prediction was off)."""
-    from lowbit_pipe.target_plan import check
+    from lowbit_pipe.plan.target_plan import check
 
     if not ctx.recipe.quantize.target.check_forward:
         return {}
@@ -503,7 +503,7 @@ def _plan_report(plans: list[LayerPlan]) -> list[dict[str, Any]]:
 
 def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:
     """Fused native modules whose parts are all planned alike: quantized jointly for an exact ComfyUI export."""
-    from lowbit_pipe.layout import fused_groups
+    from lowbit_pipe.files.layout import fused_groups
 
     if arch is None:
         return []

@@ -21,9 +21,9 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.context import Context
 from lowbit_pipe.ledger import TeardownReport
 from lowbit_pipe.stages.base import Stage
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 
 

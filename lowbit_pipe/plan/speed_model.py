@@ -20,14 +20,14 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.candidates import Candidate
-from lowbit_pipe.error_model import LayerOption
 from lowbit_pipe.formats import FormatSpec
-from lowbit_pipe.forward_timing import ExampleForward, time_forward
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.metrics import rel_error
-from lowbit_pipe.policy import LayerPlan
-from lowbit_pipe.timing import TimingSettings
+from lowbit_pipe.measure.metrics import rel_error
+from lowbit_pipe.measure.timing import TimingSettings
+from lowbit_pipe.plan.candidates import Candidate
+from lowbit_pipe.plan.error_model import LayerOption
+from lowbit_pipe.plan.forward_timing import ExampleForward, time_forward
+from lowbit_pipe.plan.policy import LayerPlan
 
 _FLOOR = 0.05  # a scale below this means the probe timed faster than everything outside the layers: noise, clamped
 STAND_IN_AMAX = 4.0  # static activations: the input scale's value does not change the time (speed_table likewise)

@@ -19,8 +19,8 @@ from torch import nn
 from lowbit_pipe.formats import FormatSpec, encode_record, get_format
 from lowbit_pipe.kernels import rotation
 from lowbit_pipe.ledger import tensor_bytes
-from lowbit_pipe.metrics import rel_error
-from lowbit_pipe.policy import LayerPlan
+from lowbit_pipe.measure.metrics import rel_error
+from lowbit_pipe.plan.policy import LayerPlan
 
 
 @dataclass(frozen=True)

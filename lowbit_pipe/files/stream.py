@@ -1,9 +1,9 @@
 """File to file in bounded memory: a float checkpoint streamed through quantization into the export.
 
-`model.stream` (auto by default: whenever the run allows it, lowbit_pipe.stream_choice; true forces it),
+`model.stream` (auto by default: whenever the run allows it, lowbit_pipe.plan.stream_choice; true forces it),
 with `pipeline: [load, detect, quantize, export]`: load builds the model on the meta device (structure
 only, no weights) and opens the checkpoint lazily; detect and quantize plan the layers on that structure;
-export reads one tensor at a time (lowbit_pipe.lazy), quantizes it on `quantize.compute_device` or else
+export reads one tensor at a time (lowbit_pipe.files.lazy), quantizes it on `quantize.compute_device` or else
 `model.device` as it arrives, and appends it to the output (checkpoint.StreamingWriter). Peak host
 memory is about one tensor (a fused native layer: its parts together) plus its quantized form, not the
 model. The result holds the very tensors, names and records the loading path writes, which
@@ -24,11 +24,11 @@ from typing import Any
 import torch
 
 from lowbit_pipe.arch.detect import strip_prefix
-from lowbit_pipe.checkpoint import StreamingWriter, all_finite, shard_files
 from lowbit_pipe.errors import CheckpointError, FormatError
+from lowbit_pipe.files.checkpoint import StreamingWriter, all_finite, shard_files
+from lowbit_pipe.files.lazy import LazyTensor, SafetensorsFiles
 from lowbit_pipe.formats import encode_record, get_format, is_stock_loadable
-from lowbit_pipe.lazy import LazyTensor, SafetensorsFiles
-from lowbit_pipe.policy import LayerPlan
+from lowbit_pipe.plan.policy import LayerPlan
 from lowbit_pipe.progress import Console
 
 QUANT_METADATA_KEY = "_quantization_metadata"

@@ -1,7 +1,7 @@
 """quantize.target in the quantize stage: measure, time, solve, and afterwards check against the whole forward.
 
 1. Each free layer's options (candidates that fit it, float) with bytes and error on its calibration inputs
-   (lowbit_pipe.error_model). Free: planned to be quantized and not by a recipe rule (a rule's format is
+   (lowbit_pipe.plan.error_model). Free: planned to be quantized and not by a recipe rule (a rule's format is
    the recipe's word, a constraint); keep-float layers stay float.
 2. The rows each layer sees in one forward of the run's example inputs (evaluate's batch and token counts),
    and the speed table's times for those shapes on this device (measured once, cached).
@@ -14,7 +14,7 @@
    Its time moves the fixed part; its output error against the stock attention's is added in quadrature. The
    attention's cost is measured in place, in the whole forward (its masks, layout changes and routing included),
    not summed from a per-shape table: one forward per format, as the float baseline is.
-6. Each candidate's uniform probe (lowbit_pipe.speed_model): its layers really quantized, the forward timed; their
+6. Each candidate's uniform probe (lowbit_pipe.plan.speed_model): its layers really quantized, the forward timed; their
    table times are scaled so a uniform plan's predicted time is its measured time.
 7. The solver's plan and the frontier per attention format; the best met plan wins (least error; for an error
    target, least time). The winner's error is probed once and it is weighed against the uniform plans on measured
@@ -33,17 +33,18 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe import speed_table
 from lowbit_pipe.attention.route import STOCK as STOCK_ATTENTION
-from lowbit_pipe.candidates import Candidate
-from lowbit_pipe.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import FormatSpec, get_format
-from lowbit_pipe.forward_timing import ExampleForward, ForwardCheck, time_forward
 from lowbit_pipe.ledger import Ledger, tensor_bytes
-from lowbit_pipe.metrics import rel_error
-from lowbit_pipe.policy import LayerPlan, _spec
-from lowbit_pipe.solver import (
+from lowbit_pipe.measure.metrics import rel_error
+from lowbit_pipe.measure.timing import TimingSettings
+from lowbit_pipe.plan import speed_table
+from lowbit_pipe.plan.candidates import Candidate
+from lowbit_pipe.plan.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
+from lowbit_pipe.plan.forward_timing import ExampleForward, ForwardCheck, time_forward
+from lowbit_pipe.plan.policy import LayerPlan, _spec
+from lowbit_pipe.plan.solver import (
     LayerCosts,
     Prediction,
     Problem,
@@ -56,9 +57,8 @@ from lowbit_pipe.solver import (
     refuse,
     solve,
 )
-from lowbit_pipe.speed_model import QuantizeOnto, SpeedModel, measure_speed_model
-from lowbit_pipe.targets import Target
-from lowbit_pipe.timing import TimingSettings
+from lowbit_pipe.plan.speed_model import QuantizeOnto, SpeedModel, measure_speed_model
+from lowbit_pipe.plan.targets import Target
 
 
 @dataclass

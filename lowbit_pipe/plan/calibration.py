@@ -12,9 +12,9 @@ import torch
 from torch import nn
 
 from lowbit_pipe.formats import get_format
-from lowbit_pipe.gptq import HessianAccumulator
 from lowbit_pipe.kernels import rotation
-from lowbit_pipe.policy import LayerPlan
+from lowbit_pipe.plan.policy import LayerPlan
+from lowbit_pipe.quant.gptq import HessianAccumulator
 
 
 @contextlib.contextmanager

@@ -14,8 +14,8 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.checkpoint import read_header, read_tensor
 from lowbit_pipe.errors import CheckpointError
+from lowbit_pipe.files.checkpoint import read_header, read_tensor
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,

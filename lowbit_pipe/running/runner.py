@@ -18,17 +18,17 @@ from typing import Any, Callable
 import torch
 from omegaconf import OmegaConf
 
-from lowbit_pipe.context import Context
 from lowbit_pipe.errors import StageError, WriteError
-from lowbit_pipe.interrupts import OrderlyStop, as_interrupted
+from lowbit_pipe.files.tempfiles import atomic_write_text
+from lowbit_pipe.plan.stream_choice import decide_stream
 from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import Recipe
+from lowbit_pipe.running.interrupts import OrderlyStop, as_interrupted
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import dynamo_counters
+from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.teardown import teardown
-from lowbit_pipe.stream_choice import decide_stream
 from lowbit_pipe.summary import format_summary
-from lowbit_pipe.tempfiles import atomic_write_text
 
 
 @dataclass
@@ -118,7 +118,7 @@ class Runner:
 
     def run(self) -> RunResult:
         """Run the pipeline. SIGINT / SIGTERM (main thread) stop it in order: the stage is cut, the run torn down,
-        report.json says `interrupted: {stage, signal}`, and `Interrupted` is raised (lowbit_pipe.interrupts)."""
+        report.json says `interrupted: {stage, signal}`, and `Interrupted` is raised (lowbit_pipe.running.interrupts)."""
         stop = OrderlyStop()
         stop.install()
         try:

@@ -6,7 +6,7 @@ What is real and what is substituted:
 - Otherwise (a bare transformer, the embedded tiny models): a tiny `AutoencoderKL` built from a config
   with seeded random weights stands in for the arch's VAE. Its images are not pictures, but the
   float-vs-quantized difference still goes through a real convolutional decoder.
-- Always: the latents come from our Euler sampler (lowbit_pipe.sampler) with the arch's seeded text
+- Always: the latents come from our Euler sampler (lowbit_pipe.measure.sampler) with the arch's seeded text
   states, not from a tokenizer and text encoder (no downloads); both models get the same seeds.
 """
 
@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from lowbit_pipe import metrics
+from lowbit_pipe.measure import metrics
 
 VAE_SEED = 0
 TILE = 128  # each image is upscaled (nearest) to at least this many pixels in the grid
@@ -164,7 +164,7 @@ def save_grid(rows: list[tuple[torch.Tensor, torch.Tensor]], path: Path, title: 
 
 
 def _formats(model: torch.nn.Module) -> str:
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     names = sorted({getattr(m.format, "name", "?") for m in model.modules() if isinstance(m, QuantLinear)})
     return " + ".join(names) or "no quantized layer"

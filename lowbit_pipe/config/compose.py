@@ -20,11 +20,11 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from lowbit_pipe import untrusted
+from lowbit_pipe.config import untrusted
+from lowbit_pipe.config.validate import validate
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.paths import config_dir, packaged_recipes, tiny_models
 from lowbit_pipe.recipe import Recipe
-from lowbit_pipe.validate import validate
 
 CONFIG_NAME = "config"
 # Recipe keys that map any key to a value (constructor kwargs): Hydra's struct mode makes a new key there an
@@ -35,7 +35,7 @@ SCHEMA_NAME = "lowbit_schema"
 
 
 def read_recipe_file(path: Path, source: str, *, allow_resolvers: bool = False) -> dict[str, Any]:
-    """A recipe file's mapping, read under lowbit_pipe.untrusted's rules (size, anchors, `_target_`, hydra,
+    """A recipe file's mapping, read under lowbit_pipe.config.untrusted's rules (size, anchors, `_target_`, hydra,
     resolvers) before anything parses it."""
     size = path.stat().st_size
     if size > untrusted.MAX_TEXT_BYTES:  # refused unread
@@ -48,7 +48,7 @@ def read_recipe_file(path: Path, source: str, *, allow_resolvers: bool = False) 
 
 
 def parse_recipe_text(text: str, source: str, *, allow_resolvers: bool = False) -> dict[str, Any]:
-    """YAML recipe text -> its mapping, checked (lowbit_pipe.untrusted) before and after parsing."""
+    """YAML recipe text -> its mapping, checked (lowbit_pipe.config.untrusted) before and after parsing."""
     untrusted.check_text(text, source)
     try:
         data = OmegaConf.to_container(OmegaConf.create(text), resolve=False) if text.strip() else {}
@@ -81,7 +81,7 @@ def register_schema() -> None:
     Each compose calls this. Storing the schema costs ~40 ms (OmegaConf builds it from the dataclass), so what is
     already in Hydra's store is kept: the schema and help do not change within a process, and a packaged recipe is
     stored again only when its file changed (size and mtime, e.g. edited while a ComfyUI server runs)."""
-    from lowbit_pipe.help import register_help
+    from lowbit_pipe.config.help import register_help
 
     store = ConfigStore.instance()
     if f"{SCHEMA_NAME}.yaml" not in store.repo:
@@ -97,7 +97,7 @@ def register_schema() -> None:
 
 def register_recipe(data: dict[str, Any], source: str, *, allow_resolvers: bool = False) -> str:
     """Serve a recipe file's (or dict's) content as the `recipe=` option FILE_RECIPE; returns that override.
-    The content is checked as recipe text from outside is (lowbit_pipe.untrusted).
+    The content is checked as recipe text from outside is (lowbit_pipe.config.untrusted).
 
     A complete recipe (a run dir's recipe.yaml: its `model:` has `tiny_config`) also replaces the model
     group, so nothing of the packaged default model is merged into it and a rerun is exact. Command-line
@@ -216,7 +216,7 @@ def compose_recipe(recipe: str | Path | dict | None = "default", overrides: list
                    allow_resolvers: bool = False) -> Recipe:
     """Recipe by packaged name ("krea2_nvfp4"), YAML path, or dict, then CLI-style overrides
     (`hydra.searchpath=[...]` adds a team's recipe folder). A file or dict recipe is read under
-    lowbit_pipe.untrusted's rules; `allow_resolvers` lets it call OmegaConf resolvers (${oc.env:...})."""
+    lowbit_pipe.config.untrusted's rules; `allow_resolvers` lets it call OmegaConf resolvers (${oc.env:...})."""
     register_schema()
     overrides = list(overrides)
     source = None

@@ -4,7 +4,7 @@ Each free layer picks one of its options (candidate formats that fit it, and flo
 predicted time (the speed table), bytes and squared relative error (the error model). Predictions add up:
 forward time = fixed_ms (all that is not a free layer: attention, norms, kept-float layers, measured as the
 float forward minus the free layers' float times) + the chosen options' times; bytes likewise; output error =
-error_scale * sqrt(sum of squared layer errors) (the scale measured on the model: lowbit_pipe.target_plan).
+error_scale * sqrt(sum of squared layer errors) (the scale measured on the model: lowbit_pipe.plan.target_plan).
 
 A target is one constraint and one objective: speedup / bytes / ratio bound time or bytes and minimise error;
 error bounds the error and minimises time. For a multiplier lam each layer independently takes
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.targets import Target
+from lowbit_pipe.plan.targets import Target
 
 _TIE = 1e-9  # weight of the secondary figure (time for error objectives, error for time): breaks exact ties only
 

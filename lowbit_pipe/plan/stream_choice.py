@@ -1,4 +1,4 @@
-"""model.stream: whether a run streams model.path file to file (lowbit_pipe.stream) or loads the model, and why.
+"""model.stream: whether a run streams model.path file to file (lowbit_pipe.files.stream) or loads the model, and why.
 
 `stream_blockers` lists what in a recipe needs the model loaded (validate refuses model.stream=true over any);
 `decide_stream` is model.stream=auto's decision, made by the runner before any stage and reported on the plan

@@ -3,7 +3,7 @@ and how many rows each layer sees per forward (the M of its speed-table entries)
 
 A layer's error is ||x W^T - linear_q(x)|| / ||x W^T|| on up to `rows` captured input rows; float is 0.
 Squared errors add up like output noise power: the solver sums them and a measured scale maps the sum to
-the model's output error (lowbit_pipe.target_plan)."""
+the model's output error (lowbit_pipe.plan.target_plan)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from lowbit_pipe.budget import _layer_error, capture_inputs
-from lowbit_pipe.candidates import Candidate
 from lowbit_pipe.formats import get_format
 from lowbit_pipe.ledger import tensor_bytes
+from lowbit_pipe.plan.budget import _layer_error, capture_inputs
+from lowbit_pipe.plan.candidates import Candidate
 
 
 @dataclass(frozen=True)

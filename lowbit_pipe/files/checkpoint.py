@@ -12,9 +12,9 @@ from typing import Any
 import torch
 
 from lowbit_pipe.errors import CheckpointError
+from lowbit_pipe.files.tempfiles import atomic_write_text, remove_stale, temp_path, write_error  # noqa: F401 (atomic_write_text: its callers import it from here)
+from lowbit_pipe.files.tempfiles import publish as publish_file
 from lowbit_pipe.progress import Console
-from lowbit_pipe.tempfiles import atomic_write_text, remove_stale, temp_path, write_error  # noqa: F401 (atomic_write_text: its callers import it from here)
-from lowbit_pipe.tempfiles import publish as publish_file
 
 # safetensors' dtypes and their bits per element (a tensor's bytes are numel x bits / 8, a whole number).
 _DTYPE_BITS = {"F64": 64, "F32": 32, "F16": 16, "BF16": 16, "I64": 64, "I32": 32, "I16": 16, "I8": 8, "U8": 8, "BOOL": 8,
@@ -303,7 +303,7 @@ class StreamingWriter:
 
     The data section is written first, after a header region reserved by the caller's bound
     (`header_bytes`); the header (its JSON padded with spaces, which JSON readers skip) goes in last.
-    Same atomicity as `atomic_save`: a temp file (lowbit_pipe.tempfiles: named so that a later write finds it
+    Same atomicity as `atomic_save`: a temp file (lowbit_pipe.files.tempfiles: named so that a later write finds it
     stale once this process is gone, and removes it) renamed into place by `close()`; `abort()` (or an exception
     inside the `with`, an interrupt included) removes it, never leaving a half-written file. A write the disk
     cannot take (ENOSPC) removes the temp file and raises WriteError ("disk full", the path, bytes needed and

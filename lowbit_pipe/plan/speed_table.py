@@ -23,9 +23,9 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from lowbit_pipe.candidates import FLOAT, Candidate
 from lowbit_pipe.errors import RecipeError
-from lowbit_pipe.timing import TimingSettings, time_ms
+from lowbit_pipe.measure.timing import TimingSettings, time_ms
+from lowbit_pipe.plan.candidates import FLOAT, Candidate
 
 
 @dataclass(frozen=True)
@@ -125,7 +125,7 @@ def save(table: SpeedTable) -> None:
 
 
 def _layer(candidate: Candidate, entry: Entry, device: torch.device, dtype: torch.dtype) -> nn.Module:
-    from lowbit_pipe.nn import QuantLinear
+    from lowbit_pipe.quant.nn import QuantLinear
 
     # Drawn on the device: a full-size layer's fp32 weight drawn on the host took about a second each.
     gen = torch.Generator(device=device).manual_seed(entry.in_features * 7919 + entry.out_features)

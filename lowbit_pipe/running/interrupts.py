@@ -4,7 +4,7 @@ While an `OrderlyStop` is installed, the first of these signals raises `Interrup
 Python runs signal handlers: between two bytecodes, never inside a C call (a tensor write, a GEMM), so no file or
 tensor is left half-changed by the raise itself. The runner catches it like a failed stage: it tears the run down
 (the ledger's undo, proven), records `interrupted: {stage, signal}` in report.json, and every write that was under
-way removes its temporary file (lowbit_pipe.tempfiles), so no partial export is published. Inside `deferred()`
+way removes its temporary file (lowbit_pipe.files.tempfiles), so no partial export is published. Inside `deferred()`
 (the teardown stage, the last report write) a signal waits: it is raised by the next `raise_pending()`. Signals
 after the first are recorded and change nothing: the stop already under way finishes its teardown.
 

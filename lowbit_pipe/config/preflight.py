@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from lowbit_pipe.checkpoint import export_targets, read_header, shard_files
 from lowbit_pipe.errors import CheckpointError, RecipeError
+from lowbit_pipe.files.checkpoint import export_targets, read_header, shard_files
 from lowbit_pipe.recipe import Recipe
 
 
@@ -84,7 +84,7 @@ def _quantized_layers(path: str) -> int:
 def _check_stream_source(recipe: Recipe) -> None:
     """model.stream=true over a file whose header says it is quantized already: a stream reads float checkpoints,
     and would find out only at export, after the quantize stage's work."""
-    from lowbit_pipe.stream_choice import stream_mode
+    from lowbit_pipe.plan.stream_choice import stream_mode
 
     path = recipe.model.path
     if path is None or Path(path).is_dir() or stream_mode(recipe.model.stream) != "true":

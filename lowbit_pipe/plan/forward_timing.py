@@ -10,7 +10,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from lowbit_pipe.timing import TimingSettings, time_ms
+from lowbit_pipe.measure.timing import TimingSettings, time_ms
 
 
 @dataclass(frozen=True)

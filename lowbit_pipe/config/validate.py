@@ -1,8 +1,8 @@
 """Recipe checks that need the registries (formats, rotations, stages, architectures) or value ranges.
 
-Composition (lowbit_pipe.compose) refuses unknown keys and wrong types; `validate()` refuses
+Composition (lowbit_pipe.config.compose) refuses unknown keys and wrong types; `validate()` refuses
 what types cannot say. Every error is a RecipeError naming the recipe path at fault. Nothing
-here reads weights or touches the filesystem (that is lowbit_pipe.preflight).
+here reads weights or touches the filesystem (that is lowbit_pipe.config.preflight).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from __future__ import annotations
 import re
 
 from lowbit_pipe.errors import RecipeError
+from lowbit_pipe.plan.stream_choice import stream_blockers, stream_mode
 from lowbit_pipe.recipe import DTYPES, EvaluateConfig, FormatChoice, LayerRule, QuantizeConfig, Recipe
-from lowbit_pipe.stream_choice import stream_blockers, stream_mode
 
 # The GPU kernels rotate with tl.dot, which needs 16 or more columns per group.
 MIN_ROTATION_GROUP = 16
@@ -33,7 +33,7 @@ def check_counts(recipe: Recipe) -> None:
         value = getattr(getattr(recipe, section), key)
         if value > bound:
             raise RecipeError(path, f"must be at most {bound:,}, got {value:,} (the bound on the counts that multiply "
-                                    "a run's forwards of the model: lowbit_pipe.validate.MAX_COUNTS)")
+                                    "a run's forwards of the model: lowbit_pipe.config.validate.MAX_COUNTS)")
 
 
 def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
@@ -164,7 +164,7 @@ def _check_attention(recipe: Recipe) -> None:
         raise RecipeError("quantize.target.attention", f"lists the attention formats the solver may choose: at least "
                                                        f"one ('{STOCK}': the model's own)")
     if chosen != [STOCK]:
-        from lowbit_pipe.targets import resolve_target
+        from lowbit_pipe.plan.targets import resolve_target
 
         if resolve_target(recipe.quantize) is None:
             raise RecipeError("quantize.target.attention", f"{chosen} is chosen among by the solver, which runs for a "
@@ -225,9 +225,9 @@ def _check_stream(recipe: Recipe) -> None:
 
 def _check_target(q: QuantizeConfig) -> None:
     """quantize.target: one target, in range; candidates valid and loadable by quantize.target.loads_in."""
-    from lowbit_pipe.loadable import LOADERS, loadable
-    from lowbit_pipe.policy import _spec
-    from lowbit_pipe.targets import resolve_target
+    from lowbit_pipe.plan.loadable import LOADERS, loadable
+    from lowbit_pipe.plan.policy import _spec
+    from lowbit_pipe.plan.targets import resolve_target
 
     t = q.target
     target = resolve_target(q)

@@ -1,0 +1,1 @@
+"""Figures of a model's output: error metrics, the Euler sampler, image grids, timing."""
