@@ -12,7 +12,7 @@ v, each path's whole call from the norms' inputs to the attention's output:
   folded_attention);
 - unfolded: the same RMSNorm and bf16 RoPE, then cuDNN's whole call (statistics + quantize passes over q, k, v);
 
-times (ms, CUDA events, lowbit_pipe.timing) of each part and of each whole, the ratios to bf16 ("attention": the
+times (ms, CUDA events, lowbit_pipe.measure.timing) of each part and of each whole, the ratios to bf16 ("attention": the
 call after the producers, "with producers": norms and RoPE included), the cosine of each output vs bf16 (and bf16's
 vs float64 on 2 heads), the bound's headroom (bound / amax) and saturation, the router's choice for the folded
 shape (measured into a fresh table), and a device-time profile of one folded call per shape. Checks (exit status 1
@@ -156,7 +156,7 @@ class Paths:
 
 def bench_shape(s: Shape, runner, args, timing) -> dict:
     from lowbit_pipe.kernels.cudnn_fp8_attention import plan_key
-    from lowbit_pipe.timing import time_ms
+    from lowbit_pipe.measure.timing import time_ms
 
     row: dict = {"shape": s.name, **asdict(s), "checks": {}, "ms": {}, "x_bf16": {}, "failures": []}
     x = inputs(s)
@@ -280,7 +280,7 @@ def main() -> int:
         print("needs a Hopper (or newer) GPU", file=sys.stderr)
         return 2
     from lowbit_pipe.kernels.cudnn_fp8_attention import CudnnFP8Attention
-    from lowbit_pipe.timing import TimingSettings
+    from lowbit_pipe.measure.timing import TimingSettings
 
     try:
         runner = CudnnFP8Attention()

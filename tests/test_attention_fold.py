@@ -47,8 +47,8 @@ def test_the_folded_path_serves_only_folded_shapes_and_leads_the_default_rule():
 
 
 def test_a_measured_path_times_its_prepared_arguments(tmp_path):
-    from lowbit_pipe import speed_table
     from lowbit_pipe.attention.crossover import AttentionRouter, CallShape, Path8
+    from lowbit_pipe.plan import speed_table
 
     seen = []
 

@@ -178,7 +178,7 @@ def install(comfyui_dir: str | Path | None = None, *, base_directory: str | Path
 
 def _write_bytes(path: Path, data: bytes) -> None:
     """`data` to `path` through a temporary file and a rename (a failure leaves `path` as it was)."""
-    from lowbit_pipe.tempfiles import publish, temp_path
+    from lowbit_pipe.files.tempfiles import publish, temp_path
 
     tmp = temp_path(path)
     try:

@@ -124,7 +124,7 @@ def offered_recipes() -> list[str]:
 
 
 def _runs_in_node(name: str, depth: int = 0) -> bool:
-    from lowbit_pipe.compose import read_recipe_file
+    from lowbit_pipe.config.compose import read_recipe_file
 
     path = packaged_recipes().get(name)
     if path is None or depth > 8:
