@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lowbit_pipe.attention.norm_kinds import norm_kind
 from lowbit_pipe.attention.route import count_call, key_padding
 from lowbit_pipe.kernels.dispatch import compiling
 
@@ -71,8 +72,6 @@ def norm_offset(norm: nn.Module) -> float | None:
         return None
     if isinstance(norm, nn.RMSNorm):
         return 0.0
-    from lowbit_pipe.attention.fused import norm_kind  # fused imports processors, which imports this module
-
     kind = norm_kind(norm)
     return kind.offset if kind is not None else None
 

@@ -23,35 +23,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from lowbit_pipe.attention.norm_kinds import NormKind, norm_kind
 from lowbit_pipe.attention.processors import attention_modules, processor_for, rebound_class, swap_processor
 from lowbit_pipe.kernels.dispatch import compiling
 from lowbit_pipe.ledger import Ledger
 
 ROPE_GLOBAL = "apply_rotary_emb"
 _16BIT = (torch.float16, torch.bfloat16)
-
-
-@dataclass(frozen=True)
-class NormKind:
-    """How a norm class computes, for the kernel: y = x̂ * (weight + offset); `diffusers_rounding`: its forward
-    rounds x̂ to a 16-bit weight's dtype before multiplying, and a weight's dtype sets the output's (diffusers'
-    RMSNorm); otherwise the output is in x's dtype."""
-
-    offset: float
-    diffusers_rounding: bool
-
-
-# Norm classes (by module and name: the classes live in diffusers; torch.nn.RMSNorm is another class) -> kind.
-NORM_KINDS = {
-    "diffusers.models.transformers.transformer_krea2.Krea2RMSNorm": NormKind(1.0, False),
-    # q / k norms of Qwen-Image, Z-Image, SD3 (FLUX and Wan build torch.nn.RMSNorm: not listed, not measured)
-    "diffusers.models.normalization.RMSNorm": NormKind(0.0, True),
-}
-
-
-def norm_kind(module: nn.Module) -> NormKind | None:
-    cls = type(module)
-    return NORM_KINDS.get(f"{cls.__module__}.{cls.__qualname__}")
 
 
 class FusedNormForward:
