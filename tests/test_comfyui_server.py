@@ -1,6 +1,6 @@
 """The node pack inside a running ComfyUI server, driven through its HTTP API as a user's browser drives it.
 
-ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz or LOWBIT_COMFYUI_ARCHIVE, GPL-3, a test fixture; skipped without it) is unpacked into a scratch folder and
+ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz or LOWBIT_COMFYUI_ARCHIVE, GPL-3, a test fixture; skipped without it), unpacked once per session and shared read-only (conftest.py comfyui_src), is
 run with `main.py --cpu` from a Python as a ComfyUI user has it: a venv with ComfyUI's own pinned
 requirements (comfy-kitchen 0.2.24 among them), where lowbit_pipe is installed with the README's command and
 the node pack with `python -m lowbit_pipe.comfy install --base-directory`. Workflows are queued with
@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import comfyui_server as cs  # noqa: E402
-from comfyui_harness import require_archive  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
@@ -84,10 +83,9 @@ TEST_NODES = "lowbit_test_nodes"
 
 
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory) -> Env:
-    archive = require_archive()  # else every test here skips, with one line saying how to enable them
+def comfy(tmp_path_factory, comfyui_src) -> Env:
     root = tmp_path_factory.mktemp("comfyui")
-    src = cs.unpack(archive, root / "src")
+    src = comfyui_src  # the session's shared tree, read-only: the server's own files go under --base-directory
     python = cs.prepare_python(src, root / "venv")
     before = cs.package_version(python, "comfy-kitchen")
     cs.install_lowbit(python)  # the README's `pip install "lowbit_pipe[comfy]"`, into ComfyUI's Python
