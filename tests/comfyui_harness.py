@@ -9,15 +9,15 @@ runs in its own Python process: `run_child(script, job)` writes the job as JSON,
 checkout first on PYTHONPATH and returns the JSON the script wrote.
 
 `shared_comfyui()` (the `comfyui_src` session fixture of conftest.py) is the one unpacked tree the tests share: made
-once per archive content in a cache folder (unpacked beside it, then renamed into place: a half-made tree is never
-used), so Python's bytecode of ComfyUI is compiled by the first child that imports it, not by every child of every
-module. Tests use it read-only: its manifest (every file's size and mtime, `__pycache__` aside) is checked when it is
+once per archive content in a cache folder (unpacked beside it and compiled to bytecode, then renamed into place: a
+half-made tree is never used), so no child or server of any module unpacks or compiles ComfyUI again. Tests use it read-only: its manifest (every file's size and mtime, `__pycache__` aside) is checked when it is
 reused and at the end of the session (`changes`), which names any file a test added, changed or removed. A test that
 must write into a ComfyUI folder unpacks its own with `unpack(dest)`.
 """
 
 from __future__ import annotations
 
+import compileall
 import hashlib
 import json
 import os
@@ -41,6 +41,7 @@ REQUIRED_ENV = "LOWBIT_COMFYUI_REQUIRED"
 # The shared trees, one per archive content (`archive_key`): outside any checkout, so every worktree and session reuses it.
 CACHE_ROOT = Path(tempfile.gettempdir()) / "lowbit_pipe-comfyui"
 MANIFEST = ".lowbit-manifest.json"
+LAYOUT = "b1"  # what a tree holds besides the archive's files (b1: bytecode); a new layout is a new tree
 
 
 def require_archive() -> Path:
@@ -92,7 +93,7 @@ def archive_key(archive: Path) -> str:
     same name re-downloaded, gets a tree of its own)."""
     st = archive.stat()
     digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
-    return f"{st.st_size}-{st.st_mtime_ns}-{digest}"
+    return f"{LAYOUT}-{st.st_size}-{st.st_mtime_ns}-{digest}"
 
 
 def _listing(home: Path) -> dict[str, list[int]]:
@@ -133,6 +134,10 @@ def _build(archive: Path, home: Path) -> None:
     scratch = home.parent / f".{home.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
         unpack(scratch)
+        # Bytecode for every module, once (~2 s): each child and server then loads it instead of compiling what it
+        # imports (~1 s of CPU per child for comfy.sd alone), PYTHONDONTWRITEBYTECODE or not. A file this Python
+        # cannot compile is left to fail where it is imported, as it would without this.
+        compileall.compile_dir(scratch, quiet=2, workers=0)
         (scratch / MANIFEST).write_text(json.dumps(_listing(scratch)))
         try:
             scratch.rename(home)
