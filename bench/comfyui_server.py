@@ -414,7 +414,10 @@ def main(argv: list[str]) -> None:
         del argv[1:3]
     sys.argv = [str(comfyui / "main.py"), *argv[1:]]
     sys.path.insert(0, str(comfyui))
-    os.chdir(comfyui)
+    # ComfyUI writes comfyui_detail.log into its working directory: the base directory when one is given (the
+    # ComfyUI folder stays as it was: the tests share one read-only tree), else ComfyUI's own folder.
+    base = argv[argv.index("--base-directory") + 1] if "--base-directory" in argv[:-1] else None
+    os.chdir(Path(base).resolve() if base else comfyui)
     # ComfyUI picks its CUDA allocator (PYTORCH_CUDA_ALLOC_CONF) from its arguments before torch is first imported,
     # as main.py does; the imports below load torch.
     import comfy.options
