@@ -429,7 +429,10 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def _comfy_cpu_setup(src: Path) -> None:
+def _comfy_cpu_setup(src: Path, base: Path | None = None) -> None:
+    """Import ComfyUI from `src` on the CPU. `base`: ComfyUI's base directory (its --base-directory: models, input,
+    output, user), else `src` itself; ComfyUI creates its input folder there at import and the Quantize node
+    writes its runs under output/."""
     sys.path.insert(0, str(src))
     for root in ("torchvision", "torchaudio"):
         try:
@@ -441,6 +444,9 @@ def _comfy_cpu_setup(src: Path) -> None:
     import comfy.cli_args
 
     comfy.cli_args.args.cpu = True  # read when comfy.model_management is imported
+    if base is not None:  # read when folder_paths is imported
+        base.mkdir(parents=True, exist_ok=True)
+        comfy.cli_args.args.base_directory = str(base)
 
 
 class _LogCatcher(logging.Handler):
@@ -461,7 +467,8 @@ def child_main(argv: list[str]) -> int:
     src, path, out = Path(argv[0]), argv[1], Path(argv[2])
     result: dict[str, Any] = {"path": path}
     try:
-        _child(src, path, result)
+        with tempfile.TemporaryDirectory(prefix="comfy_base") as base:  # nothing written into the ComfyUI checked
+            _child(src, path, result, Path(base))
     except BaseException as err:  # noqa: BLE001 - everything goes to the JSON
         result["child_failed"] = True
         result["error"] = f"{type(err).__name__}: {err}"
@@ -470,7 +477,7 @@ def child_main(argv: list[str]) -> int:
     return 0
 
 
-def _child(src: Path, path: str, result: dict[str, Any]) -> None:
+def _child(src: Path, path: str, result: dict[str, Any], base: Path) -> None:
     import torch
 
     import lowbit_pipe
@@ -490,7 +497,7 @@ def _child(src: Path, path: str, result: dict[str, Any]) -> None:
     catcher = _LogCatcher()
     logging.getLogger().addHandler(catcher)
     logging.getLogger().setLevel(logging.INFO)
-    _comfy_cpu_setup(src)
+    _comfy_cpu_setup(src, base)
     import comfy.model_management as mm
     import comfy.ops
     import comfy.quant_ops

@@ -272,6 +272,13 @@ class ComfyUIServer:
               timeout: float = 300.0, stand_ins: tuple[str, ...] = ()) -> ComfyUIServer:
         """Start `main.py --listen 127.0.0.1 --port P --base-directory BASE ARGS` and wait until it answers;
         `stand_ins`: packages replaced by empty stand-ins (see `stub_missing`)."""
+        return cls.launch(comfyui, base, python=python, args=args, stand_ins=stand_ins).wait_ready(timeout)
+
+    @classmethod
+    def launch(cls, comfyui: Path, base: Path, *, python: str = sys.executable, args: tuple[str, ...] = ("--cpu",),
+               stand_ins: tuple[str, ...] = ()) -> ComfyUIServer:
+        """`start` without the wait: the server process is started and loads while the caller does other work;
+        `wait_ready` before its first request."""
         base.mkdir(parents=True, exist_ok=True)
         (base / "custom_nodes").mkdir(exist_ok=True)
         port = free_port()
@@ -282,18 +289,23 @@ class ComfyUIServer:
         log = open(log_path, "w")  # noqa: SIM115 - the child writes to it for its whole life
         proc = subprocess.Popen(cmd, cwd=str(comfyui), stdout=log, stderr=subprocess.STDOUT, env=_env())
         log.close()
-        server = cls(comfyui, base, port, proc, log_path, python)
+        return cls(comfyui, base, port, proc, log_path, python)
+
+    def wait_ready(self, timeout: float = 300.0) -> ComfyUIServer:
+        """Wait until the server answers (this server); stopped, with its log's tail in the error, if it exits or
+        does not answer within `timeout` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"ComfyUI exited ({proc.returncode}) before it answered; log tail:\n{server.log(60)}")
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited ({self.process.returncode}) before it answered; log tail:\n"
+                                   f"{self.log(60)}")
             try:
-                server.get("/system_stats", timeout=2)
-                return server
+                self.get("/system_stats", timeout=2)
+                return self
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 time.sleep(0.5)
-        server.stop()
-        raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s; log tail:\n{server.log(60)}")
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {timeout:.0f} s; log tail:\n{self.log(60)}")
 
     def log(self, lines: int | None = None) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
@@ -402,7 +414,10 @@ def main(argv: list[str]) -> None:
         del argv[1:3]
     sys.argv = [str(comfyui / "main.py"), *argv[1:]]
     sys.path.insert(0, str(comfyui))
-    os.chdir(comfyui)
+    # ComfyUI writes comfyui_detail.log into its working directory: the base directory when one is given (the
+    # ComfyUI folder stays as it was: the tests share one read-only tree), else ComfyUI's own folder.
+    base = argv[argv.index("--base-directory") + 1] if "--base-directory" in argv[:-1] else None
+    os.chdir(Path(base).resolve() if base else comfyui)
     # ComfyUI picks its CUDA allocator (PYTORCH_CUDA_ALLOC_CONF) from its arguments before torch is first imported,
     # as main.py does; the imports below load torch.
     import comfy.options

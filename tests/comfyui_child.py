@@ -1,6 +1,7 @@
 """What every child process of the ComfyUI tests does around its own checks: read the job JSON, import diffusers'
 classes before ComfyUI's CPU set-up stubs torchvision (diffusers reads torchvision's version on import), set
-ComfyUI up from the job's folder, and write everything, an error and its traceback included, to the result JSON:
+ComfyUI up from the job's folder (its base directory, where it writes input/ and output/, in the child's own
+folder), and write everything, an error and its traceback included, to the result JSON:
 the parent asserts on that file."""
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ def run_child(argv: list[str], body: Callable[[dict[str, Any], dict[str, Any]], 
 
         for arch_id in archs:
             get_arch(arch_id).linear_names_set  # noqa: B018 - imports the arch's diffusers classes
-        _comfy_cpu_setup(Path(job["comfyui"]))
+        # ComfyUI's base directory in this child's own folder (its cwd): the shared ComfyUI tree stays read-only
+        _comfy_cpu_setup(Path(job["comfyui"]), Path.cwd() / "comfy_base")
         body(job, result)
     except BaseException as err:  # noqa: BLE001 - everything goes to the JSON, the parent asserts on it
         result["error"] = f"{type(err).__name__}: {err}"

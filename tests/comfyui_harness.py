@@ -7,15 +7,26 @@ names another copy. Without one, every test that needs it is skipped with one li
 CI's real-ComfyUI tests into silent skips. ComfyUI keeps global state (its ops, QUANT_ALGOS, model management), so each check
 runs in its own Python process: `run_child(script, job)` writes the job as JSON, runs the script with this
 checkout first on PYTHONPATH and returns the JSON the script wrote.
+
+`shared_comfyui()` (the `comfyui_src` session fixture of conftest.py) is the one unpacked tree the tests share: made
+once per archive content in a cache folder (unpacked beside it and compiled to bytecode, then renamed into place: a
+half-made tree is never used), so no child or server of any module unpacks or compiles ComfyUI again. Tests use it read-only: its manifest (every file's size and mtime, `__pycache__` aside) is checked when it is
+reused and at the end of the session (`changes`), which names any file a test added, changed or removed. A test that
+must write into a ComfyUI folder unpacks its own with `unpack(dest)`.
 """
 
 from __future__ import annotations
 
+import compileall
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +38,10 @@ sys.path.insert(0, str(ROOT / "bench"))
 from comfyui_server import find_archive  # noqa: E402 - the one lookup of the archive, shared with the benches
 
 REQUIRED_ENV = "LOWBIT_COMFYUI_REQUIRED"
+# The shared trees, one per archive content (`archive_key`): outside any checkout, so every worktree and session reuses it.
+CACHE_ROOT = Path(tempfile.gettempdir()) / "lowbit_pipe-comfyui"
+MANIFEST = ".lowbit-manifest.json"
+LAYOUT = "b1"  # what a tree holds besides the archive's files (b1: bytecode); a new layout is a new tree
 
 
 def require_archive() -> Path:
@@ -47,6 +62,10 @@ def unpack(dest: Path) -> Path:
     archive = require_archive()
     with tarfile.open(archive) as tar:
         tar.extractall(dest, filter="data")
+    return _comfyui_folder(dest, archive)
+
+
+def _comfyui_folder(dest: Path, archive: Path) -> Path:
     found = [p.parent for p in dest.glob("*/comfy") if p.is_dir()] + ([dest] if (dest / "comfy").is_dir() else [])
     if not found:
         raise FileNotFoundError(f"{archive} holds no ComfyUI folder (no comfy/ under {dest})")
@@ -67,3 +86,80 @@ def run_child(script: Path, job: dict[str, Any], work: Path, timeout: int = 900)
         raise RuntimeError(f"{script.name} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                            f"{proc.stderr[-6000:]}")
     return json.loads(out_file.read_text())
+
+
+def archive_key(archive: Path) -> str:
+    """The cache folder's name for `archive`: its size, mtime and the start of its SHA-256 (another archive, or the
+    same name re-downloaded, gets a tree of its own)."""
+    st = archive.stat()
+    digest = hashlib.sha256(archive.read_bytes()).hexdigest()[:16]
+    return f"{LAYOUT}-{st.st_size}-{st.st_mtime_ns}-{digest}"
+
+
+def _listing(home: Path) -> dict[str, list[int]]:
+    """relative path -> [size, mtime_ns] of every file under `home` ([-1, 0] for a folder, whose mtime moves when
+    Python adds a __pycache__ to it); __pycache__ folders and the manifest itself left out."""
+    out: dict[str, list[int]] = {}
+    for folder, dirs, files in os.walk(home):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        base = Path(folder)
+        for name in dirs:
+            out[(base / name).relative_to(home).as_posix() + "/"] = [-1, 0]
+        for name in files:
+            st = (base / name).lstat()
+            out[(base / name).relative_to(home).as_posix()] = [st.st_size, st.st_mtime_ns]
+    out.pop(MANIFEST, None)
+    return out
+
+
+def changes(home: Path) -> list[str]:
+    """What differs in the shared tree `home` from its manifest: 'added X', 'changed X', 'removed X' (empty: the
+    tree is as unpacked)."""
+    want = json.loads((home / MANIFEST).read_text())
+    have = _listing(home)
+    return ([f"added {k}" for k in sorted(set(have) - set(want))] +
+            [f"changed {k}" for k in sorted(set(have) & set(want)) if have[k] != want[k]] +
+            [f"removed {k}" for k in sorted(set(want) - set(have))])
+
+
+def tree_of(src: Path) -> Path:
+    """The shared tree (the folder with the manifest) that holds the ComfyUI folder `src`."""
+    return next(p for p in (src, *src.parents) if (p / MANIFEST).is_file())
+
+
+def _build(archive: Path, home: Path) -> None:
+    """Unpack `archive` beside `home`, write its manifest, then rename it into place (another session that made
+    it first wins: this copy is dropped)."""
+    home.parent.mkdir(parents=True, exist_ok=True)
+    scratch = home.parent / f".{home.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+    try:
+        unpack(scratch)
+        # Bytecode for every module, once (~2 s): each child and server then loads it instead of compiling what it
+        # imports (~1 s of CPU per child for comfy.sd alone), PYTHONDONTWRITEBYTECODE or not. A file this Python
+        # cannot compile is left to fail where it is imported, as it would without this.
+        compileall.compile_dir(scratch, quiet=2, workers=0)
+        (scratch / MANIFEST).write_text(json.dumps(_listing(scratch)))
+        try:
+            scratch.rename(home)
+        except OSError:  # made meanwhile by another session (rename does not replace a non-empty folder)
+            if not (home / MANIFEST).is_file():
+                raise
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def shared_comfyui() -> Path:
+    """The ComfyUI folder of the shared, read-only unpacked tree of the archive (made on first use; skipping the
+    test without an archive: `require_archive`). A cached tree that was changed is set aside and made again."""
+    archive = require_archive()
+    home = CACHE_ROOT / archive_key(archive)
+    if home.is_dir() and (not (home / MANIFEST).is_file() or changes(home)):
+        stale = home.parent / f".stale-{home.name}-{uuid.uuid4().hex[:8]}"
+        try:
+            home.rename(stale)
+            shutil.rmtree(stale, ignore_errors=True)
+        except FileNotFoundError:  # another session set it aside first: it is made again below
+            assert not home.exists() or (home / MANIFEST).is_file(), home
+    if not home.is_dir():
+        _build(archive, home)
+    return _comfyui_folder(home, archive)

@@ -26,6 +26,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         require_archive()
 
 
+@pytest.fixture(scope="session")
+def comfyui_src():
+    """The ComfyUI 0.29.0 folder every real-ComfyUI test of the session shares (comfyui_harness.shared_comfyui:
+    unpacked once per archive, read-only; skipped without the archive). At the session's end it must still be as
+    unpacked: a test that wrote into it fails here, naming the files."""
+    from comfyui_harness import changes, shared_comfyui, tree_of
+
+    src = shared_comfyui()
+    yield src
+    home = tree_of(src)
+    wrote = changes(home)
+    if wrote:
+        pytest.fail(f"a test wrote into the shared ComfyUI tree {home} (tests must use it read-only; unpack(dest) "
+                    f"gives a test its own copy): {wrote[:20]}", pytrace=False)
+
+
 def has_module(name: str) -> bool:
     """Whether `name` can be imported; False (not an error) when a parent package is missing, e.g.
     `hydra_plugins.hydra_joblib_launcher` without any Hydra plugin installed."""

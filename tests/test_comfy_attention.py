@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfyui_harness import ROOT, run_child, unpack
+from comfyui_harness import ROOT, run_child
 
 import lowbit_pipe
 
@@ -23,9 +23,9 @@ ARCHS = ("krea2", "flux1")
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
+def result(tmp_path_factory, comfyui_src) -> dict:
     tmp = tmp_path_factory.mktemp("attention")
-    comfyui = unpack(tmp / "comfyui")
+    comfyui = comfyui_src
     models = {}
     for arch in ARCHS:
         models[arch] = str(tmp / f"{arch}.safetensors")

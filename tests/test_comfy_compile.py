@@ -164,8 +164,8 @@ BLOCKS = {"krea2": (["blocks"], 1), "flux1": (["double_blocks", "single_blocks"]
 
 
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory) -> dict:
-    from comfyui_harness import ROOT, run_child, unpack
+def comfy(tmp_path_factory, comfyui_src) -> dict:
+    from comfyui_harness import ROOT, run_child
     from safetensors.torch import save_file
 
     from lowbit_pipe.lora.make_example import example_lora
@@ -174,7 +174,7 @@ def comfy(tmp_path_factory) -> dict:
     from comfy_check import TINY  # tiny configs ComfyUI's model detection accepts
 
     tmp = tmp_path_factory.mktemp("compile")
-    comfyui = unpack(tmp / "comfyui")
+    comfyui = comfyui_src
     job = {"comfyui": str(comfyui), "models": {}, "loras": {}, "backend": "aot_eager", "inductor": ["krea2"]}
     for arch in ARCHS:
         path = tmp / f"{arch}.safetensors"

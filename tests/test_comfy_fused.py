@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfyui_harness import ROOT, run_child, unpack
+from comfyui_harness import ROOT, run_child
 
 import lowbit_pipe
 
@@ -26,10 +26,10 @@ NODE_ARCHS = ("krea2", "flux1")  # the Quantize node's path (files ComfyUI's loa
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
+def result(tmp_path_factory, comfyui_src) -> dict:
     pytest.importorskip("triton")
     tmp = tmp_path_factory.mktemp("fused")
-    comfyui = unpack(tmp / "comfyui")
+    comfyui = comfyui_src
     models = {}
     for arch in NODE_ARCHS:
         models[arch] = str(tmp / f"{arch}.safetensors")

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from comfyui_harness import ROOT, run_child, unpack
+from comfyui_harness import ROOT, run_child
 from safetensors.torch import save_file
 
 import lowbit_pipe
@@ -29,9 +29,9 @@ CHILD = Path(__file__).with_name("comfyui_patcher_child.py")
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
+def result(tmp_path_factory, comfyui_src) -> dict:
     tmp = tmp_path_factory.mktemp("patchers")
-    comfyui = unpack(tmp / "comfyui")
+    comfyui = comfyui_src
     floating = lowbit_pipe.run("default", [*TINY["krea2"], "pipeline=[load,detect,export]",
                                            f"export.path={tmp / 'float.safetensors'}"], run_dir=tmp / "float")
     sd, meta = example_lora(floating.model, floating.context.arch, style="peft", rank=4, seed=5, rel=0.05)

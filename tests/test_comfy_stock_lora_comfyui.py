@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfyui_harness import ROOT, run_child, unpack
+from comfyui_harness import ROOT, run_child
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -49,9 +49,9 @@ def _shape(path: str, key: str) -> tuple[int, ...]:
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory) -> dict:
+def result(tmp_path_factory, comfyui_src) -> dict:
     tmp = tmp_path_factory.mktemp("stock_lora")
-    comfyui = unpack(tmp / "comfyui")
+    comfyui = comfyui_src
     loras = tmp / "loras"
     loras.mkdir()
     job = {"comfyui": str(comfyui), "loras": str(loras), "strength": STRENGTH, "files": [], "quantize": []}

@@ -25,7 +25,6 @@ from lowbit_pipe.comfy.install import PACK, PREVIOUS_SHIMS, SHIM, install, main,
 from lowbit_pipe.errors import LowbitError
 
 ROOT = Path(__file__).resolve().parents[1]
-from comfyui_harness import unpack  # noqa: E402 - the archive's one lookup (skips, saying how to enable, without it)
 
 
 # ---- the version table --------------------------------------------------------------------------------
@@ -278,16 +277,16 @@ def test_the_package_ships_the_example_workflows():
 
 # ---- the real ComfyUI 0.29.0 ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def comfyui_029(tmp_path_factory) -> Path:
-    src = unpack(tmp_path_factory.mktemp("comfyui029"))  # whatever the archive's top folder is called
-    assert (src / "comfy" / "quant_ops.py").is_file(), sorted(p.name for p in src.iterdir())
-    return src
+def comfyui_029(comfyui_src) -> Path:
+    """The session's shared (read-only) ComfyUI 0.29.0 tree; skipped, saying how to enable it, without the archive."""
+    assert (comfyui_src / "comfy" / "quant_ops.py").is_file(), sorted(p.name for p in comfyui_src.iterdir())
+    return comfyui_src
 
 
 @pytest.mark.slow
 @pytest.mark.comfyui
 def test_comfyui_029_reads_the_pack_pyproject(comfyui_029, tmp_path):
-    pack = install(comfyui_029).parent
+    pack = install(_comfyui(tmp_path)).parent  # the pack as installed (not into the shared 0.29.0 tree, kept read-only)
     code = textwrap.dedent(f"""
         import sys; sys.path.insert(0, {str(comfyui_029)!r})
         from comfy_config import config_parser

@@ -1,6 +1,6 @@
 """The node pack inside a running ComfyUI server, driven through its HTTP API as a user's browser drives it.
 
-ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz or LOWBIT_COMFYUI_ARCHIVE, GPL-3, a test fixture; skipped without it) is unpacked into a scratch folder and
+ComfyUI 0.29.0 (../shared/comfyui-0.29.0.tar.xz or LOWBIT_COMFYUI_ARCHIVE, GPL-3, a test fixture; skipped without it), unpacked once per session and shared read-only (conftest.py comfyui_src), is
 run with `main.py --cpu` from a Python as a ComfyUI user has it: a venv with ComfyUI's own pinned
 requirements (comfy-kitchen 0.2.24 among them), where lowbit_pipe is installed with the README's command and
 the node pack with `python -m lowbit_pipe.comfy install --base-directory`. Workflows are queued with
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import comfyui_server as cs  # noqa: E402
-from comfyui_harness import require_archive  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
@@ -37,6 +36,7 @@ class Env:
     python: str
     server: cs.ComfyUIServer
     comfy_kitchen: tuple[str | None, str | None]  # before / after the README's pip install
+    launched: dict[str, cs.ComfyUIServer] = field(default_factory=dict)  # the other servers, loading (SERVERS)
 
 
 def _write_models(base: Path, tmp: Path) -> None:
@@ -81,13 +81,24 @@ class LowbitTestTextStates:
 NODE_CLASS_MAPPINGS = {"LowbitTestTextStates": LowbitTestTextStates}
 '''
 TEST_NODES = "lowbit_test_nodes"
+# The servers besides the pack's, by fixture: their ComfyUI arguments.
+SERVERS = {"stock_server": ("--cpu", "--disable-all-custom-nodes", "--whitelist-custom-nodes", TEST_NODES),
+           "attention_server": ("--cpu", "--use-pytorch-cross-attention")}
+
+
+def _server(comfy: Env, name: str):
+    """The fixture `name`'s server: the one `comfy` launched early (or launched now), once it answers."""
+    server = comfy.launched.get(name) or cs.ComfyUIServer.launch(comfy.src, comfy.base, python=comfy.python,
+                                                                 args=SERVERS[name])
+    comfy.launched[name] = server
+    yield server.wait_ready()
+    server.stop()
 
 
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory) -> Env:
-    archive = require_archive()  # else every test here skips, with one line saying how to enable them
+def comfy(tmp_path_factory, comfyui_src, request) -> Env:
     root = tmp_path_factory.mktemp("comfyui")
-    src = cs.unpack(archive, root / "src")
+    src = comfyui_src  # the session's shared tree, read-only: the server's own files go under --base-directory
     python = cs.prepare_python(src, root / "venv")
     before = cs.package_version(python, "comfy-kitchen")
     cs.install_lowbit(python)  # the README's `pip install "lowbit_pipe[comfy]"`, into ComfyUI's Python
@@ -96,10 +107,18 @@ def comfy(tmp_path_factory) -> Env:
     cs.install_pack(base, python)
     (base / "custom_nodes" / TEST_NODES).mkdir(parents=True)
     (base / "custom_nodes" / TEST_NODES / "__init__.py").write_text(TEXT_STATES_NODE)
-    _write_models(base, root)
-    server = cs.ComfyUIServer.start(src, base, python=python)
-    yield Env(src, base, python, server, (before, after))
-    server.stop()
+    server = cs.ComfyUIServer.launch(src, base, python=python)
+    _write_models(base, root)  # while it loads (it lists the model folders at the first request, not at start)
+    server.wait_ready()
+    # The module's other servers that a selected test uses, launched once this one has made its database: they load
+    # (~20 s of one core each) while the first tests run, which keep one core waiting on this server.
+    needed = [name for name in SERVERS if any(item.path == request.path and name in item.fixturenames
+                                              for item in request.session.items)]
+    env = Env(src, base, python, server, (before, after),
+              {name: cs.ComfyUIServer.launch(src, base, python=python, args=SERVERS[name]) for name in needed})
+    yield env
+    for each in (server, *env.launched.values()):
+        each.stop()
 
 
 # ---------------------------------------------------------------------------------------------- graphs
@@ -277,10 +296,7 @@ def _cases() -> dict[str, dict[str, str]]:
 @pytest.fixture(scope="module")
 def stock_server(comfy):
     """The same ComfyUI and models without the node pack (only the test-only text-states node)."""
-    server = cs.ComfyUIServer.start(comfy.src, comfy.base, python=comfy.python,
-                                    args=("--cpu", "--disable-all-custom-nodes", "--whitelist-custom-nodes", TEST_NODES))
-    yield server
-    server.stop()
+    yield from _server(comfy, "stock_server")
 
 
 def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stock_server, tmp_path):
@@ -529,10 +545,7 @@ def attention_server(comfy):
     """The same ComfyUI, pack and models, with ComfyUI's PyTorch attention: what ComfyUI runs on a GPU. Its CPU
     default, sub-quadratic attention, asks psutil for the free memory inside every attention call, a graph break in
     ComfyUI's own code that would hide whether the pack's layers break a graph."""
-    server = cs.ComfyUIServer.start(comfy.src, comfy.base, python=comfy.python,
-                                    args=("--cpu", "--use-pytorch-cross-attention"))
-    yield server
-    server.stop()
+    yield from _server(comfy, "attention_server")
 
 
 def _first_calls(log: str, node: str) -> list[tuple[float, int, int]]:

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfyui_harness import ROOT, run_child, unpack
+from comfyui_harness import ROOT, run_child
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -80,8 +80,8 @@ def _distinct_peft(model, arch, seed: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def comfyui(tmp_path_factory) -> Path:
-    return unpack(tmp_path_factory.mktemp("comfyui"))
+def comfyui(comfyui_src) -> Path:
+    return comfyui_src
 
 
 @pytest.fixture(scope="module")

@@ -412,10 +412,12 @@ def test_require_archive_skips_or_under_ci_fails_and_each_real_comfyui_test_is_m
     archive.write_bytes(b"")
     monkeypatch.setenv("LOWBIT_COMFYUI_ARCHIVE", str(archive))
     assert comfyui_harness.require_archive() == archive
-    # every test module that reaches the archive (through the harness or the server bench) marks its tests `comfyui`
+    # every test module that reaches the archive (through the harness, the shared tree's fixture or the server bench)
+    # marks its tests `comfyui`
     tests = Path(__file__).resolve().parent
     users = sorted(p.name for p in tests.glob("test_*.py") if p.name != Path(__file__).name
-                   and any(s in p.read_text() for s in ("from comfyui_harness import", "import comfyui_server")))
+                   and any(s in p.read_text() for s in ("from comfyui_harness import", "import comfyui_server",
+                                                         "comfyui_src")))
     assert users == sorted(COMFYUI_TESTS), users
     for name in users:
         assert "pytest.mark.comfyui" in (tests / name).read_text(), name
