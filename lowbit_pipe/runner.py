@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 
 from lowbit_pipe.context import Context
+from lowbit_pipe.device_record import device_record
 from lowbit_pipe.errors import StageError, WriteError
 from lowbit_pipe.interrupts import OrderlyStop, as_interrupted
 from lowbit_pipe.progress import Console
@@ -137,6 +138,7 @@ class Runner:
         _write_json(self.run_dir / "environment.json", environment(self.recipe.seed))
         report: dict[str, Any] = {"status": "running", "stage": None, "recipe": recipe_dict, "stages": {},
                                   "warnings": []}
+        report["device"] = device_record(self.recipe.model.device, self.model)
         ctx.report = report
         ctx.stream_choice = decide_stream(self.recipe, model_given=self.model is not None, hands_back=self.hands_back)
         report["stream"] = ctx.stream_choice.as_dict()  # the load stage may still load a file streaming cannot read
