@@ -153,3 +153,33 @@ def test_device_record_on_a_simulated_cuda_device(monkeypatch):
 def test_physical_index_is_null_when_the_gpu_was_given_by_uuid():
     assert physical_index("GPU-8f3e,GPU-1c2d", 0) is None  # the uuid says which GPU
     assert physical_index("3", 0) == 3 and physical_index(None, 2) == 2
+
+
+def test_ctrl_c_on_the_sweep_reaches_every_running_job(tmp_path):
+    """SIGINT to the driver alone (a shell's Ctrl-C reaches the whole process group; `kill -INT` or a scheduler
+    reaches only the driver): it is passed on to the running jobs, the driver waits for them, and no job outlives it."""
+    import signal
+    import time
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""))
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    driver = subprocess.Popen([sys.executable, str(APP), "-m", "hydra/launcher=lowbit_gpus",
+                               f"hydra.launcher.gpus=[{','.join(FAKE)}]", "outcome=ok,ok,ok", "seconds=120",
+                               "hydra.sweep.dir=sweep"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    sweep, deadline = tmp_path / "sweep", time.monotonic() + 120
+    while len(records(sweep, "job.json")) < 2 and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(0.2)
+    jobs = records(sweep, "job.json")
+    assert sorted(jobs) == [0, 1], driver.communicate()[1][-3000:] if driver.poll() is not None else "jobs did not start"
+    start = time.monotonic()
+    driver.send_signal(signal.SIGINT)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode != 0 and time.monotonic() - start < 60  # far short of the jobs' 120 s
+    for job in jobs.values():
+        with pytest.raises(ProcessLookupError):
+            os.kill(job["pid"], 0)  # the job's process is gone
+    assert 2 not in records(sweep, "job.json")  # the queued third job never started
+    launched = records(sweep, "launcher.json")  # the stopped jobs still say where they ran and how they ended
+    assert sorted(launched) == [0, 1] and all(r["status"] == "FAILED" for r in launched.values()), err[-3000:]
+    assert {r["gpu"] for r in launched.values()} == set(FAKE)

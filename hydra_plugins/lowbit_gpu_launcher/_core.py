@@ -163,7 +163,8 @@ def wait_any(running: dict[int, Running], poll_seconds: float) -> list[int]:
 
 
 def stop_all(running: dict[int, Running], signum: int, stop_seconds: float) -> None:
-    """Pass the driver's signal on to every running job, wait for their orderly stop, kill what outlasts it."""
+    """Pass the driver's signal on to every running job, wait for their orderly stop, kill what outlasts it; each
+    stopped job gets its launcher.json."""
     for run in running.values():
         if run.proc.poll() is None:
             run.proc.send_signal(signum)
@@ -175,6 +176,7 @@ def stop_all(running: dict[int, Running], signum: int, stop_seconds: float) -> N
             run.proc.kill()
             run.proc.wait()
             log.error(f"#{run.job.num} on GPU {run.gpu} did not stop within {stop_seconds:g} s: killed")
+        collect(run)  # its launcher.json: where it ran and how it ended
 
 
 def run_queue(jobs: list[Job], gpus: tuple[str, ...], common: Path, tmp: Path,
