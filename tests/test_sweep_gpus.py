@@ -183,3 +183,12 @@ def test_ctrl_c_on_the_sweep_reaches_every_running_job(tmp_path):
     launched = records(sweep, "launcher.json")  # the stopped jobs still say where they ran and how they ended
     assert sorted(launched) == [0, 1] and all(r["status"] == "FAILED" for r in launched.values()), err[-3000:]
     assert {r["gpu"] for r in launched.values()} == set(FAKE)
+
+
+def test_a_recipe_file_may_set_the_gpu_list_but_not_choose_the_launcher():
+    from lowbit_pipe.errors import RecipeError
+    from lowbit_pipe.untrusted import check_data
+
+    check_data({"hydra": {"launcher": {"gpus": [0, 1], "stop_seconds": 60}}}, "team.yaml")  # data: allowed
+    with pytest.raises(RecipeError, match=r"team\.yaml: defaults\[0\].*choose it on the command line"):
+        check_data({"defaults": [{"override /hydra/launcher": "gpus"}]}, "team.yaml")
