@@ -176,6 +176,8 @@ EXTRAS: dict[tuple[str, str], tuple[str, str, str]] = {
     ("hydra/launcher", "slurm"): _SUBMITIT, ("hydra/launcher", "submitit_slurm"): _SUBMITIT,
     ("hydra/launcher", "submitit_local"): _SUBMITIT,
     ("hydra/launcher", "ray"): ("ray", "ray", "Ray"),
+    ("hydra/launcher", "gpus"): ("cloudpickle", "sweep", "cloudpickle"),
+    ("hydra/launcher", "lowbit_gpus"): ("cloudpickle", "sweep", "cloudpickle"),
     ("hydra/callbacks", "mlflow"): ("mlflow", "mlflow", "MLflow"),
 }
 

@@ -23,6 +23,7 @@ from lowbit_pipe.files.tempfiles import atomic_write_text
 from lowbit_pipe.plan.stream_choice import decide_stream
 from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import Recipe
+from lowbit_pipe.running.device_record import device_record
 from lowbit_pipe.running.interrupts import OrderlyStop, as_interrupted
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import dynamo_counters
@@ -137,6 +138,7 @@ class Runner:
         _write_json(self.run_dir / "environment.json", environment(self.recipe.seed))
         report: dict[str, Any] = {"status": "running", "stage": None, "recipe": recipe_dict, "stages": {},
                                   "warnings": []}
+        report["device"] = device_record(self.recipe.model.device, self.model)
         ctx.report = report
         ctx.stream_choice = decide_stream(self.recipe, model_given=self.model is not None, hands_back=self.hands_back)
         report["stream"] = ctx.stream_choice.as_dict()  # the load stage may still load a file streaming cannot read
