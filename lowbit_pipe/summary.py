@@ -71,6 +71,22 @@ def target_lines(t: dict[str, Any] | None) -> list[str]:
     return lines
 
 
+def attention_lines(att: dict[str, Any]) -> list[str]:
+    """The attention stage's lines: its format (when not the stock one) and the fused norm / RoPE kernels."""
+    lines = []
+    if att.get("format", "bf16") != "bf16":
+        calls = ", ".join(f"{k} {v}" for k, v in (att.get("calls") or {}).items())
+        lines.append(f"attention: {att['format']} on {att.get('modules', 0)} modules" +
+                     (f" (calls: {calls})" if calls else "") + (f"; {att['note']}" if att.get("note") else ""))
+    fused = att.get("fused_norm_rope")
+    if fused:  # counts as applied (the kernels run later, when the model does: CUDA, eager)
+        lines.append(f"fused norm / RoPE kernels (eager, CUDA): {fused.get('norm_modules', 0)} norm modules, "
+                     f"{fused.get('rope_modules', fused.get('rope_processors', 0))} attention "
+                     f"{'modules' if 'rope_modules' in fused else 'processors'}"
+                     + (f" of {fused['code']}" if fused.get("code") else ""))
+    return lines
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """Stage times and memory, the layer plan, quality, export path and size, teardown."""
     lines = [f"lowbit_pipe run: {report['status']}  recipe={report['recipe'].get('name')}"]
@@ -87,17 +103,7 @@ def format_summary(report: dict[str, Any]) -> str:
     if st and (report["recipe"].get("model") or {}).get("path"):  # a run reading model.path: streamed or loaded
         lines.append(f"model: {'streamed file to file' if st['streamed'] else 'loaded whole'} "
                      f"(model.stream={st['mode']}: {st['reason']})")
-    att = report.get("attention") or {}
-    if att.get("format", "bf16") != "bf16":
-        calls = ", ".join(f"{k} {v}" for k, v in (att.get("calls") or {}).items())
-        lines.append(f"attention: {att['format']} on {att.get('modules', 0)} modules" +
-                     (f" (calls: {calls})" if calls else "") + (f"; {att['note']}" if att.get("note") else ""))
-    fused = att.get("fused_norm_rope")
-    if fused:  # counts as applied (the kernels run later, when the model does: CUDA, eager)
-        lines.append(f"fused norm / RoPE kernels (eager, CUDA): {fused.get('norm_modules', 0)} norm modules, "
-                     f"{fused.get('rope_modules', fused.get('rope_processors', 0))} attention "
-                     f"{'modules' if 'rope_modules' in fused else 'processors'}"
-                     + (f" of {fused['code']}" if fused.get("code") else ""))
+    lines += attention_lines(report.get("attention") or {})
     plan = report.get("plan")
     if plan:
         lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])

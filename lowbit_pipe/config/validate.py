@@ -11,7 +11,18 @@ import re
 
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.plan.stream_choice import stream_blockers, stream_mode
-from lowbit_pipe.recipe import DTYPES, EvaluateConfig, FormatChoice, LayerRule, QuantizeConfig, Recipe
+from lowbit_pipe.recipe import (
+    DTYPES,
+    CompileConfig,
+    EvaluateConfig,
+    ExportConfig,
+    FormatChoice,
+    GPTQConfig,
+    LayerRule,
+    LoraConfig,
+    QuantizeConfig,
+    Recipe,
+)
 
 # The GPU kernels rotate with tl.dot, which needs 16 or more columns per group.
 MIN_ROTATION_GROUP = 16
@@ -252,35 +263,72 @@ def _check_target(q: QuantizeConfig) -> None:
                                     "lowbit_pipe's node pack) or lowbit_pipe")
 
 
-def validate(recipe: Recipe) -> Recipe:
-    """Checks types cannot express; raises RecipeError naming the path."""
-    _check_pipeline(recipe)
-    _check_model(recipe)
-    _check_stream(recipe)
-    _check_attention(recipe)
-    if recipe.export.dtype not in DTYPES + ("auto",):
-        raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{recipe.export.dtype}'")
-    if recipe.export.layout not in ("comfy", "diffusers"):
-        raise RecipeError("export.layout", f"must be 'comfy' or 'diffusers', got '{recipe.export.layout}'")
-    if recipe.export.shard_bytes is not None and recipe.export.shard_bytes < 1 << 20:
+def _check_export(export: ExportConfig) -> None:
+    """export.*: dtype, layout, shard size, residual LoRA."""
+    if export.dtype not in DTYPES + ("auto",):
+        raise RecipeError("export.dtype", f"must be 'auto' or one of {list(DTYPES)}, got '{export.dtype}'")
+    if export.layout not in ("comfy", "diffusers"):
+        raise RecipeError("export.layout", f"must be 'comfy' or 'diffusers', got '{export.layout}'")
+    if export.shard_bytes is not None and export.shard_bytes < 1 << 20:
         raise RecipeError("export.shard_bytes", "must be at least 1 MiB (or null for one file)")
-    if recipe.export.residual_lora not in ("separate", "error"):
-        raise RecipeError("export.residual_lora", f"must be 'separate' or 'error', got '{recipe.export.residual_lora}'")
-    if "compile" in recipe.pipeline:
-        from lowbit_pipe.stages.compile import MODES as COMPILE_MODES
+    if export.residual_lora not in ("separate", "error"):
+        raise RecipeError("export.residual_lora", f"must be 'separate' or 'error', got '{export.residual_lora}'")
 
-        if recipe.compile.mode not in COMPILE_MODES:
-            raise RecipeError("compile.mode", f"must be one of {list(COMPILE_MODES)}, got '{recipe.compile.mode}'")
-        import torch._dynamo
 
-        backends = torch._dynamo.list_backends(exclude_tags=())
-        if recipe.compile.backend not in backends:
-            raise RecipeError("compile.backend", f"unknown backend '{recipe.compile.backend}' (known: {', '.join(backends)})")
+def _check_compile(compile_cfg: CompileConfig) -> None:
+    """compile.*: the mode and a backend dynamo knows (checked when the pipeline compiles)."""
+    from lowbit_pipe.stages.compile import MODES as COMPILE_MODES
+
+    if compile_cfg.mode not in COMPILE_MODES:
+        raise RecipeError("compile.mode", f"must be one of {list(COMPILE_MODES)}, got '{compile_cfg.mode}'")
+    import torch._dynamo
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if compile_cfg.backend not in backends:
+        raise RecipeError("compile.backend", f"unknown backend '{compile_cfg.backend}' (known: {', '.join(backends)})")
+
+
+def _check_lora_mode(lora: LoraConfig) -> None:
+    """lora.mode: one the lora stage has."""
     from lowbit_pipe.stages.lora import MODES as LORA_MODES
 
-    if recipe.lora.mode not in LORA_MODES:
-        raise RecipeError("lora.mode", f"must be one of {list(LORA_MODES)}, got '{recipe.lora.mode}'")
-    q = recipe.quantize
+    if lora.mode not in LORA_MODES:
+        raise RecipeError("lora.mode", f"must be one of {list(LORA_MODES)}, got '{lora.mode}'")
+
+
+def _check_calibration(q: QuantizeConfig) -> None:
+    """quantize.calibration_*: counts, prompts and resolution."""
+    if q.calibration_samples < 1:
+        raise RecipeError("quantize.calibration_samples", "must be >= 1")
+    if q.calibration_steps < 0:
+        raise RecipeError("quantize.calibration_steps", "must be >= 0 (0: one forward per sample)")
+    if any(not isinstance(t, str) or not t.strip() for t in q.calibration_prompts):
+        raise RecipeError("quantize.calibration_prompts", "each prompt must be a non-empty string")
+    if q.calibration_resolution is not None and q.calibration_resolution < 1:
+        raise RecipeError("quantize.calibration_resolution", "must be a positive number of pixels (or null)")
+    if q.calibration_prompts and q.calibration_steps < 1:
+        raise RecipeError("quantize.calibration_steps", "must be >= 1 with quantize.calibration_prompts (each prompt "
+                          "is a generation of that many steps)")
+
+
+def _check_gptq(gptq: GPTQConfig) -> None:
+    """quantize.gptq.*: block size, damping, memory, threads and the warnings' thresholds."""
+    if gptq.block_size < 1:
+        raise RecipeError("quantize.gptq.block_size", f"must be >= 1, got {gptq.block_size}")
+    if not 0 < gptq.damp < 1:
+        raise RecipeError("quantize.gptq.damp", f"must be in (0, 1), got {gptq.damp}")
+    if gptq.hessian_bytes < 1:
+        raise RecipeError("quantize.gptq.hessian_bytes", "must be > 0")
+    if gptq.threads is not None and gptq.threads < 1:
+        raise RecipeError("quantize.gptq.threads", f"must be >= 1 or null (automatic), got {gptq.threads}")
+    if gptq.spectrum_max_width < 0:
+        raise RecipeError("quantize.gptq.spectrum_max_width", f"must be >= 0, got {gptq.spectrum_max_width}")
+    if not 0 < gptq.warn_damp_share <= 1:
+        raise RecipeError("quantize.gptq.warn_damp_share", f"must be in (0, 1], got {gptq.warn_damp_share}")
+
+
+def _check_quantize(q: QuantizeConfig) -> None:
+    """quantize.*: formats, rules, budget, calibration, GPTQ, target and keep patterns."""
     from lowbit_pipe.formats.nvfp4 import NVFP4_COMPUTE
 
     if q.nvfp4_compute not in NVFP4_COMPUTE:
@@ -302,34 +350,26 @@ def validate(recipe: Recipe) -> Recipe:
         raise RecipeError("quantize.budget_bytes", "must be > 0")
     if q.budget_ratio is not None and not 0 < q.budget_ratio <= 1:
         raise RecipeError("quantize.budget_ratio", f"must be in (0, 1], got {q.budget_ratio}")
-    if q.calibration_samples < 1:
-        raise RecipeError("quantize.calibration_samples", "must be >= 1")
-    if q.calibration_steps < 0:
-        raise RecipeError("quantize.calibration_steps", "must be >= 0 (0: one forward per sample)")
-    if any(not isinstance(t, str) or not t.strip() for t in q.calibration_prompts):
-        raise RecipeError("quantize.calibration_prompts", "each prompt must be a non-empty string")
-    if q.calibration_resolution is not None and q.calibration_resolution < 1:
-        raise RecipeError("quantize.calibration_resolution", "must be a positive number of pixels (or null)")
-    if q.calibration_prompts and q.calibration_steps < 1:
-        raise RecipeError("quantize.calibration_steps", "must be >= 1 with quantize.calibration_prompts (each prompt "
-                          "is a generation of that many steps)")
-    if q.gptq.block_size < 1:
-        raise RecipeError("quantize.gptq.block_size", f"must be >= 1, got {q.gptq.block_size}")
-    if not 0 < q.gptq.damp < 1:
-        raise RecipeError("quantize.gptq.damp", f"must be in (0, 1), got {q.gptq.damp}")
-    if q.gptq.hessian_bytes < 1:
-        raise RecipeError("quantize.gptq.hessian_bytes", "must be > 0")
-    if q.gptq.threads is not None and q.gptq.threads < 1:
-        raise RecipeError("quantize.gptq.threads", f"must be >= 1 or null (automatic), got {q.gptq.threads}")
-    if q.gptq.spectrum_max_width < 0:
-        raise RecipeError("quantize.gptq.spectrum_max_width", f"must be >= 0, got {q.gptq.spectrum_max_width}")
-    if not 0 < q.gptq.warn_damp_share <= 1:
-        raise RecipeError("quantize.gptq.warn_damp_share", f"must be in (0, 1], got {q.gptq.warn_damp_share}")
+    _check_calibration(q)
+    _check_gptq(q.gptq)
     for i, choice in enumerate(q.budget_candidates):
         check_choice(f"quantize.budget_candidates[{i}]", choice)
     _check_target(q)
     for i, pattern in enumerate(q.keep):
         check_pattern(f"quantize.keep[{i}]", pattern)
+
+
+def validate(recipe: Recipe) -> Recipe:
+    """Checks types cannot express; raises RecipeError naming the path."""
+    _check_pipeline(recipe)
+    _check_model(recipe)
+    _check_stream(recipe)
+    _check_attention(recipe)
+    _check_export(recipe.export)
+    if "compile" in recipe.pipeline:
+        _check_compile(recipe.compile)
+    _check_lora_mode(recipe.lora)
+    _check_quantize(recipe.quantize)
     check_evaluate(recipe.evaluate)
     check_counts(recipe)
     return recipe

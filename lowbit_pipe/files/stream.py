@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from lowbit_pipe.arch.detect import strip_prefix
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.files.checkpoint import StreamingWriter, all_finite, shard_files
 from lowbit_pipe.files.lazy import LazyTensor, SafetensorsFiles
-from lowbit_pipe.formats import encode_record, get_format, is_stock_loadable
+from lowbit_pipe.formats import FormatSpec, encode_record, get_format, is_stock_loadable
 from lowbit_pipe.plan.policy import LayerPlan
 from lowbit_pipe.progress import Console
 
@@ -81,13 +82,72 @@ def _header_bound(keys: list[str], layers: int, metadata_hint: int) -> int:
     return 2 * (per_key + layers * 5 * 140 + metadata_hint) + 4096
 
 
+@dataclass
+class _Streamed:
+    """What streaming the tensors through quantization wrote, for the header and the figures."""
+
+    summary: dict[str, dict] = field(default_factory=dict)  # output layer -> format, shape, activations, record
+    counts: Counter[str] = field(default_factory=Counter)  # format -> quantized layers
+    bytes_before: int = 0  # the quantized layers' float weights as computed
+    bytes_after: int = 0  # their quantized tensors and records
+
+
+def _write_quantized(writer: StreamingWriter, layer: str, spec: FormatSpec, weight: LazyTensor, key: str,
+                     compute_dtype: torch.dtype, device: torch.device, source_path: str, done: _Streamed) -> None:
+    """Quantize one layer's weight and write its tensors and record; a FormatError is refused naming the key."""
+    fmt = get_format(spec.format)
+    w = weight.materialize().to(compute_dtype).to(device)
+    done.bytes_before += w.numel() * w.element_size()
+    try:
+        q = fmt.with_activations(fmt.quantize(w, spec), spec.activations, None, layer)
+    except FormatError as err:  # NaN in the weight, a shape the format cannot store: name the key
+        raise CheckpointError(source_path, str(err), key) from None
+    del w
+    for name, t in q.tensors.items():
+        writer.write(f"{layer}.{name}", t)
+    writer.write(f"{layer}.comfy_quant", encode_record(q.record))
+    done.bytes_after += q.nbytes + encode_record(q.record).numel()
+    done.summary[layer] = {"format": fmt.name, "shape": list(q.shape), "activations": spec.activations,
+                           "record": q.record}
+    done.counts[fmt.name] += 1
+
+
+def _stream_tensors(writer: StreamingWriter, keys: list[str], tensors: dict[str, LazyTensor], specs: dict[str, Any],
+                    source_path: str, float_dtype: torch.dtype, compute_dtype: torch.dtype, device: torch.device,
+                    console: Console) -> _Streamed:
+    """Every output tensor in key order: the planned layers' weights quantized, the rest in `float_dtype`."""
+    done = _Streamed()
+    for key in console.progress(keys, "export: stream"):
+        layer, _, suffix = key.rpartition(".")
+        if layer in specs and suffix == "weight":
+            _write_quantized(writer, layer, specs[layer], tensors[key], key, compute_dtype, device, source_path, done)
+        else:
+            t = tensors[key].materialize()
+            if t.is_floating_point() and not all_finite(t):  # what the loading path refuses too
+                raise CheckpointError(source_path, "NaN or Inf in weights", key)
+            writer.write(key, t.to(float_dtype) if t.is_floating_point() else t)
+    return done
+
+
+def _stream_metadata(source: Any, summary: dict[str, dict], recipe: dict[str, Any] | None, native_out: bool
+                     ) -> dict[str, str]:
+    """The header the loading path writes: ours and ComfyUI's quantization metadata."""
+    from lowbit_pipe.version import __version__
+
+    arch, config = source.arch, source.arch_config
+    quant = {name: info["record"] for name, info in summary.items()}
+    header = {"version": __version__, "arch": arch.id, "layout": "native" if native_out else "diffusers",
+              "transformer_config": source.kwargs, "recipe": recipe,
+              "layers": _layers_by_module(summary, arch, config, native_out)}
+    return {METADATA_KEY: json.dumps(header, default=str),
+            QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
+
+
 def stream_export(source: Any, plans: list[LayerPlan], out: Path, *, layout: str, float_dtype: torch.dtype,
                   compute_dtype: torch.dtype, device: torch.device, recipe: dict[str, Any] | None,
                   console: Console | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Read `source` (load.SourceFile) tensor by tensor, quantize per `plans`, write `out` (an existing `out` is
     replaced only with `overwrite`); returns figures."""
-    from lowbit_pipe.version import __version__
-
     console = console or Console()
     arch, config = source.arch, source.arch_config
     native_out = layout == "comfy" and arch.keymap is not None
@@ -107,45 +167,14 @@ def stream_export(source: Any, plans: list[LayerPlan], out: Path, *, layout: str
         bound = _header_bound(keys + [f"{n}.{s}" for n in quant_layers for s in
                                       ("weight_scale", "weight_scale_2", "input_scale", "comfy_quant")],
                               len(quant_layers), len(json.dumps(recipe, default=str)) + len(json.dumps(source.kwargs, default=str)))
-        summary: dict[str, dict] = {}
-        counts: Counter[str] = Counter()
-        bytes_before = bytes_after = 0
         with StreamingWriter(out, bound, inputs=(source.path,), replace=overwrite) as writer:
-            for key in console.progress(keys, "export: stream"):
-                layer, _, suffix = key.rpartition(".")
-                if layer in quant_layers and suffix == "weight":
-                    spec = specs[layer]
-                    fmt = get_format(spec.format)
-                    w = tensors[key].materialize().to(compute_dtype).to(device)
-                    bytes_before += w.numel() * w.element_size()
-                    try:
-                        q = fmt.with_activations(fmt.quantize(w, spec), spec.activations, None, layer)
-                    except FormatError as err:  # NaN in the weight, a shape the format cannot store: name the key
-                        raise CheckpointError(source.path, str(err), key) from None
-                    del w
-                    for name, t in q.tensors.items():
-                        writer.write(f"{layer}.{name}", t)
-                    writer.write(f"{layer}.comfy_quant", encode_record(q.record))
-                    bytes_after += q.nbytes + encode_record(q.record).numel()
-                    summary[layer] = {"format": fmt.name, "shape": list(q.shape), "activations": spec.activations,
-                                      "record": q.record}
-                    counts[fmt.name] += 1
-                else:
-                    t = tensors[key].materialize()
-                    if t.is_floating_point() and not all_finite(t):  # what the loading path refuses too
-                        raise CheckpointError(source.path, "NaN or Inf in weights", key)
-                    writer.write(key, t.to(float_dtype) if t.is_floating_point() else t)
-            quant = {name: info["record"] for name, info in summary.items()}
-            header = {"version": __version__, "arch": arch.id, "layout": "native" if native_out else "diffusers",
-                      "transformer_config": source.kwargs, "recipe": recipe,
-                      "layers": _layers_by_module(summary, arch, config, native_out)}
-            metadata = {METADATA_KEY: json.dumps(header, default=str),
-                        QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
-            nbytes = writer.close(metadata)
-    foreign = sorted(n for n, info in summary.items() if not is_stock_loadable(info["record"]))
+            done = _stream_tensors(writer, keys, tensors, specs, source.path, float_dtype, compute_dtype, device,
+                                   console)
+            nbytes = writer.close(_stream_metadata(source, done.summary, recipe, native_out))
+    foreign = sorted(n for n, info in done.summary.items() if not is_stock_loadable(info["record"]))
     return {"path": str(out), "bytes": nbytes, "files": 1, "tensors": len(writer.entries),
-            "layout": layout if arch.keymap is not None else "diffusers", "quantized_layers": len(summary),
-            "layers": dict(counts), "bytes_before": bytes_before, "bytes_after": bytes_after,
+            "layout": layout if arch.keymap is not None else "diffusers", "quantized_layers": len(done.summary),
+            "layers": dict(done.counts), "bytes_before": done.bytes_before, "bytes_after": done.bytes_after,
             "not_stock_comfy": foreign, "streamed": True}
 
 

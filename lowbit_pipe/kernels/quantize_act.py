@@ -148,6 +148,39 @@ def launch_config(k: int, override: dict | None = None) -> dict:
 INTERPRETER_CONFIG = {"BLOCK_M": 16}
 
 
+def _check_args(x: torch.Tensor, mode: str, static_scale: torch.Tensor | None) -> None:
+    """quantize_act's refusals of a mode, shape, dtype or static scale it does not take."""
+    if mode not in MODES:
+        raise ValueError(f"quantize_act: mode must be one of {list(MODES)}, got '{mode}'")
+    if x.dim() != 2:
+        raise ValueError(f"quantize_act: expected 2-D x, got {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"quantize_act: x must be fp32/bf16/fp16, got {x.dtype}")
+    if static_scale is not None and static_scale.numel() != 1:
+        raise ValueError(f"quantize_act: static_scale must hold one value, got {tuple(static_scale.shape)}")
+
+
+def _amax_down(x: torch.Tensor, down: torch.Tensor, cfg: dict, scale: torch.Tensor, *, amax: bool, ieee: bool,
+               r_pad: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """The first kernel with `down`: per K slice, the rows' partial amax (when `amax`: no static scale) and the
+    partial x @ down^T. Returns (slices, amax partials [slices, M] (`scale`, a dummy pointer, without `amax`),
+    xa partials [slices, M, r_pad])."""
+    m, k = x.shape
+    r = down.shape[0]
+    dbm, dbk = cfg["DOWN_BLOCK_M"], cfg["DOWN_BLOCK_K"]
+    if dbm < 16 or dbm & (dbm - 1):
+        raise ValueError(f"quantize_act: DOWN_BLOCK_M must be a power of two >= 16, got {dbm}")
+    slice_k = triton.cdiv(cfg["DOWN_SLICE"], dbk) * dbk
+    parts = triton.cdiv(k, slice_k)
+    amax_part = torch.empty((parts, m), dtype=torch.float32, device=x.device) if amax else scale
+    xa_part = torch.empty((parts, m, r_pad), dtype=torch.float32, device=x.device)
+    _amax_down_kernel[(triton.cdiv(m, dbm), parts)](
+        x, down, amax_part, xa_part, m, k, slice_k, x.stride(0), r, down.stride(1),
+        down.stride(0), AMAX=amax, IEEE=ieee, R_PAD=r_pad, BLOCK_M=dbm, BLOCK_K=dbk,
+        num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+    return parts, amax_part, xa_part
+
+
 def quantize_act(x: torch.Tensor, mode: str = "int8", static_scale: torch.Tensor | None = None,
                  down: torch.Tensor | None = None, config: dict | None = None) -> tuple[torch.Tensor, ...]:
     """x [M, K] (fp32/bf16/fp16) -> (codes [M, K] int8 or float8_e4m3fn, scale fp32 [M, 1]),
@@ -160,14 +193,7 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", static_scale: torch.Tensor
     the codes kernel then needs one pass over x instead of two. Codes and scales equal the plain call's
     bit for bit. `config` overrides `launch_config` (tests under the interpreter, the tuning bench).
     """
-    if mode not in MODES:
-        raise ValueError(f"quantize_act: mode must be one of {list(MODES)}, got '{mode}'")
-    if x.dim() != 2:
-        raise ValueError(f"quantize_act: expected 2-D x, got {tuple(x.shape)}")
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"quantize_act: x must be fp32/bf16/fp16, got {x.dtype}")
-    if static_scale is not None and static_scale.numel() != 1:
-        raise ValueError(f"quantize_act: static_scale must hold one value, got {tuple(static_scale.shape)}")
+    _check_args(x, mode, static_scale)
     if x.stride(-1) != 1:
         x = x.contiguous()
     m, k = x.shape
@@ -193,18 +219,8 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", static_scale: torch.Tensor
     r_pad = max(16, triton.next_power_of_2(r))
     parts, amax_part, xa_part = 0, scale, scale  # dummy pointers without down
     if down is not None:
-        dbm, dbk = cfg["DOWN_BLOCK_M"], cfg["DOWN_BLOCK_K"]
-        if dbm < 16 or dbm & (dbm - 1):
-            raise ValueError(f"quantize_act: DOWN_BLOCK_M must be a power of two >= 16, got {dbm}")
-        slice_k = triton.cdiv(cfg["DOWN_SLICE"], dbk) * dbk
-        parts = triton.cdiv(k, slice_k)
-        if static_scale is None:
-            amax_part = torch.empty((parts, m), dtype=torch.float32, device=x.device)
-        xa_part = torch.empty((parts, m, r_pad), dtype=torch.float32, device=x.device)
-        _amax_down_kernel[(triton.cdiv(m, dbm), parts)](
-            x, down, amax_part, xa_part, m, k, slice_k, x.stride(0), r, down.stride(1), down.stride(0),
-            AMAX=static_scale is None, IEEE=ieee, R_PAD=r_pad, BLOCK_M=dbm, BLOCK_K=dbk,
-            num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
+        parts, amax_part, xa_part = _amax_down(x, down, cfg, scale, amax=static_scale is None, ieee=ieee,
+                                               r_pad=r_pad)
     bm = cfg["BLOCK_M"]
     _quant_rows_kernel[(triton.cdiv(m, bm),)](
         x, q, scale, static, amax_part, xa_part, xa if down is not None else scale,

@@ -31,7 +31,7 @@ from torch import nn
 
 from lowbit_pipe.arch.keymap import SWAP_HALVES, take_rows
 from lowbit_pipe.errors import LoraError
-from lowbit_pipe.lora.peft_config import AdapterConfig, adapter_configs
+from lowbit_pipe.lora.peft_config import AdapterConfig, AdapterConfigs, adapter_configs
 
 DOWN = ("lora_A.weight", "lora_A.default.weight", "lora_down.weight")
 UP = ("lora_B.weight", "lora_B.default.weight", "lora_up.weight")
@@ -226,6 +226,122 @@ def _matrix(t: torch.Tensor, key: str, where: str) -> torch.Tensor:
     return t
 
 
+@dataclass(frozen=True)
+class _Onto:
+    """What a file's module names resolve onto: the model's Linears by diffusers name, its arch and config."""
+
+    linears: Mapping[str, Any]  # diffusers module name -> Linear (or, for a natively named model, its part's shape)
+    arch: Any
+    config: Any
+    native: bool  # the model carries native names (a ComfyUI model)
+    where: str  # the file, for errors
+
+    def targets(self, written: str) -> list[tuple[str, slice | None]]:
+        """The layers (and rows of a fused one) a module as written in the file applies to."""
+        targets = self.arch.lora_targets(written, self.config) if self.arch is not None else \
+            _generic_targets(written, self.linears)
+        return [(t, rows) for t, rows in targets if t in self.linears]
+
+
+@dataclass(frozen=True)
+class _ModuleKeys:
+    """One module's tensors as the file names them, and what kind of adapter they make."""
+
+    kind: str  # "lora", "dora" or "dense"
+    keys: tuple[str, ...]
+    down: str | None
+    up: str | None
+    magnitude: str | None
+
+
+def _module_keys(written: str, parts: Mapping[str, str], where: str) -> _ModuleKeys:
+    """The module's kind and factor keys; refused when it has neither a full pair of factors nor a dense diff."""
+    keys = tuple(parts.values())
+    down_key = next((parts[s] for s in DOWN if s in parts), None)
+    up_key = next((parts[s] for s in UP if s in parts), None)
+    mag_key = next((parts[s] for s in MAGNITUDE if s in parts), None)
+    if "diff" in parts:
+        kind = "dense"
+    elif down_key and up_key:
+        kind = "dora" if mag_key else "lora"
+    else:
+        raise LoraError(f"{where} [{keys[0]}]: module '{written}' has {sorted(parts)}; a LoRA needs both "
+                        "lora_A/lora_down and lora_B/lora_up")
+    return _ModuleKeys(kind, keys, down_key, up_key, mag_key)
+
+
+def _model_config(model: nn.Module, arch: Any, config: Any, native: bool, where: str) -> Any:
+    """`config` when given (or no arch), else the arch's config read off the model (a natively named model:
+    detected from its keys, refused when they are not `arch`'s)."""
+    if arch is None or config is not None:
+        return config
+    if native:
+        from lowbit_pipe.arch.detect import detect_module
+
+        found = detect_module(model)
+        if found is None or found.arch is not arch:
+            raise LoraError(f"{where}: the model is not a {arch.id} model (its keys do not match)")
+        return found.config
+    return arch.config_from_model(model)
+
+
+def _fit_targets(onto: _Onto, mk: _ModuleKeys, targets: list[tuple[str, slice | None]], down: torch.Tensor,
+                 up: torch.Tensor, mag: torch.Tensor | None, a: float, rslora: bool) -> list[LayerFactors]:
+    """The factors per target layer (a fused one: its rows of `up` and of a row magnitude), refused when they do not
+    fit the layer."""
+    where, out = onto.where, []
+    total = up.shape[0]
+    for module, rows in targets:
+        layer = onto.linears[module]
+        part = take_rows(up, rows, layer.in_features)
+        if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
+            named = f"'{onto.arch.to_native(module, onto.config)[0]}' (diffusers '{module}')" if onto.native \
+                else f"'{module}'"
+            raise LoraError(f"{where} [{mk.up}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
+                            f"layer {named} ({layer.out_features}x{layer.in_features})")
+        m = take_rows(mag, rows, layer.in_features) if mag is not None and mag.shape[0] == total else mag
+        if m is not None and tuple(m.shape) not in ((layer.out_features, 1), (1, layer.in_features)):
+            raise LoraError(f"{where} [{mk.magnitude}]: DoRA magnitude {tuple(m.shape)} fits neither the rows "
+                            f"({layer.out_features}, 1) nor the columns (1, {layer.in_features}) of '{module}'")
+        f = LayerFactors(module, mk.kind, down, part, a, None, m, mk.keys, rslora)
+        out.append(_compact(f) if isinstance(rows, slice) else f)
+    return out
+
+
+def _parse_module(onto: _Onto, written: str, parts: Mapping[str, str], state: Mapping[str, torch.Tensor],
+                  configs: AdapterConfigs, alpha: float | None, data: LoraData) -> None:
+    """One module of the file into `data`: its layers' factors, or its keys as unsupported / unmatched."""
+    where = onto.where
+    if any(UNSUPPORTED.match(s) for s in parts):
+        data.unsupported.extend(parts.values())
+        return
+    mk = _module_keys(written, parts, where)
+    targets = onto.targets(written)
+    if not targets:
+        data.unmatched.extend(mk.keys)
+        return
+    if mk.kind == "dense":
+        data.layers.extend(_dense(state[parts["diff"]], targets, onto.linears, mk.keys, where))
+        return
+    cfg = configs.for_module(written)
+    if cfg is not None and cfg.use_dora != (mk.kind == "dora"):
+        raise cfg.error("use_dora", f"is {str(cfg.use_dora).lower()}, but module '{written}' "
+                                    + (f"has no DoRA magnitude (lora_magnitude_vector / dora_scale; {mk.keys[0]})"
+                                       if cfg.use_dora else f"carries a DoRA magnitude ({mk.magnitude})"))
+    down = _matrix(state[mk.down], mk.down, where)
+    up = _matrix(state[mk.up], mk.up, where)
+    rank = down.shape[0]
+    if up.shape[1] != rank:
+        raise LoraError(f"{where} [{mk.up}]: up {tuple(up.shape)} does not match down rank {rank} ({mk.down})")
+    a, rslora = _layer_scale(written, parts, state, rank, cfg, alpha, mk.down, where)
+    if rank == 0:
+        raise LoraError(f"{where} [{mk.down}]: rank 0 (down {tuple(down.shape)})")
+    mag = _values(state[mk.magnitude], mk.magnitude, where) if mk.kind == "dora" else None
+    if mag is not None and mag.dim() == 1:
+        mag = mag.reshape(-1, 1)  # peft's lora_magnitude_vector [out]: one magnitude per output row
+    data.layers.extend(_fit_targets(onto, mk, targets, down, up, mag, a, rslora))
+
+
 def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn.Module, *, arch: Any = None,
                config: Any = None, alpha: float | None = None) -> LoraData:
     """Map a LoRA file onto `model`'s Linear / QuantLinear layers (diffusers module names).
@@ -242,76 +358,14 @@ def parse_lora(path_or_state: str | Path | Mapping[str, torch.Tensor], model: nn
     # A model of the arch that is not its diffusers class carries native names (a ComfyUI model): names are
     # resolved to diffusers modules as usual, then the factors are put back together per native module.
     native = arch is not None and arch.keymap is not None and not arch.detect_model(model)
-    if arch is not None and config is None:
-        if native:
-            from lowbit_pipe.arch.detect import detect_module
-
-            found = detect_module(model)
-            if found is None or found.arch is not arch:
-                raise LoraError(f"{where}: the model is not a {arch.id} model (its keys do not match)")
-            config = found.config
-        else:
-            config = arch.config_from_model(model)
-    native_linears = linears
-    if native:
-        linears = _diffusers_view(linears, arch, config)
+    config = _model_config(model, arch, config, native, where)
+    onto = _Onto(_diffusers_view(linears, arch, config) if native else linears, arch, config, native, where)
     groups, stray = _group(state)
     data = LoraData(where, [], unmatched=list(stray), metadata=metadata)
     for written, parts in groups.items():
-        keys = tuple(parts.values())
-        if any(UNSUPPORTED.match(s) for s in parts):
-            data.unsupported.extend(keys)
-            continue
-        down_key = next((parts[s] for s in DOWN if s in parts), None)
-        up_key = next((parts[s] for s in UP if s in parts), None)
-        mag_key = next((parts[s] for s in MAGNITUDE if s in parts), None)
-        if "diff" in parts:
-            kind = "dense"
-        elif down_key and up_key:
-            kind = "dora" if mag_key else "lora"
-        else:
-            raise LoraError(f"{where} [{keys[0]}]: module '{written}' has {sorted(parts)}; a LoRA needs both "
-                            "lora_A/lora_down and lora_B/lora_up")
-        targets = arch.lora_targets(written, config) if arch is not None else _generic_targets(written, linears)
-        targets = [(t, rows) for t, rows in targets if t in linears]
-        if not targets:
-            data.unmatched.extend(keys)
-            continue
-        if kind == "dense":
-            data.layers.extend(_dense(state[parts["diff"]], targets, linears, keys, where))
-            continue
-        cfg = configs.for_module(written)
-        if cfg is not None and cfg.use_dora != (kind == "dora"):
-            raise cfg.error("use_dora", f"is {str(cfg.use_dora).lower()}, but module '{written}' "
-                                        + (f"has no DoRA magnitude (lora_magnitude_vector / dora_scale; {keys[0]})"
-                                           if cfg.use_dora else f"carries a DoRA magnitude ({mag_key})"))
-        down = _matrix(state[down_key], down_key, where)
-        up = _matrix(state[up_key], up_key, where)
-        rank = down.shape[0]
-        if up.shape[1] != rank:
-            raise LoraError(f"{where} [{up_key}]: up {tuple(up.shape)} does not match down rank {rank} ({down_key})")
-        a, rslora = _layer_scale(written, parts, state, rank, cfg, alpha, down_key, where)
-        if rank == 0:
-            raise LoraError(f"{where} [{down_key}]: rank 0 (down {tuple(down.shape)})")
-        mag = _values(state[mag_key], mag_key, where) if kind == "dora" else None
-        if mag is not None and mag.dim() == 1:
-            mag = mag.reshape(-1, 1)  # peft's lora_magnitude_vector [out]: one magnitude per output row
-        total = up.shape[0]
-        for module, rows in targets:
-            layer = linears[module]
-            part = take_rows(up, rows, layer.in_features)
-            if down.shape[1] != layer.in_features or part.shape[0] != layer.out_features:
-                named = f"'{arch.to_native(module, config)[0]}' (diffusers '{module}')" if native else f"'{module}'"
-                raise LoraError(f"{where} [{up_key}]: factors up {tuple(part.shape)} @ down {tuple(down.shape)} do not fit "
-                                f"layer {named} ({layer.out_features}x{layer.in_features})")
-            m = take_rows(mag, rows, layer.in_features) if mag is not None and mag.shape[0] == total else mag
-            if m is not None and tuple(m.shape) not in ((layer.out_features, 1), (1, layer.in_features)):
-                raise LoraError(f"{where} [{mag_key}]: DoRA magnitude {tuple(m.shape)} fits neither the rows "
-                                f"({layer.out_features}, 1) nor the columns (1, {layer.in_features}) of '{module}'")
-            f = LayerFactors(module, kind, down, part, a, None, m, keys, rslora)
-            data.layers.append(_compact(f) if isinstance(rows, slice) else f)
+        _parse_module(onto, written, parts, state, configs, alpha, data)
     if native:
-        data.layers = _fuse_native(data.layers, arch, config, native_linears, where)
+        data.layers = _fuse_native(data.layers, arch, config, linears, where)
     return data
 
 

@@ -255,16 +255,63 @@ def _refuse_below_floor(model: nn.Module, names: list[str], fixed_specs: dict[st
                                       "or relax the target")
 
 
-def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],
-                    quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
-    """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
+@dataclass
+class _Layers:
+    """The layers the plan weighs: the free ones with their options, the rules' ones with their format."""
+
+    names: list[str]  # free layers
+    candidates: list[Candidate]
+    fixed_specs: dict[str, FormatSpec]  # the rules' layers
+    options: dict[str, list[LayerOption]]  # free layer -> its measured options
+    fixed_options: dict[str, LayerOption]  # rule's layer -> its measured format
+
+
+@dataclass(frozen=True)
+class _Shapes:
+    """The shapes each layer sees in the example forward, as speed table entries."""
+
+    model: nn.Module
+    calls: dict[str, list[int]]  # layer -> rows per call
+    dtype: str
+    compiled: bool
+    prepack: bool
+
+    def entries(self, name: str, cand: Candidate) -> list[speed_table.Entry]:
+        lin = self.model.get_submodule(name)
+        return [speed_table.Entry(cand.label, rows, lin.in_features, lin.out_features, self.dtype, self.compiled,
+                                  self.prepack and cand.spec is not None) for rows in self.calls[name]]
+
+
+@dataclass(frozen=True)
+class _Times:
+    """The speed table's times for those shapes."""
+
+    shapes: _Shapes
+    table: speed_table.SpeedTable
+    needed: list[tuple[Candidate, speed_table.Entry]]
+    seconds: float  # spent loading and filling the table
+
+    def layer_ms(self, name: str, cand: Candidate) -> float:
+        return sum(self.table.get(e) for e in self.shapes.entries(name, cand))
+
+
+@dataclass
+class _Solved:
+    """The solver's answer over the attention formats, with the frontier it drew."""
+
+    attention: str
+    solution: Solution
+    solved: dict[str, Solution]
+    front: list[tuple[str, Any]]
+    seconds: float
+
+
+def _measure_layers(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None]) -> _Layers:
+    """Each free layer's options and each rule's layer's format, measured on the calibration inputs (refused before
+    that when the target is under the byte floor or a layer has no option)."""
     cfg = ctx.recipe.quantize
-    timing = timing or TimingSettings.for_device(ctx.device)
     t = cfg.target
     model = ctx.transformer
-    device, dtype = ctx.device, ctx.dtype
-    compiled = t.compiled if t.compiled is not None else "compile" in ctx.recipe.pipeline
-    example = _example(ctx, compiled)
     names = free_layers(plans)
     candidates = [Candidate(_spec(c)) for c in t.candidates] + ([Candidate(None)] if t.allow_float else [])
     fixed_specs = {p.name: p.spec for p in plans if p.spec is not None and p.name not in set(names)}  # rules' layers
@@ -278,95 +325,149 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
             raise RecipeError("quantize.target.candidates", f"no candidate fits layer '{name}' "
                                                             f"{tuple(model.get_submodule(name).weight.shape)} and "
                                                             "allow_float is off")
+    return _Layers(names, candidates, fixed_specs, options, fixed_options)
+
+
+def _layer_times(ctx, example: ExampleForward, layers: _Layers, compiled: bool, timing: TimingSettings) -> _Times:
+    """Count the rows each layer sees in one forward, and fill the speed table (cached) for those shapes."""
+    cfg = ctx.recipe.quantize
+    model = ctx.transformer
+    names, fixed_specs = layers.names, layers.fixed_specs
     calls = layer_calls(model, names + list(fixed_specs), example.runner() if not compiled else
                         ExampleForward(model, example.inputs, example.output).runner())
+    shapes = _Shapes(model, calls, speed_table.dtype_name(ctx.dtype), compiled, cfg.prepack)
     float_cand = Candidate(None)
-    dt = speed_table.dtype_name(dtype)
-
-    def entries(name: str, cand: Candidate) -> list[speed_table.Entry]:
-        lin = model.get_submodule(name)
-        return [speed_table.Entry(cand.label, rows, lin.in_features, lin.out_features, dt, compiled,
-                                  cfg.prepack and cand.spec is not None) for rows in calls[name]]
-
-    needed = [(o.candidate, e) for n in names for o in options[n] for e in entries(n, o.candidate)]
-    needed += [(float_cand, e) for n in [*names, *fixed_specs] for e in entries(n, float_cand)]
-    needed += [(Candidate(spec), e) for n, spec in fixed_specs.items() for e in entries(n, Candidate(spec))]
+    needed = [(o.candidate, e) for n in names for o in layers.options[n] for e in shapes.entries(n, o.candidate)]
+    needed += [(float_cand, e) for n in [*names, *fixed_specs] for e in shapes.entries(n, float_cand)]
+    needed += [(Candidate(spec), e) for n, spec in fixed_specs.items() for e in shapes.entries(n, Candidate(spec))]
     started = time.perf_counter()
-    table = speed_table.load(speed_table.cache_dir(cfg.speed_cache), speed_table.table_key(device), cfg.speed_refresh)
-    table = speed_table.ensure(table, needed, device, dtype, compile_backend=ctx.recipe.compile.backend, timing=timing)
-    table_seconds = time.perf_counter() - started
-    float_ms, reference = time_forward(example, device, timing)
-    errors = measure_output_error(example, reference, {**options, **{n: [o] for n, o in fixed_options.items()}})
+    table = speed_table.load(speed_table.cache_dir(cfg.speed_cache), speed_table.table_key(ctx.device),
+                             cfg.speed_refresh)
+    table = speed_table.ensure(table, needed, ctx.device, ctx.dtype, compile_backend=ctx.recipe.compile.backend,
+                               timing=timing)
+    return _Times(shapes, table, needed, time.perf_counter() - started)
 
-    def layer_ms(name: str, cand: Candidate) -> float:
-        return sum(table.get(e) for e in entries(name, cand))
 
-    speed = measure_speed_model(example, reference, options, fixed_specs, layer_ms, float_ms, quantize, device, timing) \
-        if t.uniform_probes else SpeedModel({})
-    layers = [LayerCosts(n, tuple(o.candidate.label for o in options[n]),
-                         tuple(layer_ms(n, o.candidate) * speed.scale(o.candidate.label) for o in options[n]),
-                         tuple(o.nbytes for o in options[n]), tuple(errors.share(n, o) ** 2 for o in options[n]))
-              for n in names]
+def _base_problem(model: nn.Module, layers: _Layers, times: _Times, errors: OutputErrorModel, speed: SpeedModel,
+                  float_ms: float) -> tuple[list[LayerCosts], Problem]:
+    """The free layers' costs and the problem with the stock attention."""
+    names, fixed_specs, options = layers.names, layers.fixed_specs, layers.options
+    costs = [LayerCosts(n, tuple(o.candidate.label for o in options[n]),
+                        tuple(times.layer_ms(n, o.candidate) * speed.scale(o.candidate.label) for o in options[n]),
+                        tuple(o.nbytes for o in options[n]), tuple(errors.share(n, o) ** 2 for o in options[n]))
+             for n in names]
     float_bytes = tensor_bytes(model)
+    float_cand = Candidate(None)
     # Fixed: all but the free layers, the rules' layers as quantized (their float time and bytes swapped out).
-    fixed_ms = float_ms - sum(layer_ms(n, float_cand) for n in [*names, *fixed_specs]) + \
-        sum(layer_ms(n, Candidate(spec)) for n, spec in fixed_specs.items())
+    fixed_ms = float_ms - sum(times.layer_ms(n, float_cand) for n in [*names, *fixed_specs]) + \
+        sum(times.layer_ms(n, Candidate(spec)) for n, spec in fixed_specs.items())
     fixed_bytes = float_bytes - sum(tensor_bytes(model.get_submodule(n)) for n in [*names, *fixed_specs]) + \
         sum(quantized_bytes(model.get_submodule(n), spec) for n, spec in fixed_specs.items())
-    base = Problem(layers, fixed_ms=fixed_ms, fixed_bytes=fixed_bytes,
+    base = Problem(costs, fixed_ms=fixed_ms, fixed_bytes=fixed_bytes,
                    float_ms=float_ms, float_bytes=float_bytes, error_scale=1.0,  # the shares are output errors
-                   fixed_err2=sum(errors.share(n, o) ** 2 for n, o in fixed_options.items()))
-    attention = {fmt: (AttentionOption(fmt, float_ms, 0.0, {}) if fmt == STOCK_ATTENTION else
-                       measure_attention(ctx, example, fmt, reference, timing)) for fmt in attention_formats(ctx)}
-    # Each format moves the fixed part by its forward's difference from the stock one and adds its output error.
-    problems = {fmt: replace(base, fixed_ms=base.fixed_ms + a.forward_ms - float_ms, output_err2=a.error ** 2)
-                for fmt, a in attention.items()}
+                   fixed_err2=sum(errors.share(n, o) ** 2 for n, o in layers.fixed_options.items()))
+    return costs, base
+
+
+def _solve_all(problems: dict[str, Problem], target: Target, frontier_points: int) -> _Solved:
+    """The best plan over the attention formats, and the non-dominated frontier of them all."""
     started = time.perf_counter()
     chosen_attention, solution, solved = solve_per_attention(problems, target)
-    fronts = [(fmt, point) for fmt, problem in problems.items() for point in frontier(problem, t.frontier_points)]
+    fronts = [(fmt, point) for fmt, problem in problems.items() for point in frontier(problem, frontier_points)]
     front = [fronts[i] for i in non_dominated([p.prediction for _, p in fronts])]
-    solver_seconds = time.perf_counter() - started
-    problem = problems[chosen_attention]
-    specs = {**fixed_specs, **{layer.name: options[layer.name][j].candidate.spec
-                               for layer, j in zip(layers, solution.choice)
-                               if options[layer.name][j].candidate.spec is not None}}
+    return _Solved(chosen_attention, solution, solved, front, time.perf_counter() - started)
+
+
+def _select(problem: Problem, solution: Solution, speed: SpeedModel, specs: dict[str, FormatSpec],
+            example: ExampleForward, reference: torch.Tensor, target: Target
+            ) -> tuple[Solution, dict[str, Any] | None]:
+    """The solver's plan weighed against the uniform probes (weigh_uniform), when there are probes and no static
+    activations."""
     if not speed.probes:
-        selection: dict[str, Any] | None = None
-    elif any(s.activations == "static" for s in specs.values()):  # their input scales are calibrated after planning
-        selection = {"chosen": "solver", "skipped": "the plan has static activations, not calibrated yet: no probe"}
-    else:
-        solution, selection = weigh_uniform(problem, solution, speed, _probe_error(example, reference, specs), target)
-    chosen = {layer.name: options[layer.name][j] for layer, j in zip(layers, solution.choice)}
+        return solution, None
+    if any(s.activations == "static" for s in specs.values()):  # their input scales are calibrated after planning
+        return solution, {"chosen": "solver", "skipped": "the plan has static activations, not calibrated yet: no probe"}
+    return weigh_uniform(problem, solution, speed, _probe_error(example, reference, specs), target)
+
+
+def _apply_choice(plans: list[LayerPlan], chosen: dict[str, LayerOption], times: _Times, target: Target
+                  ) -> list[LayerPlan]:
+    """The plans with each free layer's chosen option and its reason."""
     new_plans = []
     for p in plans:
         opt = chosen.get(p.name)
         if opt is None:
             new_plans.append(p)
             continue
-        ms = layer_ms(p.name, opt.candidate)
+        ms = times.layer_ms(p.name, opt.candidate)
         reason = f"target {target.kind} ({opt.candidate.label}, rel_error {opt.rel_error:.4f}, {ms:.4g} ms)"
         new_plans.append(replace(p, spec=opt.candidate.spec, reason=reason, unfit=None, unrotated=False))
+    return new_plans
+
+
+def _report(t, target: Target, compiled: bool, layers: _Layers, times: _Times, chosen: dict[str, LayerOption],
+            solution: Solution, solved: _Solved, problem: Problem, float_ms: float, errors: OutputErrorModel,
+            speed: SpeedModel, selection: dict[str, Any] | None, attention: dict[str, AttentionOption]
+            ) -> dict[str, Any]:
+    """The target's section of the report."""
     counts: dict[str, int] = {}
     for opt in chosen.values():
         counts[opt.candidate.label] = counts.get(opt.candidate.label, 0) + 1
-    report = {
+    table, needed = times.table, times.needed
+    return {
         "target": target.as_dict(), "loads_in": t.loads_in, "compiled": compiled, "met": solution.met,
         "predicted": solution.prediction.as_dict(), "layers": dict(sorted(counts.items())),
-        "candidates": [c.label for c in candidates], "free_layers": len(names),
+        "candidates": [c.label for c in layers.candidates], "free_layers": len(layers.names),
         "float_ms": round(float_ms, 6), "fixed_ms": round(problem.fixed_ms, 6), "error_model": errors.as_dict(),
         "speed_model": speed.as_dict(), "selection": selection,
-        "frontier": [{**p.as_dict(), "attention": fmt} for fmt, p in front],
-        "attention": {"chosen": chosen_attention, "options": {
-            fmt: {**a.as_dict(), "predicted": solved[fmt].prediction.as_dict() if fmt in solved else None,
-                  "met": fmt in solved and solved[fmt].met} for fmt, a in attention.items()}},
+        "frontier": [{**p.as_dict(), "attention": fmt} for fmt, p in solved.front],
+        "attention": {"chosen": solved.attention, "options": {
+            fmt: {**a.as_dict(),
+                  "predicted": solved.solved[fmt].prediction.as_dict() if fmt in solved.solved else None,
+                  "met": fmt in solved.solved and solved.solved[fmt].met} for fmt, a in attention.items()}},
         "speed_table": {"path": str(table.path), "device": table.key.device, "entries": len(needed),
                         "measured": table.measured, "reused": len(set(e.key() for _, e in needed)) - table.measured,
-                        "seconds": round(table_seconds, 3)},
-        "solver_seconds": round(solver_seconds, 4),
+                        "seconds": round(times.seconds, 3)},
+        "solver_seconds": round(solved.seconds, 4),
         "choice": {n: o.candidate.label for n, o in chosen.items()},  # each free layer's candidate
-        "sensitivity": {n: {o.candidate.label: round(o.rel_error, 6) for o in options[n]} for n in names},
+        "sensitivity": {n: {o.candidate.label: round(o.rel_error, 6) for o in layers.options[n]}
+                        for n in layers.names},
     }
-    return TargetPlan(new_plans, report, example, reference, float_ms, solution, chosen_attention)
+
+
+def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],
+                    quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
+    """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
+    t = ctx.recipe.quantize.target
+    timing = timing or TimingSettings.for_device(ctx.device)
+    model = ctx.transformer
+    compiled = t.compiled if t.compiled is not None else "compile" in ctx.recipe.pipeline
+    example = _example(ctx, compiled)
+    layers = _measure_layers(ctx, plans, target, run_calibration)
+    options = layers.options
+    times = _layer_times(ctx, example, layers, compiled, timing)
+    float_ms, reference = time_forward(example, ctx.device, timing)
+    errors = measure_output_error(example, reference,
+                                  {**options, **{n: [o] for n, o in layers.fixed_options.items()}})
+    speed = measure_speed_model(example, reference, options, layers.fixed_specs, times.layer_ms, float_ms, quantize,
+                                ctx.device, timing) if t.uniform_probes else SpeedModel({})
+    costs, base = _base_problem(model, layers, times, errors, speed, float_ms)
+    attention = {fmt: (AttentionOption(fmt, float_ms, 0.0, {}) if fmt == STOCK_ATTENTION else
+                       measure_attention(ctx, example, fmt, reference, timing)) for fmt in attention_formats(ctx)}
+    # Each format moves the fixed part by its forward's difference from the stock one and adds its output error.
+    problems = {fmt: replace(base, fixed_ms=base.fixed_ms + a.forward_ms - float_ms, output_err2=a.error ** 2)
+                for fmt, a in attention.items()}
+    solved = _solve_all(problems, target, t.frontier_points)
+    problem = problems[solved.attention]
+    specs = {**layers.fixed_specs, **{c.name: options[c.name][j].candidate.spec
+                                      for c, j in zip(costs, solved.solution.choice)
+                                      if options[c.name][j].candidate.spec is not None}}
+    solution, selection = _select(problem, solved.solution, speed, specs, example, reference, target)
+    chosen = {c.name: options[c.name][j] for c, j in zip(costs, solution.choice)}
+    report = _report(t, target, compiled, layers, times, chosen, solution, solved, problem, float_ms, errors, speed,
+                     selection, attention)
+    return TargetPlan(_apply_choice(plans, chosen, times, target), report, example, reference, float_ms, solution,
+                      solved.attention)
 
 
 def attention_formats(ctx) -> list[str]:

@@ -142,10 +142,30 @@ class Runner:
         ctx.report = report
         ctx.stream_choice = decide_stream(self.recipe, model_given=self.model is not None, hands_back=self.hands_back)
         report["stream"] = ctx.stream_choice.as_dict()  # the load stage may still load a file streaming cannot read
-        failure: BaseException | None = None
         compiles = "compile" in self.recipe.pipeline
         dynamo_start = dynamo_counters() if compiles else None
         torch.manual_seed(self.recipe.seed)
+        name, failure = self._run_stages(ctx, report, stop)
+        handled = self._close(ctx, report, stop, name, failure, dynamo_start)
+        interrupted = isinstance(failure, KeyboardInterrupt)
+        report["signals"] = {"handled": handled, "restored": stop.restore(),
+                             "received": [signal.Signals(s).name for s in stop.received]}
+        _write_json(self.run_dir / "report.json", report)
+        summary = format_summary(report)
+        atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
+        result = RunResult(report["status"], report, self.run_dir,
+                           model=ctx.model, context=ctx)
+        if failure:
+            if interrupted:
+                failure.run_report = report  # what the command line's one line says (teardown, export)
+            raise failure
+        return result
+
+    def _run_stages(self, ctx: Context, report: dict[str, Any], stop: OrderlyStop
+                    ) -> tuple[str, BaseException | None]:
+        """The pipeline's stages in order, until one fails or a signal stops the run. Returns the stage it ended in
+        and the failure (a StageError or Interrupted), None when every stage ran."""
+        failure: BaseException | None = None
         name = "startup"
         try:
             for name in self.recipe.pipeline:
@@ -175,6 +195,12 @@ class Runner:
             if "seconds" not in entry:  # cut mid-stage (a stage that had finished keeps its figures)
                 entry["error"] = f"interrupted by {failure.signal_name}"
             report["interrupted"] = {"stage": name, "signal": failure.signal_name}
+        return name, failure
+
+    def _close(self, ctx: Context, report: dict[str, Any], stop: OrderlyStop, name: str,
+               failure: BaseException | None, dynamo_start: dict[str, int] | None) -> list[str]:
+        """After the stages, signals deferred: tear a failed run down, and fill in the report's dynamo counts,
+        status, stage and error. Returns the signals the orderly stop handled (stop.handled)."""
         with stop.deferred():
             if failure is not None and "teardown" not in report["stages"]:
                 # its frames would keep the stage's tensors alive
@@ -192,19 +218,7 @@ class Runner:
                 report["error"] = f"interrupted by {failure.signal_name} during stage '{name}'"
             elif failure:
                 report["error"] = report["stages"][name]["error"]
-            handled = stop.handled
-        report["signals"] = {"handled": handled, "restored": stop.restore(),
-                             "received": [signal.Signals(s).name for s in stop.received]}
-        _write_json(self.run_dir / "report.json", report)
-        summary = format_summary(report)
-        atomic_write_text(self.run_dir / "summary.txt", summary + "\n")
-        result = RunResult(report["status"], report, self.run_dir,
-                           model=ctx.model, context=ctx)
-        if failure:
-            if interrupted:
-                failure.run_report = report  # what the command line's one line says (teardown, export)
-            raise failure
-        return result
+            return stop.handled
 
     def _trace(self, ctx: Context, report: dict[str, Any]) -> None:
         """report.json as a stage starts. A trace, not the result: when the run dir's disk is full the run goes on

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -72,41 +73,24 @@ def warn_comfy_kinds(records: dict[str, dict[str, Any]]) -> None:
         warnings.warn(message, stacklevel=3)
 
 
-def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float_dtype: torch.dtype,
-                 arch: Arch | None, arch_config: ArchConfig | None, model_config: dict[str, Any],
-                 recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = (),
-                 native: bool = False, console: Console | None = None) -> dict[str, Any]:
-    """Write `model` (quantized layers as they are, float tensors in `float_dtype`) per `cfg`; returns figures.
-    `native`: the model's modules already carry native names (a ComfyUI model); `console`: progress per tensor."""
-    residual = has_residual_lora(model)
-    if residual and cfg.residual_lora == "error":
-        # Residual branches are runtime state the model file cannot hold: never drop them silently.
-        raise ValueError("the model carries LoRA residual branches that the model file cannot hold; "
-                         "set export.residual_lora=separate to write them as a LoRA file, or bake them (lora.mode)")
-    state, layers = export_state_dict(model, float_dtype)
-    key_layout = cfg.layout if arch is not None and arch.keymap is not None else "diffusers"
-    rows = {name: info["shape"][0] for name, info in layers.items()}
-    if key_layout == "comfy" and not native:
-        state = layout.to_native(state, arch, arch_config, rows)
-    elif key_layout == "diffusers" and native:
-        state = layout.from_native(state, arch, arch_config, rows)
-    lora_state = lora_meta = None
-    if residual:  # named as this file's layers are; built before anything is written (a refusal leaves no file)
-        lora_layout = "native" if key_layout == "comfy" else "diffusers"
-        lora_state = residual_state_dict(model, lora_layout, arch=arch, config=arch_config, native=native)
-        lora_meta = residual_metadata(model, lora_layout)
-    foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
-    warn_comfy_kinds({name: info["record"] for name, info in layers.items()})
+def _warn_stock_activations(layers: dict[str, dict]) -> None:
+    """Warn about layers whose activation mode stock ComfyUI does not compute as lowbit_pipe does (the warnings
+    point at write_export's caller)."""
     unscaled = sorted(n for n, info in layers.items() if info["format"] == "fp8" and info["activations"] == "dynamic")
     if unscaled:
         warnings.warn(f"{len(unscaled)} fp8 layers quantize their activations per token (e.g. {unscaled[0]}); stock "
                       "ComfyUI reads no such mode and uses an input scale of 1 for them: set activations=static "
-                      "(a calibrated input_scale) to have it compute what lowbit_pipe computes", stacklevel=2)
+                      "(a calibrated input_scale) to have it compute what lowbit_pipe computes", stacklevel=3)
     ignored = sorted(n for n, info in layers.items() if info["static_ignored"])
     if ignored:
         warnings.warn(f"{len(ignored)} layers store a static input_scale that stock ComfyUI ignores for their format "
                       f"(e.g. {ignored[0]}, {layers[ignored[0]]['format']}): it quantizes their activations per token",
-                      stacklevel=2)
+                      stacklevel=3)
+
+
+def _export_metadata(state: dict[str, torch.Tensor], layers: dict[str, dict], arch: Arch | None, key_layout: str,
+                     model_config: dict[str, Any], recipe: dict[str, Any] | None) -> dict[str, str]:
+    """The file header: ours (version, arch, layout, config, recipe, layers) and ComfyUI's quantization metadata."""
     header = {
         "version": __version__,
         "arch": arch.id if arch else None,
@@ -119,46 +103,105 @@ def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float
     # ComfyUI's own description of the quantized layers (its loader reads it; the header wins over the
     # layers' `.comfy_quant` tensors there, so both say the same).
     quant = {k[: -len(".comfy_quant")]: decode_record(t, k) for k, t in state.items() if k.endswith(".comfy_quant")}
-    metadata = {METADATA_KEY: json.dumps(header, default=str),
-                QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
+    return {METADATA_KEY: json.dumps(header, default=str),
+            QUANT_METADATA_KEY: json.dumps({"format_version": "1.0", "layers": quant}, separators=(",", ":"))}
+
+
+@dataclass
+class _Saved:
+    """The model's temp files, written and not yet published, and what publishing them makes."""
+
+    together: list[tuple[Path, Path]]  # (temp, target) published as a set before `commit`
+    commit: tuple[Path, Path]  # (temp, target) published last: the file, or the shards' index
+    files: list[str]
+    written: str  # the path a reader opens
+    nbytes: int
+
+
+def _save_shards(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str], shard_bytes: int,
+                 total: int, pending: list[Path], inputs: tuple[str | None, ...], console: Console | None) -> _Saved:
+    """Shards and their index as temp files (each appended to `pending` as soon as it is complete)."""
+    parts = shard(state, shard_bytes)
+    stem = path.name.removesuffix(".safetensors")
+    together, files, weight_map, nbytes = [], [], {}, 0
+    for i, part in enumerate(parts, 1):
+        shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
+        tmp, size = save_unpublished(part, shard_path, metadata, inputs=inputs, console=console,
+                                     label=f"export: write shard {i}/{len(parts)}")
+        pending.append(tmp)
+        together.append((tmp, shard_path))
+        nbytes += size
+        files.append(str(shard_path))
+        weight_map.update({k: shard_path.name for k in part})
+    index = export_targets(path).index
+    index_tmp = write_temp_text(index, json.dumps({"metadata": {"total_size": total, **metadata},
+                                                   "weight_map": weight_map}))
+    pending.append(index_tmp)
+    return _Saved(together, (index_tmp, index), files, str(index), nbytes)
+
+
+def _save_model(state: dict[str, torch.Tensor], path: Path, metadata: dict[str, str], cfg: ExportConfig,
+                pending: list[Path], inputs: tuple[str | None, ...], console: Console | None) -> _Saved:
+    """The model as one temp file, or as shards and their index when it is over export.shard_bytes."""
     total = sum(t.numel() * t.element_size() for t in state.values())
+    if cfg.shard_bytes is None or total <= cfg.shard_bytes:
+        tmp, nbytes = save_unpublished(state, path, metadata, inputs=inputs, console=console)
+        pending.append(tmp)
+        return _Saved([], (tmp, path), [str(path)], str(path), nbytes)
+    return _save_shards(state, path, metadata, cfg.shard_bytes, total, pending, inputs, console)
+
+
+def _keyed_state(state: dict[str, torch.Tensor], layers: dict[str, dict], cfg: ExportConfig, arch: Arch | None,
+                 arch_config: ArchConfig | None, native: bool) -> tuple[dict[str, torch.Tensor], str]:
+    """The state under the key layout the file is written in, and that layout ("comfy" or "diffusers")."""
+    key_layout = cfg.layout if arch is not None and arch.keymap is not None else "diffusers"
+    rows = {name: info["shape"][0] for name, info in layers.items()}
+    if key_layout == "comfy" and not native:
+        state = layout.to_native(state, arch, arch_config, rows)
+    elif key_layout == "diffusers" and native:
+        state = layout.from_native(state, arch, arch_config, rows)
+    return state, key_layout
+
+
+def write_export(model: torch.nn.Module, path: Path, cfg: ExportConfig, *, float_dtype: torch.dtype,
+                 arch: Arch | None, arch_config: ArchConfig | None, model_config: dict[str, Any],
+                 recipe: dict[str, Any] | None = None, inputs: tuple[str | None, ...] = (),
+                 native: bool = False, console: Console | None = None) -> dict[str, Any]:
+    """Write `model` (quantized layers as they are, float tensors in `float_dtype`) per `cfg`; returns figures.
+    `native`: the model's modules already carry native names (a ComfyUI model); `console`: progress per tensor."""
+    residual = has_residual_lora(model)
+    if residual and cfg.residual_lora == "error":
+        # Residual branches are runtime state the model file cannot hold: never drop them silently.
+        raise ValueError("the model carries LoRA residual branches that the model file cannot hold; "
+                         "set export.residual_lora=separate to write them as a LoRA file, or bake them (lora.mode)")
+    state, layers = export_state_dict(model, float_dtype)
+    state, key_layout = _keyed_state(state, layers, cfg, arch, arch_config, native)
+    lora_state = lora_meta = None
+    if residual:  # named as this file's layers are; built before anything is written (a refusal leaves no file)
+        lora_layout = "native" if key_layout == "comfy" else "diffusers"
+        lora_state = residual_state_dict(model, lora_layout, arch=arch, config=arch_config, native=native)
+        lora_meta = residual_metadata(model, lora_layout)
+    foreign = sorted(n for n, info in layers.items() if not is_stock_loadable(info["record"]))
+    warn_comfy_kinds({name: info["record"] for name, info in layers.items()})
+    _warn_stock_activations(layers)
+    metadata = _export_metadata(state, layers, arch, key_layout, model_config, recipe)
     result: dict[str, Any] = {}
     pending: list[Path] = []  # complete temp files not yet published: removed if anything stops the export
     try:
-        if cfg.shard_bytes is None or total <= cfg.shard_bytes:
-            tmp, nbytes = save_unpublished(state, path, metadata, inputs=inputs, console=console)
-            pending.append(tmp)
-            together, commit, files, written = [], (tmp, path), [str(path)], str(path)
-        else:
-            parts = shard(state, cfg.shard_bytes)
-            stem = path.name.removesuffix(".safetensors")
-            together, files, weight_map, nbytes = [], [], {}, 0
-            for i, part in enumerate(parts, 1):
-                shard_path = path.with_name(f"{stem}-{i:05d}-of-{len(parts):05d}.safetensors")
-                tmp, size = save_unpublished(part, shard_path, metadata, inputs=inputs, console=console,
-                                             label=f"export: write shard {i}/{len(parts)}")
-                pending.append(tmp)
-                together.append((tmp, shard_path))
-                nbytes += size
-                files.append(str(shard_path))
-                weight_map.update({k: shard_path.name for k in part})
-            index = export_targets(path).index
-            index_tmp = write_temp_text(index, json.dumps({"metadata": {"total_size": total, **metadata},
-                                                           "weight_map": weight_map}))
-            pending.append(index_tmp)
-            commit, written = (index_tmp, index), str(index)
+        saved = _save_model(state, path, metadata, cfg, pending, inputs, console)
         if residual:
             lora_path = export_targets(path).lora
             lora_tmp, result["lora_bytes"] = save_unpublished(lora_state, lora_path, lora_meta, console=console,
                                                               label="export: write LoRA")
             pending.append(lora_tmp)
-            together.insert(0, (lora_tmp, lora_path))
+            saved.together.insert(0, (lora_tmp, lora_path))
             result["lora_path"] = str(lora_path)
-        _publish_export(together, commit, replace=cfg.overwrite)
+        _publish_export(saved.together, saved.commit, replace=cfg.overwrite)
     finally:
         discard(pending)  # nothing left once published; a stopped export (error, interrupt) leaves no temp file
-    result = {"path": written, "bytes": nbytes, "files": len(files) + bool(residual), "tensors": len(state),
-              "layout": key_layout, "quantized_layers": len(layers), "not_stock_comfy": foreign, **result}
+    result = {"path": saved.written, "bytes": saved.nbytes, "files": len(saved.files) + bool(residual),
+              "tensors": len(state), "layout": key_layout, "quantized_layers": len(layers),
+              "not_stock_comfy": foreign, **result}
     return result
 
 
