@@ -363,7 +363,7 @@ def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the
 
 COMFYUI_TESTS = ["test_comfyui_server.py", "test_comfy_attention.py", "test_comfy_patchers.py", "test_lora_comfyui.py",
                  "test_comfy_versions.py", "test_comfy_compile.py", "test_comfy_fused.py",
-                 "test_comfy_stock_lora_comfyui.py"]
+                 "test_comfy_stock_lora_comfyui.py", "test_comfyui_browser.py"]
 
 
 def test_without_the_comfyui_archive_each_real_comfyui_test_skips_with_one_line_saying_how_to_enable_it(tmp_path):
