@@ -263,6 +263,10 @@ class AttentionConfig:
     # the Triton kernel and the model's own attention, from times measured once per device and cached beside the speed
     # table (quantize.speed_cache); "cudnn" / "triton" that kernel wherever it serves (lowbit_pipe.attention.crossover).
     route: str = "auto"
+    # cuDNN's FP8 attention with q and k written in e4m3 by the RoPE kernel (lowbit_pipe.attention.fold; eager, Krea 2
+    # and FLUX processors): no quantize pass over q and k. Off until a GPU run has checked it: its kernels were
+    # checked against their torch forms under Triton's interpreter only (bench/attention_fold_gpu.py is the check).
+    fold_qk: bool = False
 
 
 @dataclass

@@ -166,7 +166,7 @@ def test_the_cudnn_path_through_the_processors_and_teardown(runner, tiny_model, 
     model, arch, inputs = _tiny(tiny_model, "krea2")
     before = _out(model, arch, inputs)
     ledger = Ledger()
-    applied = apply_attention(model, "fp8", ledger, route="cudnn", speed_cache=str(tmp_path))
+    applied = apply_attention(model, "fp8", ledger, route="cudnn", speed_cache=str(tmp_path), fold_qk=True)
     assert applied.cudnn is not None, applied.notes
     if compiled:
         torch._dynamo.reset()
@@ -272,7 +272,7 @@ def test_auto_route_on_the_tiny_models_reports_each_calls_path(tiny_model, tmp_p
     model, arch, inputs = _tiny(tiny_model, "flux1")
     before = _out(model, arch, inputs)
     ledger = Ledger()
-    applied = apply_attention(model, "fp8", ledger, speed_cache=str(tmp_path))
+    applied = apply_attention(model, "fp8", ledger, speed_cache=str(tmp_path), fold_qk=True)
     after = _out(model, arch, inputs)
     report = applied.as_dict()
     assert sum(applied.calls.values()) >= 3, report

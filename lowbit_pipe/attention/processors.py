@@ -227,13 +227,15 @@ def arch_keep(arch: Any, enabled: bool) -> tuple[str, ...]:
 
 def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, layers: list[str] | tuple[str, ...] = ("*",),
                     path: str = "attention", keep: tuple[str, ...] = (), route: str = "auto",
-                    speed_cache: str | None = None, measure: bool = True) -> AppliedAttention | None:
+                    speed_cache: str | None = None, measure: bool = True, fold_qk: bool = False
+                    ) -> AppliedAttention | None:
     """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) and not `keep`
     (the arch's attention_keep) an 8-bit processor, each swap recorded in `ledger`. "bf16" changes nothing (None).
     `path`: the recipe key, in errors. On a GPU, `route` picks the kernel per call: "auto" by speed at the call's
     shape (cuDNN's FP8 attention, the Triton kernel, or the model's own attention where it is faster; measured
     times cached under `speed_cache`, see lowbit_pipe.attention.crossover; `measure`: time shapes the cache
-    lacks), "cudnn" / "triton" that kernel wherever it serves."""
+    lacks), "cudnn" / "triton" that kernel wherever it serves. `fold_qk` (recipe attention.fold_qk): with cuDNN, q and
+    k in e4m3 from known processors' RoPE (lowbit_pipe.attention.fold)."""
     if attention_format not in ATTENTION_FORMATS:
         raise ValueError(f"{path}.format must be one of {list(ATTENTION_FORMATS)}, got {attention_format!r}")
     if route not in ROUTES:
@@ -251,7 +253,7 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
         applied.cudnn = _cudnn_runner(attention_format, device, route, path, applied.notes)
         applied.router = _router(attention_format, device, head_dims, applied.cudnn, route, speed_cache, measure,
                                  applied.notes, applied.calls)
-        if applied.cudnn is not None:
+        if applied.cudnn is not None and fold_qk:
             applied.fold = QKFold(applied.router, applied.cudnn, applied.calls, traced_counting(applied.calls))
     classes: dict[type, type] = {}
     for name, module in attention_modules(root).items():

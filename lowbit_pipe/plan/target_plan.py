@@ -95,7 +95,8 @@ def measure_attention(ctx, example: ExampleForward, attention_format: str, refer
     scratch = Ledger()
     try:
         applied = apply_attention(example.module, attention_format, scratch, list(ctx.recipe.attention.layers),
-                                  keep=arch_keep(ctx.arch, ctx.recipe.attention.arch_keep))
+                                  keep=arch_keep(ctx.arch, ctx.recipe.attention.arch_keep),
+                                  fold_qk=ctx.recipe.attention.fold_qk)
         ms, out = time_forward(example, ctx.device, timing)
         calls = dict(sorted(applied.calls.items())) if applied is not None else {}
     finally:

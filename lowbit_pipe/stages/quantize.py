@@ -376,7 +376,7 @@ def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str,
     if fmt == STOCK:
         return {"format": STOCK, **by, **fused}
     applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep),
-                              route=cfg.route, speed_cache=ctx.recipe.quantize.speed_cache)
+                              route=cfg.route, speed_cache=ctx.recipe.quantize.speed_cache, fold_qk=cfg.fold_qk)
     ctx.attention = applied
     ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
                       check=lambda: True if ctx.attention is None else "still set")
