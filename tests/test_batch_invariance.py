@@ -319,7 +319,7 @@ def test_tiny_dit_same_shape_is_bit_exact_and_alone_vs_padded_is_measured(tmp_pa
         assert torch.equal(y_padded, model(**padded_other).sample[0].flatten())  # same shape, another mate
     gap = 1.0 - float(torch.nn.functional.cosine_similarity(y_alone.double(), y_padded.double(), dim=0))
     record_property("one_minus_cos_alone_vs_padded", gap)
-    assert gap < 1e-3, f"{fmt or 'float'}: alone vs padded 1 - cos {gap:.2e}"
+    assert gap < 1e-6, f"{fmt or 'float'}: alone vs padded 1 - cos {gap:.2e}"  # measured: 1e-14 to 4e-9
 
 
 def test_the_first_alone_vs_padded_difference_is_in_the_float_parts(tmp_path):
