@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from omegaconf import OmegaConf
 from torch import nn
@@ -19,7 +19,7 @@ from lowbit_pipe.stages.context import Context
 
 
 def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[str] | tuple[str, ...] = (), *,
-        model: Any = None, run_dir: str | Path | None = None, calibrate: Callable[[], None] | None = None,
+        model: Any = None, run_dir: str | Path | None = None, calibrate: Callable[[], None] | Sequence[Callable[[], None]] | None = None,
         allow_resolvers: bool = False) -> RunResult:
     """Run a recipe (packaged name, YAML path, dict, or a composed Recipe) with CLI-style overrides.
 
@@ -52,7 +52,7 @@ def run(recipe: str | Path | dict | Recipe | None = "default", overrides: list[s
 
 
 def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledger: Ledger | None = None,
-             calibrate: Callable[[], None] | None = None) -> dict[str, Any]:
+             calibrate: Callable[[], None] | Sequence[Callable[[], None]] | None = None) -> dict[str, Any]:
     """Quantize `module` in place per a `quantize:` config (dict or QuantizeConfig); no recipe, no run dir.
 
     The layer plan is a recipe's: the detected architecture's keep-float and sensitive lists apply (a module of
@@ -65,7 +65,7 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     (`gptq: {enabled: true}`; it is called once per pass, on the module as quantized so far).
     """
     from lowbit_pipe.arch import generic_policy
-    from lowbit_pipe.plan.calibration import static_input_amax
+    from lowbit_pipe.plan.held_out import as_units, split_units
     from lowbit_pipe.plan.policy import plan_layers
     from lowbit_pipe.stages.detect import linear_shapes
     from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
@@ -81,11 +81,13 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
         first = next(p.name for p in plans if p.spec is not None and p.spec.activations == "static")
         raise ValueError(f"layer '{first}' asks for activations=static: pass calibrate= (a function that runs the "
                          "module on representative inputs) so its input_scale can be measured")
-    amax = static_input_amax(module, plans, calibrate) if calibrate is not None else None
+    # A list of functions (one per input set) lets a share of them be held out to check the calibration.
+    split = split_units(as_units(calibrate), config.calibration.held_out_fraction, config.calibration_seed) \
+        if calibrate is not None else None
     ledger = ledger if ledger is not None else Ledger()
-    result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, input_amax=amax,
-                             gptq=config.gptq, run_examples=calibrate,
-                             compute_device=compute_device(config.compute_device))
+    result = quantize_module(module, plans, ledger, originals=config.originals, fused=groups, gptq=config.gptq,
+                             run_examples=split, compute_device=compute_device(config.compute_device),
+                             calibration=config.calibration)
     # Which layers stayed float and why, by name: with the generic policy (a module of no known architecture) the
     # first and the last Linear stay float, so a 2-layer MLP gets nothing quantized (warned about, above).
     kept = {p.name: p.reason for p in plans if p.spec is None}

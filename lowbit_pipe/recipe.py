@@ -93,6 +93,49 @@ class GPTQConfig:
     warn_damp_share: float = 0.9
 
 
+@dataclass
+class CalibrationKind:
+    """One kind of calibration input of the arch's example inputs: its token counts relative to evaluate's and its
+    text padding. Sample i of the calibration is of kind i % len(kinds)."""
+
+    image_scale: float = 1.0  # image tokens: evaluate.image_tokens x this (a square grid: resolution)
+    text_scale: float = 1.0  # text tokens: evaluate.text_tokens x this (prompt length)
+    # Share of those text tokens attended, the rest padding under the arch's text mask (a short prompt padded to a
+    # fixed length, as pipelines do); None: no mask. Archs without a text mask ignore it.
+    text_valid: Optional[float] = None
+
+
+def _calibration_kinds() -> list[CalibrationKind]:
+    return [CalibrationKind(), CalibrationKind(image_scale=4.0, text_scale=4.0),
+            CalibrationKind(image_scale=0.25, text_scale=8.0, text_valid=0.25),
+            CalibrationKind(image_scale=2.25, text_scale=2.0, text_valid=0.5)]
+
+
+@dataclass
+class CalibrationConfig:
+    """The calibration's own check (lowbit_pipe.plan.held_out): part of the calibration inputs is held out, and each
+    calibrated layer (GPTQ, AWQ's clipping, SVDQuant's smoothing, static input scales) is compared on it with plain
+    rounding; a layer worse there is rounded instead (or kept, on_harm: keep)."""
+
+    kinds: list[CalibrationKind] = field(default_factory=_calibration_kinds)
+    # Share of the calibration's input sets (samples or prompts) held out, drawn with calibration_seed; 0: none.
+    held_out_fraction: float = 0.25
+    # A held-out set of its own instead of a share: this many more seeded samples (seeds after the calibration's),
+    # or with a pipeline these prompts.
+    held_out_samples: int = 0
+    held_out_prompts: list[str] = field(default_factory=list)
+    on_harm: str = "fallback"  # a layer worse than rounding on held-out inputs: "fallback" (rounded) or "keep"
+    # Fewer held-out rows (tokens) than this reaching a layer: too little to judge it (said, not guessed).
+    min_held_out_tokens: int = 64
+    # Static input scales cost some error against per-token ones by design; harm is their held-out cost over
+    # their cost on the calibration inputs beyond this share (the scales clip inputs they did not see).
+    static_tolerance: float = 0.5
+    # The whole model's output on the held-out inputs against the all-rounded model's (holds a rounded copy of
+    # the calibrated layers while it runs); a model worse than rounding by more than model_tolerance is rounded.
+    model_check: bool = True
+    model_tolerance: float = 0.01
+
+
 def _target_candidates() -> list[FormatChoice]:
     return [FormatChoice(format="int8"), FormatChoice(format="int8", rotation="convrot"), FormatChoice(format="fp8"),
             FormatChoice(format="nvfp4")]
@@ -152,7 +195,8 @@ class QuantizeConfig:
     # The speed table's directory (one JSON file per device and software versions); null: ~/.cache/lowbit_pipe.
     speed_cache: Optional[str] = None
     speed_refresh: bool = False  # time every entry again and rewrite the table
-    calibration_samples: int = 2  # seeded example-input sets: budget sensitivity, static scales, GPTQ Hessians
+    # Seeded example-input sets (of calibration.kinds in turn): budget sensitivity, static scales, GPTQ Hessians.
+    calibration_samples: int = 8
     calibration_seed: int = 20_000  # apart from evaluate's seeds (0.., trajectories 10_000..): held-out figures
     # Each sample runs the arch's Euler sampler for this many steps, calibrating on every step's input (DiT
     # activations change with the timestep); 0: one forward at the example's own timestep.
@@ -163,6 +207,7 @@ class QuantizeConfig:
     calibration_prompts: list[str] = field(default_factory=list)
     calibration_resolution: Optional[int] = None  # height = width of those generations; None: the pipeline's own
     gptq: GPTQConfig = field(default_factory=GPTQConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)  # kinds of inputs, held-out check
     # Keep each quantized layer's runtime form next to its stored one where the format has one (w4a8 / w6a8:
     # the decoded int8 grid, instead of a decode on every call; convrot_w4a4: its int4 codes unpacked to int8,
     # which the GEMM reads without unpacking nibbles); +8 bits per weight, the report gives the bytes.

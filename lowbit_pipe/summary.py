@@ -87,6 +87,25 @@ def attention_lines(att: dict[str, Any]) -> list[str]:
     return lines
 
 
+def calibration_lines(q: dict[str, Any] | None) -> list[str]:
+    """The held-out check of the calibration: per format, GPTQ's (or static scales') error over rounding's on the
+    calibration inputs and on the held-out ones, side by side, what was kept, and the whole model's figure."""
+    check = (q or {}).get("calibration_check")
+    if not check:
+        return []
+    def gain(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+    rows = [[fmt, r["layers"], gain(r["fit_gain"]), gain(r["held_out_gain"]), gain(r["held_out_gain_kept"]),
+             ", ".join(f"{k} {n}" for k, n in r["result"].items())] for fmt, r in check["by_format"].items()]
+    lines = [f"calibration check: held out {check['split']['how']}"]
+    lines += table(["calibrated", "layers", "gain calibration", "gain held-out", "held-out kept", "kept"], rows)
+    m = check.get("model") or {}
+    if m.get("checked"):
+        lines.append(f"calibration check, whole model on held-out inputs: error {m['held_out_gain']:.3f}x the "
+                     f"{m['baseline']} model's -> {m['result']}")
+    return lines
+
+
 def format_summary(report: dict[str, Any]) -> str:
     """Stage times and memory, the layer plan, quality, export path and size, teardown."""
     lines = [f"lowbit_pipe run: {report['status']}  recipe={report['recipe'].get('name')}"]
@@ -107,7 +126,7 @@ def format_summary(report: dict[str, Any]) -> str:
     plan = report.get("plan")
     if plan:
         lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])
-    lines += target_lines((report.get("quantize") or {}).get("target"))
+    lines += target_lines((report.get("quantize") or {}).get("target")) + calibration_lines(report.get("quantize"))
     ev = report.get("evaluate")
     if ev and "rel_error" in ev:
         extra = ""

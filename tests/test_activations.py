@@ -103,8 +103,10 @@ def test_weight_only_is_the_dequantized_matmul_in_the_input_dtype():
 
 
 def _input_amax(model: nn.Module, layer: str, kind: str, group: int, recipe) -> float:
-    """Independent re-run of the calibration: amax of the layer's rotated input over the seeded examples, each
-    denoised by `calibration_steps` Euler steps (sigma 1 -> 0 linearly, x += (sigma' - sigma) * v)."""
+    """Independent re-run of the calibration: amax of the layer's rotated input over the seeded examples the
+    calibration fits on (all but the held-out share, drawn with the calibration seed), each of its kind's token
+    counts and text padding, denoised by `calibration_steps` Euler steps (sigma 1 -> 0 linearly,
+    x += (sigma' - sigma) * v)."""
     from lowbit_pipe.arch import detect_model
 
     arch = detect_model(model)
@@ -112,17 +114,26 @@ def _input_amax(model: nn.Module, layer: str, kind: str, group: int, recipe) -> 
     handle = model.get_submodule(layer).register_forward_hook(
         lambda m, a, o: seen.append(rotation.rotate_activation(a[0], kind, group or None)[0].abs().amax()))
     q, ev = recipe.quantize, recipe.evaluate
+    n, kinds = q.calibration_samples, q.calibration.kinds
+    held = set(torch.randperm(n, generator=torch.Generator().manual_seed(q.calibration_seed))
+               [:round(n * q.calibration.held_out_fraction)].tolist())
+    fit = [i for i in range(n) if i not in held]
     with torch.no_grad():
-        for i in range(q.calibration_samples):
-            inputs = arch.example_inputs(dict(model.config), batch=ev.batch, image_tokens=ev.image_tokens,
-                                         text_tokens=ev.text_tokens, dtype=torch.float32, device="cpu",
+        for i in fit:
+            k = kinds[i % len(kinds)]
+            text = round(ev.text_tokens * k.text_scale)
+            inputs = arch.example_inputs(dict(model.config), batch=ev.batch,
+                                         image_tokens=round(ev.image_tokens * k.image_scale), text_tokens=text,
+                                         dtype=torch.float32, device="cpu",
                                          generator=torch.Generator().manual_seed(q.calibration_seed + i))
+            if k.text_valid is not None:
+                inputs = arch.padded_text_inputs(inputs, round(text * k.text_valid))
             steps = q.calibration_steps
-            for k in range(steps):
-                inputs["timestep"] = torch.full_like(inputs["timestep"], 1.0 - k / steps)
+            for s in range(steps):
+                inputs["timestep"] = torch.full_like(inputs["timestep"], 1.0 - s / steps)
                 v = arch.output_tensor(model(**inputs))
                 inputs["hidden_states"] = inputs["hidden_states"] - v.reshape(inputs["hidden_states"].shape) / steps
-    assert len(seen) == q.calibration_samples * q.calibration_steps > 0
+    assert len(seen) == len(fit) * q.calibration_steps > 0 and 0 < len(held) < n
     handle.remove()
     return float(max(seen))
 

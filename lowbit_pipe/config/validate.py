@@ -263,6 +263,30 @@ def _check_target(q: QuantizeConfig) -> None:
                                     "lowbit_pipe's node pack) or lowbit_pipe")
 
 
+def _check_held_out(q: QuantizeConfig) -> None:
+    """quantize.calibration: its kinds and the held-out check's settings."""
+    c = q.calibration
+    if not c.kinds:
+        raise RecipeError("quantize.calibration.kinds", "needs at least one kind of input")
+    for i, kind in enumerate(c.kinds):
+        if kind.image_scale <= 0 or kind.text_scale <= 0:
+            raise RecipeError(f"quantize.calibration.kinds[{i}]", "image_scale and text_scale must be > 0")
+        if kind.text_valid is not None and not 0 < kind.text_valid <= 1:
+            raise RecipeError(f"quantize.calibration.kinds[{i}].text_valid", f"must be in (0, 1] or null, got "
+                              f"{kind.text_valid}")
+    if not 0 <= c.held_out_fraction < 1:
+        raise RecipeError("quantize.calibration.held_out_fraction", f"must be in [0, 1), got {c.held_out_fraction}")
+    if c.held_out_samples < 0:
+        raise RecipeError("quantize.calibration.held_out_samples", f"must be >= 0, got {c.held_out_samples}")
+    if any(not isinstance(t, str) or not t.strip() for t in c.held_out_prompts):
+        raise RecipeError("quantize.calibration.held_out_prompts", "each prompt must be a non-empty string")
+    if c.on_harm not in ("fallback", "keep"):
+        raise RecipeError("quantize.calibration.on_harm", f"must be 'fallback' or 'keep', got '{c.on_harm}'")
+    for key in ("min_held_out_tokens", "static_tolerance", "model_tolerance"):
+        if getattr(c, key) < 0:
+            raise RecipeError(f"quantize.calibration.{key}", f"must be >= 0, got {getattr(c, key)}")
+
+
 def _check_export(export: ExportConfig) -> None:
     """export.*: dtype, layout, shard size, residual LoRA."""
     if export.dtype not in DTYPES + ("auto",):
@@ -355,6 +379,7 @@ def _check_quantize(q: QuantizeConfig) -> None:
     for i, choice in enumerate(q.budget_candidates):
         check_choice(f"quantize.budget_candidates[{i}]", choice)
     _check_target(q)
+    _check_held_out(q)
     for i, pattern in enumerate(q.keep):
         check_pattern(f"quantize.keep[{i}]", pattern)
 

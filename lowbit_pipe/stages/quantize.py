@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -14,11 +14,19 @@ from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.plan.calibration import input_hessians, static_input_amax
+from lowbit_pipe.plan.held_out import (
+    CalibrationCheck,
+    CalibrationUnits,
+    Split,
+    as_units,
+    check_messages,
+    split_units,
+)
 from lowbit_pipe.plan.policy import LayerPlan, _spec, plan_layers, unfit
 from lowbit_pipe.progress import Console, progress
-from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize
+from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize, gptq_threads, torch_threads
 from lowbit_pipe.quant.nn import QuantLinear
-from lowbit_pipe.recipe import GPTQConfig, QuantizeConfig
+from lowbit_pipe.recipe import CalibrationConfig, CalibrationKind, GPTQConfig, QuantizeConfig
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.detect import linear_shapes
@@ -109,58 +117,117 @@ def warn_nothing_quantized(root: nn.Module, plans: list[LayerPlan], stacklevel: 
                   stacklevel=stacklevel)
 
 
-def _swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,
-          amax: dict[str, float], originals: str, counts: Counter, quantizer: Quantizer | None,
-          bar: Callable[[list[LayerPlan]], Any], device: torch.device | None = None) -> tuple[int, int]:
-    """Quantize `todo` (fused groups jointly) and swap each layer through the ledger; (bytes before, after).
-    `device`: where the rounding runs (None: where each weight is)."""
+def _build(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]],
+           amax: dict[str, float], quantizer: Quantizer | None, bar: Callable[[list[LayerPlan]], Any],
+           device: torch.device | None = None) -> dict[str, QuantLinear]:
+    """Quantize `todo` (fused groups jointly) into QuantLinears, not yet swapped in. `device`: where the rounding
+    runs (None: where each weight is)."""
     by_name = {p.name: p for p in todo}
-    joint: dict[str, QuantLinear] = {}
+    built: dict[str, QuantLinear] = {}
     for group in fused:
-        joint.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, device))
-    before = after = 0
+        built.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, device))
     for plan in bar(todo):
         linear = root.get_submodule(plan.name)
         if isinstance(linear, QuantLinear):
             raise ValueError(f"layer '{plan.name}' is already quantized ({linear.format.name})")
-        one = None if quantizer is None else (lambda w, spec, name=plan.name: quantizer(name, w, spec))
-        qlinear = joint.pop(plan.name) if plan.name in joint else \
-            _from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one, device)
+        if plan.name not in built:
+            one = None if quantizer is None else (lambda w, spec, name=plan.name: quantizer(name, w, spec))
+            built[plan.name] = _from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one, device)
+    return built
+
+
+def _install(root: nn.Module, built: dict[str, nn.Module], todo: list[LayerPlan], ledger, originals: str,
+             counts: Counter) -> tuple[int, int]:
+    """Swap each built layer in through the ledger; (bytes before, after)."""
+    before = after = 0
+    for plan in todo:
+        linear = root.get_submodule(plan.name)
         before += tensor_bytes(linear)
-        after += tensor_bytes(qlinear)
-        ledger.swap_module(root, plan.name, qlinear, keep_original=originals)
+        after += tensor_bytes(built[plan.name])
+        ledger.swap_module(root, plan.name, built[plan.name], keep_original=originals)
         counts[plan.spec.format] += 1
     return before, after
+
+
+def _groups(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]]) -> list[list[str]]:
+    """Layers judged as one: each fused group, every other layer alone."""
+    grouped = [[n for n, _, _ in g] for g in fused]
+    inside = {n for g in grouped for n in g}
+    return [g for g in grouped if g[0] in {p.name for p in todo}] + [[p.name] for p in todo if p.name not in inside]
+
+
+def _calibration_threads(root: nn.Module, gptq: GPTQConfig | None) -> int | None:
+    """The CPU thread cap over the whole calibration (forwards, Hessians, GPTQ's matrix work; quantize.gptq.threads,
+    else the cores other processes leave free): None for a model on a GPU."""
+    p = next(root.parameters(), None)
+    if p is not None and p.device.type != "cpu":
+        return None
+    return gptq_threads(gptq.threads if gptq is not None else None)
 
 
 def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, originals: str = "keep",
                     console: Console | None = None, fused: list[list[tuple[str, int, int | None]]] = (),
                     input_amax: dict[str, float] | None = None, gptq: GPTQConfig | None = None,
-                    run_examples: Callable[[], None] | None = None,
-                    compute_device: torch.device | None = None) -> dict[str, Any]:
+                    run_examples: Callable[[], None] | Sequence[Callable[[], None]] | Split | None = None,
+                    compute_device: torch.device | None = None,
+                    calibration: CalibrationConfig | None = None) -> dict[str, Any]:
     """Swap every planned Linear of `root`; returns counts and bytes. `fused`: groups quantized as one weight;
-    `input_amax`: calibrated input amax per layer (static activations); `console`: progress; `gptq` (enabled):
-    GPTQ rounding against Hessians that `run_examples` (runs `root` on calibration inputs) measures, where the
-    model is; `compute_device`: where round-to-nearest runs (each layer's result goes back to its weight's device)."""
+    `input_amax`: input amax per layer for static activations (None: calibrated here on `run_examples`); `console`:
+    progress; `gptq` (enabled): GPTQ rounding against Hessians measured where the model is; `run_examples`: runs
+    `root` on calibration inputs (a function, a list of them (one per input set), or a Split with a held-out part,
+    which `calibration` (its check's settings) judges every calibrated layer on); `compute_device`: where
+    round-to-nearest runs (each layer's result goes back to its weight's device)."""
     unfit_counts = _warn_unfit(plans)
     warn_nothing_quantized(root, plans, stacklevel=4)
     todo = [p for p in plans if p.spec is not None]
-    amax = input_amax or {}
     counts: Counter[str] = Counter()
     result: dict[str, Any] = {}
-    if gptq is not None and gptq.enabled:
-        if run_examples is None:
-            raise ValueError("GPTQ (quantize.gptq.enabled) needs calibration inputs: pass calibrate= (a function "
-                             "that runs the module on representative inputs)")
-        result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, originals, counts,
-                                                     gptq, run_examples, console)
-    else:
-        def bar(items: list[LayerPlan]) -> Any:
-            return progress(items, "quantize", enabled=console is not None, console=console)
-        before, after = _swap(root, todo, list(fused), ledger, amax, originals, counts, None, bar, compute_device)
+    use_gptq = gptq is not None and gptq.enabled
+    static = {p.name for p in todo if p.spec.activations == "static"}
+    if use_gptq and run_examples is None:
+        raise ValueError("GPTQ (quantize.gptq.enabled) needs calibration inputs: pass calibrate= (a function "
+                         "that runs the module on representative inputs)")
+    check = None
+    if run_examples is not None and (use_gptq or (static and input_amax is None)):
+        split = run_examples if isinstance(run_examples, Split) else \
+            Split(as_units(run_examples), CalibrationUnits(), "none: the calibration was given as one set")
+        check = CalibrationCheck(root, split, calibration or CalibrationConfig(), {p.name: p.spec.format for p in todo})
+    with torch_threads(_calibration_threads(root, gptq) if check is not None else None):
+        amax = input_amax if input_amax is not None else \
+            static_input_amax(root, plans, check.split.fit.run) if check is not None and static else {}
+        if check is not None:
+            check.start()
+        if use_gptq:
+            result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, originals, counts,
+                                                         gptq, check, console)
+        else:
+            def bar(items: list[LayerPlan]) -> Any:
+                return progress(items, "quantize", enabled=console is not None, console=console)
+            built = _build(root, todo, list(fused), amax, None, bar, compute_device)
+            if check is not None:
+                built = check.choose({n: built[n] for n in static}, None, _groups(todo, list(fused)), static) | \
+                    {n: q for n, q in built.items() if n not in static}
+            before, after = _install(root, built, todo, ledger, originals, counts)
+        if check is not None:
+            result["calibration_check"] = _finish_check(root, check, ledger, originals, result.get("gptq"))
     return {"layers": dict(counts), "bytes_before": before, "bytes_after": after,
             "float_layers": dict(Counter(p.reason for p in plans if p.spec is None)), "unfit": unfit_counts,
             "activations": dict(Counter(p.spec.activations for p in todo)), **result}
+
+
+def _finish_check(root: nn.Module, check: CalibrationCheck, ledger, originals: str,
+                  gptq_report: dict[str, Any] | None) -> dict[str, Any]:
+    """The whole model's held-out check (its fallback swapped in through the ledger), the warnings the check
+    earned, and its report entry."""
+    for name, module in check.check_model().items():
+        if root.get_submodule(name) is not module:
+            ledger.swap_module(root, name, module, keep_original=originals)
+    few = {}
+    if gptq_report is not None:
+        few = {n: (v["tokens"], v["width"]) for n, v in gptq_report["layers"].items() if v["tokens"] < v["width"]}
+    for message in check_messages(check, few):
+        warnings.warn(message, stacklevel=4)
+    return check.as_dict()
 
 
 def gptq_passes(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]],
@@ -187,12 +254,34 @@ def gptq_passes(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | No
     return passes
 
 
+def _gptq_quantizer(hessians: dict[str, Any], settings: GPTQSettings, layers: dict[str, dict[str, Any]],
+                    rtn: dict[str, str], threads: set[int]) -> Quantizer:
+    """GPTQ against `hessians` for one pass, each layer's figures into `layers` (a layer GPTQ cannot round: rounded
+    to nearest, its reason into `rtn`)."""
+    def quantizer(name: str, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
+        try:
+            out = gptq_quantize(weight, spec, hessians[name].hessian, settings, name)
+        except (NotImplementedError, FormatError) as err:
+            rtn[name] = str(err)
+            return get_format(spec.format).quantize(weight, spec)
+        # tokens: the calibration rows the Hessian averages (every position of every forward), against the
+        # layer's inputs: fewer leave it rank-deficient.
+        layers[name] = {"rtn_loss": out.rtn_loss, "gptq_loss": out.gptq_loss, "damp": out.damp,
+                        "tokens": hessians[name].rows, "width": int(weight.shape[1]), "rank": out.rank,
+                        "damp_share": round(out.damp_share, 4), "damp_measure": out.damp_measure}
+        if out.threads is not None:
+            threads.add(out.threads)
+        return out.qweight
+    return quantizer
+
+
 def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,
                amax: dict[str, float], originals: str, counts: Counter, cfg: GPTQConfig,
-               run_examples: Callable[[], None], console: Console | None) -> tuple[dict[str, Any], tuple[int, int]]:
+               check: CalibrationCheck, console: Console | None) -> tuple[dict[str, Any], tuple[int, int]]:
     """GPTQ in sequential passes: each pass calibrates its layers' Hessians on the model as it stands (earlier
-    passes' layers already quantized, so later layers correct for their error), rounds them, swaps them in.
-    A format (or layer) without fixed-grid rounding is rounded to nearest, named in the report."""
+    passes' layers already quantized, so later layers correct for their error) from the calibration's part that is
+    not held out, rounds them, keeps per layer the form the held-out check prefers (GPTQ's or plain rounding's)
+    and swaps it in. A format (or layer) without fixed-grid rounding is rounded to nearest, named in the report."""
     settings = GPTQSettings(block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, threads=cfg.threads,
                             spectrum_max_width=cfg.spectrum_max_width)
     threads: set[int] = set()
@@ -201,92 +290,50 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     layers: dict[str, dict[str, float]] = {}
     rtn: dict[str, str] = {}
     before = after = 0
+    static = {p.name for p in todo if p.spec.activations == "static"}
     for i, units in enumerate(passes):
         names = [n for unit in units for n in unit]
         with input_hessians(root, [by_name[unit[0]] for unit in units]) as hessians, torch.no_grad():
-            run_examples()
+            check.split.fit.run()
         missing = [unit[0] for unit in units if unit[0] not in hessians]
         if missing:
             raise ValueError(f"GPTQ: the calibration inputs never reach {missing[:5]}{' ...' if len(missing) > 5 else ''}"
                              "; keep those layers float or turn quantize.gptq off")
 
-        def quantizer(name: str, weight: torch.Tensor, spec: FormatSpec) -> QuantizedWeight:
-            try:
-                out = gptq_quantize(weight, spec, hessians[name].hessian, settings, name)
-            except (NotImplementedError, FormatError) as err:
-                rtn[name] = str(err)
-                return get_format(spec.format).quantize(weight, spec)
-            # tokens: the calibration rows the Hessian averages (every position of every forward), against the
-            # layer's inputs: fewer leave it rank-deficient.
-            layers[name] = {"rtn_loss": out.rtn_loss, "gptq_loss": out.gptq_loss, "damp": out.damp,
-                            "tokens": hessians[name].rows, "width": int(weight.shape[1]), "rank": out.rank,
-                            "damp_share": round(out.damp_share, 4), "damp_measure": out.damp_measure}
-            if out.threads is not None:
-                threads.add(out.threads)
-            return out.qweight
-
         def bar(items: list[LayerPlan], label: str = f"quantize: gptq pass {i + 1}/{len(passes)}") -> Any:
             return progress(items, label, enabled=console is not None, console=console)
+        pass_todo = [by_name[n] for n in names]
         pass_fused = [g for g in fused if g[0][0] in names]
-        b, a = _swap(root, [by_name[n] for n in names], pass_fused, ledger, amax, originals, counts, quantizer, bar)
+        calibrated = _build(root, pass_todo, pass_fused, amax, _gptq_quantizer(hessians, settings, layers, rtn,
+                                                                                threads), bar)
+        hessians.clear()  # freed before the check's forwards and the next pass's Hessians
+        rounded = _build(root, pass_todo, pass_fused, amax, None, lambda items: items)
+        chosen = check.choose(calibrated, rounded, _groups(pass_todo, pass_fused), static)
+        b, a = _install(root, chosen, pass_todo, ledger, originals, counts)
         before, after = before + b, after + a
-        hessians.clear()  # freed before the next pass collects its own
     if rtn:
         first = next(iter(rtn))
         warnings.warn(f"GPTQ: {len(rtn)} layers rounded to nearest instead (e.g. {first}: {rtn[first]})", stacklevel=3)
-    warn_hessians(layers, cfg)
     # No timing here: the stage's seconds hold it, and report["quantize"] stays reproducible (the thread count, which
     # follows the machine's load, goes to the stage's figures: quantize_module's caller pops "threads").
-    report = {"passes": len(passes), "layers": layers,
+    report = {"passes": len(passes), "layers": layers, "hessians": hessian_notes(layers, cfg),
               "rtn_fallback": rtn, "block_size": cfg.block_size, "damp": cfg.damp, "act_order": cfg.act_order,
               "threads": sorted(threads)}
     return report, (before, after)
 
 
-def _examples(items: list[tuple[str, dict[str, Any]]], what) -> str:
-    """'e.g. NAME: WHAT' for the first (worst) of `items`, with up to two more names."""
-    name, v = items[0]
-    more = [n for n, _ in items[1:3]]
-    rest = len(items) - 1 - len(more)
-    tail = f"; also {', '.join(more)}" + (f" and {rest} more" if rest else "") if more else ""
-    return f"e.g. {name}: {what(v)}{tail}"
-
-
-def warn_hessians(layers: dict[str, dict[str, Any]], cfg: GPTQConfig) -> dict[str, list[str]]:
-    """One warning per way the calibration under-determined the layers' Hessians, naming the worst layers:
-    fewer tokens than inputs (rank-deficient for certain), a numerical rank below the width, the damping
-    outweighing the data in at least `cfg.warn_damp_share` of the directions (or raised to make H invertible).
-    Returns the layers of each kind."""
-    n = len(layers)
-    few = sorted(((k, v) for k, v in layers.items() if v["tokens"] < v["width"]),
-                 key=lambda kv: kv[1]["tokens"] / kv[1]["width"])
-    low_rank = sorted(((k, v) for k, v in layers.items() if v["tokens"] >= v["width"] and v["rank"] is not None
-                       and v["rank"] < v["width"]), key=lambda kv: kv[1]["rank"] / kv[1]["width"])
-    damped = sorted(((k, v) for k, v in layers.items() if v["damp_share"] >= cfg.warn_damp_share or
-                     v["damp"] > cfg.damp), key=lambda kv: (-(kv[1]["damp"] > cfg.damp), -kv[1]["damp_share"]))
-    if few:
-        warnings.warn(f"GPTQ: {len(few)} of {n} layers saw fewer calibration tokens than they have inputs, so their "
-                      f"Hessians are rank-deficient and GPTQ fits the calibration inputs rather than inputs in general ("
-                      + _examples(few, lambda v: f"{v['tokens']} tokens for {v['width']} inputs") +
-                      "); calibrate on more tokens: more quantize.calibration_samples or calibration_steps, more or "
-                      "longer prompts", stacklevel=4)
-    if low_rank:
-        warnings.warn(f"GPTQ: {len(low_rank)} of {n} layers have a numerically rank-deficient input Hessian although "
-                      "they saw enough tokens (" + _examples(low_rank, lambda v: f"rank {v['rank']} of {v['width']} "
-                                                             f"from {v['tokens']} tokens") +
-                      "): the calibration inputs span only part of their input space (or a few outlier channels "
-                      "drown the rest in fp32); GPTQ's gain there may not carry to other inputs, and more diverse "
-                      "calibration inputs (other prompts, sizes, timesteps) cover more of it", stacklevel=4)
-    if damped:
-        def what(v: dict[str, Any]) -> str:
-            basis = "eigenvalues" if v["damp_measure"] == "eigenvalues" else "Cholesky pivots"
-            raised = f", raised from {cfg.damp:g} to make it invertible" if v["damp"] > cfg.damp else ""
-            return f"{v['damp_share']:.0%} of its {v['width']} {basis} below the damping {v['damp']:g} x mean diagonal{raised}"
-        warnings.warn(f"GPTQ: the damping outweighs the calibration data in {len(damped)} of {n} layers' Hessians ("
-                      + _examples(damped, what) + "): in those directions GPTQ's error feedback follows the damping, "
-                      "not the data; calibrate on more and more diverse inputs (quantize.gptq.warn_damp_share sets "
-                      "this warning's threshold)", stacklevel=4)
-    return {"few_tokens": [k for k, _ in few], "low_rank": [k for k, _ in low_rank], "damp": [k for k, _ in damped]}
+def hessian_notes(layers: dict[str, dict[str, Any]], cfg: GPTQConfig) -> dict[str, list[str]]:
+    """The ways the calibration under-determined the layers' Hessians, for the report (the held-out check, not
+    these, decides whether GPTQ's result is kept, and warns): fewer tokens than inputs (rank-deficient for
+    certain), a numerical rank below the width, the damping outweighing the data in at least `cfg.warn_damp_share`
+    of the directions (or raised to make H invertible). Worst layers first."""
+    few = sorted((k for k, v in layers.items() if v["tokens"] < v["width"]),
+                 key=lambda k: layers[k]["tokens"] / layers[k]["width"])
+    low_rank = sorted((k for k, v in layers.items() if v["tokens"] >= v["width"] and v["rank"] is not None
+                       and v["rank"] < v["width"]), key=lambda k: layers[k]["rank"] / layers[k]["width"])
+    damped = sorted((k for k, v in layers.items() if v["damp_share"] >= cfg.warn_damp_share or v["damp"] > cfg.damp),
+                    key=lambda k: (-(layers[k]["damp"] > cfg.damp), -layers[k]["damp_share"]))
+    return {"few_tokens": few, "low_rank": low_rank, "damp": damped}
 
 
 def prepack_layers(root: nn.Module, ledger) -> int:
@@ -407,22 +454,72 @@ def compute_device(name: str | None) -> torch.device | None:
 
 
 def example_runner(ctx: Context, what: str) -> Callable[[], None]:
-    """The calibration run `what` (a recipe key) needs. With `quantize.calibration_prompts`: the prompts generated by
-    the diffusers pipeline the run was given. Otherwise the transformer on `quantize.calibration_samples` seeded
-    example input sets (the arch's own); with `calibration_steps` > 0 each set is denoised by the Euler sampler, so
-    every timestep's input is seen."""
+    """The calibration run `what` (a recipe key) needs, all of its input sets (example_units) in one function."""
+    return example_units(ctx, what).run
+
+
+def _kind_inputs(ctx: Context, seed: int, kind: CalibrationKind) -> dict[str, Any]:
+    """The arch's seeded example forward at one calibration kind's token counts and text padding (evaluate's
+    text_valid, capped by the kind's text tokens, where the kind sets none)."""
+    ev = ctx.recipe.evaluate
+    image, text = max(1, round(ev.image_tokens * kind.image_scale)), max(1, round(ev.text_tokens * kind.text_scale))
+    inputs = ctx.arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=image, text_tokens=text,
+                                     generator=torch.Generator().manual_seed(seed), dtype=ctx.dtype, device=ctx.device)
+    valid = round(text * kind.text_valid) if kind.text_valid is not None else ev.text_valid
+    if valid is None or ctx.arch.text_mask_key is None:
+        return inputs
+    return ctx.arch.padded_text_inputs(inputs, max(1, min(valid, text)))
+
+
+def _sample_units(ctx: Context, first: int, count: int) -> CalibrationUnits:
+    """Input sets `first`.. of the arch's example inputs: sample i is of kind i % len(kinds), seeded
+    calibration_seed + i, denoised by calibration_steps Euler steps (0: one forward at its own timestep)."""
     from lowbit_pipe.measure import sampler
 
+    cfg, arch = ctx.recipe.quantize, ctx.arch
+    kinds = cfg.calibration.kinds
+
+    def forward(kwargs: dict[str, Any]) -> torch.Tensor:
+        return arch.output_tensor(ctx.transformer(**kwargs))
+
+    def unit(i: int) -> Callable[[], None]:
+        def run() -> None:
+            inputs = _kind_inputs(ctx, cfg.calibration_seed + i, kinds[i % len(kinds)])
+            if cfg.calibration_steps:
+                sampler.euler_sample(forward, inputs, cfg.calibration_steps, sampler.TIME_SCALE.get(arch.id, 1.0))
+            else:
+                ctx.transformer(**inputs)
+        return run
+    index = range(first, first + count)
+    return CalibrationUnits(tuple(unit(i) for i in index), tuple(f"sample {i} (kind {i % len(kinds)})" for i in index))
+
+
+def _prompt_units(ctx: Context, prompts: list[str], first_seed: int, what: str) -> CalibrationUnits:
+    """One input set per prompt, each generated by the run's diffusers pipeline (seed first_seed + i)."""
     cfg = ctx.recipe.quantize
-    if ctx.calibrate is not None:
-        return ctx.calibrate
-    if cfg.calibration_prompts:
-        run_prompts = ctx.adapter.prompt_runner(ctx.model, list(cfg.calibration_prompts), cfg.calibration_steps,
-                                                cfg.calibration_seed, cfg.calibration_resolution)
-        if run_prompts is None:
+    runs = []
+    for i, prompt in enumerate(prompts):
+        run = ctx.adapter.prompt_runner(ctx.model, [prompt], cfg.calibration_steps, first_seed + i,
+                                        cfg.calibration_resolution)
+        if run is None:
             raise ValueError(f"quantize.calibration_prompts (for {what}) needs a diffusers pipeline to generate them: "
                              f"pass one as lowbit_pipe.run(..., model=pipe); this run's model is a {ctx.adapter.name}")
-        return run_prompts
+        runs.append(run)
+    return CalibrationUnits(tuple(runs), tuple(f"prompt {first_seed - cfg.calibration_seed + i}" for i in
+                                               range(len(prompts))))
+
+
+def example_units(ctx: Context, what: str) -> CalibrationUnits:
+    """The calibration `what` (a recipe key) needs, one function per input set. With `quantize.calibration_prompts`:
+    the prompts generated by the diffusers pipeline the run was given. Otherwise the transformer on
+    `quantize.calibration_samples` seeded example input sets (the arch's own, of `calibration.kinds` in turn); with
+    `calibration_steps` > 0 each set is denoised by the Euler sampler, so every timestep's input is seen. A caller's
+    calibrate function (or list of them) instead of either."""
+    cfg = ctx.recipe.quantize
+    if ctx.calibrate is not None:
+        return as_units(ctx.calibrate)
+    if cfg.calibration_prompts:
+        return _prompt_units(ctx, list(cfg.calibration_prompts), cfg.calibration_seed, what)
     if ctx.arch is None:
         raise ValueError(f"{what} needs calibration inputs: a known architecture's example inputs (model.arch), or "
                          "quantize.calibration_prompts with a diffusers pipeline passed as the model")
@@ -430,19 +527,21 @@ def example_runner(ctx: Context, what: str) -> Callable[[], None]:
         raise ValueError("calibration (activations=static, quantize.budget_*, quantize.gptq) runs the arch's example "
                          "inputs, which fit its diffusers class, not this natively named model (a ComfyUI model); use "
                          "lowbit_pipe.quantize(..., calibrate=...) with your own inputs")
-    arch = ctx.arch
+    return _sample_units(ctx, 0, cfg.calibration_samples)
 
-    def forward(kwargs: dict[str, Any]) -> torch.Tensor:
-        return arch.output_tensor(ctx.transformer(**kwargs))
 
-    def run() -> None:
-        for i in range(cfg.calibration_samples):
-            inputs = ctx.example_inputs(cfg.calibration_seed + i)
-            if cfg.calibration_steps:
-                sampler.euler_sample(forward, inputs, cfg.calibration_steps, sampler.TIME_SCALE.get(arch.id, 1.0))
-            else:
-                ctx.transformer(**inputs)
-    return run
+def calibration_split(ctx: Context, what: str) -> Split:
+    """example_units split for the held-out check: quantize.calibration's own held-out set (held_out_prompts with
+    prompts, held_out_samples more seeded samples otherwise) or its held_out_fraction of the input sets."""
+    cfg = ctx.recipe.quantize
+    units = example_units(ctx, what)
+    held = None
+    if ctx.calibrate is None and cfg.calibration_prompts and cfg.calibration.held_out_prompts:
+        held = _prompt_units(ctx, list(cfg.calibration.held_out_prompts),
+                             cfg.calibration_seed + len(cfg.calibration_prompts), what)
+    elif ctx.calibrate is None and not cfg.calibration_prompts and cfg.calibration.held_out_samples:
+        held = _sample_units(ctx, cfg.calibration_samples, cfg.calibration.held_out_samples)
+    return split_units(units, cfg.calibration.held_out_fraction, cfg.calibration_seed, held)
 
 
 def calibration_source(cfg: QuantizeConfig) -> dict[str, Any]:
@@ -451,7 +550,7 @@ def calibration_source(cfg: QuantizeConfig) -> dict[str, Any]:
         return {"source": "pipeline prompts", "prompts": len(cfg.calibration_prompts), "steps": cfg.calibration_steps,
                 "resolution": cfg.calibration_resolution, "seed": cfg.calibration_seed}
     return {"source": "arch example inputs", "samples": cfg.calibration_samples, "steps": cfg.calibration_steps,
-            "seed": cfg.calibration_seed}
+            "seed": cfg.calibration_seed, "kinds": len(cfg.calibration.kinds)}
 
 
 def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan], dict[str, Any]]:
@@ -529,9 +628,7 @@ class Quantize(Stage):
         target_plan = _target_plan(ctx, plans)
         if target_plan is not None:
             plans = target_plan.plans
-        amax = {}
-        if any(p.spec is not None and p.spec.activations == "static" for p in plans):
-            amax = static_input_amax(ctx.transformer, plans, example_runner(ctx, "activations=static"))
+        static = any(p.spec is not None and p.spec.activations == "static" for p in plans)
         # Native fused modules (FLUX qkv) are one weight already on a native tree.
         ctx.plans = plans
         if ctx.stream is not None:  # the export quantizes each layer as it streams by
@@ -546,10 +643,10 @@ class Quantize(Stage):
             not ctx.native else []
         ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
         run_examples = None
-        if cfg.gptq.enabled:
-            run_examples = example_runner(ctx, "quantize.gptq")
+        if cfg.gptq.enabled or static:  # static scales and GPTQ calibrate here, checked on a held-out part
+            run_examples = calibration_split(ctx, "quantize.gptq" if cfg.gptq.enabled else "activations=static")
         result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
-                                 fused=groups, input_amax=amax, gptq=cfg.gptq, run_examples=run_examples,
+                                 fused=groups, gptq=cfg.gptq, run_examples=run_examples, calibration=cfg.calibration,
                                  compute_device=compute_device(cfg.compute_device))
         result.update(runtime_settings(ctx.transformer, cfg, ctx.ledger))
         gptq_threads = result["gptq"].pop("threads", None) if "gptq" in result else None
@@ -561,7 +658,7 @@ class Quantize(Stage):
         if target_plan is not None:
             result["target"] = target_plan.report
             figures_target = _check_target(ctx, target_plan)
-        if budget is not None or target_plan is not None or amax or run_examples is not None:
+        if budget is not None or target_plan is not None or run_examples is not None:
             result["calibration"] = calibration_source(cfg) if ctx.calibrate is None else {
                 "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
         ctx.report["plan"] = _plan_report(plans)
