@@ -139,6 +139,7 @@ def test_the_nodes_calibration_honours_the_recipes_sample_and_step_counts(comfy_
 
     runner = _calibration(torch.nn.Linear(2, 2), "flux1", None, None, recipe.quantize)
     assert "3 samples x 1 Euler steps" in runner.description
+    assert runner.labels == ("sample 0", "sample 1", "sample 2")  # one input set per sample: some can be held out
 
 
 def test_billion_laughs_and_oversized_text_are_refused_before_parsing(comfy_folders):

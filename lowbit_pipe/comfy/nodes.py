@@ -279,10 +279,11 @@ def _branches_from_patches(tree: Any, model: Any, patches: Any, quantized: set[s
 
 
 def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any, qz: Any) -> Any:
-    """The calibrate function the run uses where its recipe calibrates (None for an arch this cannot feed; the
+    """The calibration the run uses where its recipe calibrates, one input set per sample (None for an arch this cannot feed; the
     run then says calibration needs inputs), with the recipe's calibration samples, steps and seed (`qz`, its
     quantize section). Inputs are drawn lazily: a recipe that does not calibrate costs nothing."""
     from lowbit_pipe.comfy import native_inputs as ni
+    from lowbit_pipe.plan.held_out import CalibrationUnits
     from lowbit_pipe.recipe import EvaluateConfig
 
     if arch_id not in ni.SUPPORTED:
@@ -300,12 +301,14 @@ def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any,
         return ni.comfy_inputs(arch_id, conditioning, latent, generator=gen, dtype=param.dtype, device=param.device,
                                fallback=example)
 
-    run = ni.calibration_runner(arch_id, tree, sample, samples=qz.calibration_samples, steps=qz.calibration_steps)
-    run.description = ("the node's CONDITIONING" + (" and LATENT size" if latent is not None else "")
-                       if conditioning is not None else "the arch's example inputs") + \
+    # One function per sample: the quantize stage keeps some aside to check the calibration on (plan/held_out.py).
+    runs = tuple(ni.calibration_runner(arch_id, tree, lambda _, i=i: sample(i), samples=1, steps=qz.calibration_steps)
+                 for i in range(qz.calibration_samples))
+    description = ("the node's CONDITIONING" + (" and LATENT size" if latent is not None else "")
+                   if conditioning is not None else "the arch's example inputs") + \
         f", in ComfyUI's layout, through the diffusion model's own forward ({qz.calibration_samples} samples x " \
         f"{qz.calibration_steps} Euler steps)"
-    return run
+    return CalibrationUnits(runs, tuple(f"sample {i}" for i in range(len(runs))), description)
 
 
 # ============================================================================================== LoRA

@@ -28,6 +28,7 @@ class CalibrationUnits:
 
     runs: tuple[Callable[[], None], ...] = ()
     labels: tuple[str, ...] = ()
+    description: str = ""  # what the sets are, for the report's calibration source ("" : the caller's functions)
 
     def __len__(self) -> int:
         return len(self.runs)

@@ -660,7 +660,7 @@ class Quantize(Stage):
             figures_target = _check_target(ctx, target_plan)
         if budget is not None or target_plan is not None or run_examples is not None:
             result["calibration"] = calibration_source(cfg) if ctx.calibrate is None else {
-                "source": getattr(ctx.calibrate, "description", "the caller's calibrate function")}
+                "source": getattr(ctx.calibrate, "description", "") or "the caller's calibrate function"}
         ctx.report["plan"] = _plan_report(plans)
         ctx.report["quantize"] = result
         ctx.report["attention"] = attention
