@@ -377,19 +377,21 @@ def sample_stock(server: cs.ComfyUIServer, arch: str, model_node: dict[str, Any]
 def test_a_calibrated_recipe_in_the_quantize_node_matches_the_cli(comfy, arch, tmp_path):
     """flux1_fp8 (static fp8 activations: every layer's input_scale calibrated) run by the Quantize node on the
     ComfyUI model (the arch's example inputs in ComfyUI's layout, through ComfyUI's own forward) writes the
-    input scales the CLI calibrates on the diffusers model: same seeded inputs, two implementations."""
+    input scales the CLI calibrates on the diffusers model: same seeded inputs, two implementations. One calibration
+    kind without text padding: ComfyUI's conditioning has no text mask, so a padded kind differs by design."""
     from safetensors.torch import load_file
 
     import lowbit_pipe
 
     comfy.server.free()
     out = f"lowbit/calibrated_{arch}.safetensors"
-    g = {"m": loader(arch), "q": quantize(["m", 0], "flux1_fp8"),
+    kinds = "quantize.calibration.kinds=[{image_scale: 2.25, text_scale: 2.0}]"
+    g = {"m": loader(arch), "q": quantize(["m", 0], "flux1_fp8", kinds),
          "x": {"class_type": "LowbitExport", "inputs": {"model": ["q", 0], "filename": out}}}
     entry = comfy.server.run(g)
     assert "the arch's example inputs, in ComfyUI's layout" in _report_json(comfy, entry)
     node_file = load_file(str(comfy.base / "models" / "diffusion_models" / out))
-    cli = lowbit_pipe.run("flux1_fp8", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,quantize,export]",
+    cli = lowbit_pipe.run("flux1_fp8", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,quantize,export]", kinds,
                                         f"export.path={tmp_path / 'cli.safetensors'}"], run_dir=tmp_path / "cli")
     cli_file = load_file(cli.export_path)
     scales = sorted(k for k in cli_file if k.endswith(".input_scale"))

@@ -290,11 +290,19 @@ def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any,
         return None
     ev = EvaluateConfig()  # the CLI's example-input sizes
 
+    kinds = qz.calibration.kinds
+
     def sample(i: int) -> Any:
+        # Sample i is of kind i % len(kinds), as in the CLI. ComfyUI's conditioning carries no text mask: a kind's
+        # padded prompt (text_valid) comes as its attended tokens alone, as ComfyUI's text encoders give a prompt.
+        kind = kinds[i % len(kinds)]
+        text = max(1, round(ev.text_tokens * kind.text_scale))
+        text = max(1, round(text * kind.text_valid)) if kind.text_valid is not None else text
         param = next(p for p in tree.parameters() if p.is_floating_point())
         gen = torch.Generator().manual_seed(qz.calibration_seed + i)
-        example = ni.example_inputs(arch_id, tree, batch=ev.batch, image_tokens=ev.image_tokens,
-                                    text_tokens=ev.text_tokens, generator=gen, dtype=param.dtype, device=param.device)
+        example = ni.example_inputs(arch_id, tree, batch=ev.batch, image_tokens=max(1, round(ev.image_tokens *
+                                    kind.image_scale)), text_tokens=text, generator=gen, dtype=param.dtype,
+                                    device=param.device)
         if conditioning is None:
             return example
         gen = torch.Generator().manual_seed(qz.calibration_seed + i)
