@@ -282,6 +282,7 @@ def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any,
     """The calibration the run uses where its recipe calibrates, one input set per sample (None for an arch this cannot feed; the
     run then says calibration needs inputs), with the recipe's calibration samples, steps and seed (`qz`, its
     quantize section). Inputs are drawn lazily: a recipe that does not calibrate costs nothing."""
+    from lowbit_pipe.arch import get_arch
     from lowbit_pipe.comfy import native_inputs as ni
     from lowbit_pipe.plan.held_out import CalibrationUnits
     from lowbit_pipe.recipe import EvaluateConfig
@@ -291,13 +292,15 @@ def _calibration(tree: Any, arch_id: str | None, conditioning: Any, latent: Any,
     ev = EvaluateConfig()  # the CLI's example-input sizes
 
     kinds = qz.calibration.kinds
+    masked = get_arch(arch_id).text_mask_key is not None
 
     def sample(i: int) -> Any:
         # Sample i is of kind i % len(kinds), as in the CLI. ComfyUI's conditioning carries no text mask: a kind's
         # padded prompt (text_valid) comes as its attended tokens alone, as ComfyUI's text encoders give a prompt.
         kind = kinds[i % len(kinds)]
         text = max(1, round(ev.text_tokens * kind.text_scale))
-        text = max(1, round(text * kind.text_valid)) if kind.text_valid is not None else text
+        if kind.text_valid is not None and masked:  # the CLI pads these under the arch's mask; others ignore it
+            text = max(1, round(text * kind.text_valid))
         param = next(p for p in tree.parameters() if p.is_floating_point())
         gen = torch.Generator().manual_seed(qz.calibration_seed + i)
         example = ni.example_inputs(arch_id, tree, batch=ev.batch, image_tokens=max(1, round(ev.image_tokens *
