@@ -22,6 +22,17 @@ with the project's own `Format` objects:
 - anything else dequantizes (the format's `dequantize`, original unrotated basis, in `orig_dtype`)
   and calls the op on plain tensors.
 
+Resolved once per Params, as QuantLinear resolves its LinearPlan once: at its first linear (or dequantize) a Params
+settles a `Resolved` (its QuantizedWeight with the record parsed, the format's `LinearPlan` with the device facts of
+its tensors' device, and `Format.derived_tensors`, computed at the first read by a path that needs them: nvfp4's
+`fp8_row_scale`, hadanorm's row sums) and every later call reads it. It is a plain attribute of that Params object,
+not a dataclass field: it is not compared, hashed, flattened or copied, so every Params comfy-kitchen builds (a
+device move through `to_device`, `clone`, a dtype change through `dataclasses.replace`, ComfyUI's dynamic-VRAM
+rebuild through `__tensor_unflatten__`) starts without one and settles its own on its own device, and it is freed
+with its Params. `copy_from` (`copy_`: new values in place) drops it. Under torch.compile tracing (fake inner
+tensors) nothing is kept. `compute` (QuantizedWeight.compute: nvfp4's `NVFP4_COMPUTE`) is a field: it travels with
+every copy and enters the plan; never exported.
+
 This module imports comfy-kitchen (Apache-2.0) only, never ComfyUI. Nothing is registered at import:
 `register(ledger)` puts the layout class and its op handlers into comfy-kitchen's tables with a
 recorded undo (`lowbit_pipe.comfy.registry.install` calls it); `registered()` is the same as a
@@ -35,14 +46,14 @@ import dataclasses
 import functools
 import json
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 from comfy_kitchen.tensor import BaseLayoutParams, QuantizedLayout, QuantizedTensor, dequantize_args
 from comfy_kitchen.tensor import base as ck_base
 
-from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
-from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, WEIGHT_ONLY_KEY
+from lowbit_pipe.formats import Format, FormatSpec, QuantizedWeight, get_format
+from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY, WEIGHT_ONLY_KEY, LinearPlan
 from lowbit_pipe.formats.common import record_rotation
 from lowbit_pipe.ledger import Ledger
 
@@ -59,6 +70,7 @@ TENSOR_FIELDS = {"weight_scale": "scale", "weight_scale_2": "scale_2", "weight_z
 _STATE_SUFFIX = {field: suffix[len("weight"):] for suffix, field in TENSOR_FIELDS.items() if suffix.startswith("weight")}
 
 _MISSING = object()
+RESOLVED_ATTR = "_resolved"  # the Params attribute holding its Resolved (not a dataclass field)
 aten = torch.ops.aten
 
 
@@ -97,19 +109,29 @@ class LowbitLayout(QuantizedLayout):
         record: str = "{}"  # the layer's `.comfy_quant` record, JSON text
         logical_shape: tuple[int, int] = (0, 0)  # (out_features, in_features) of the stored weight
         transposed: bool = False  # set by aten.t: the tensor is logically weight.T
+        compute: str | None = None  # QuantizedWeight.compute (nvfp4: NVFP4_COMPUTE); None: the format's default
+
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            object.__setattr__(self, RESOLVED_ATTR, None)  # settled at the first use (see the module docstring)
 
         def _tensor_fields(self) -> list[str]:
             return [name for name in TENSOR_FIELDS.values() if getattr(self, name) is not None]
+
+        def copy_from(self, src: Any, non_blocking: bool = False) -> None:
+            """comfy-kitchen's in-place copy (`copy_`): new values, so what was derived from the old ones goes."""
+            super().copy_from(src, non_blocking=non_blocking)
+            object.__setattr__(self, RESOLVED_ATTR, None)
 
     # ---- comfy-kitchen layout API ---------------------------------------------------------------
     @classmethod
     def quantize(cls, tensor: torch.Tensor, format_name: str | None = None, record: str | dict | None = None,
                  input_scale: torch.Tensor | None = None, granularity: str | None = None,
-                 **kwargs: Any) -> tuple[torch.Tensor, Params]:
+                 compute: str | None = None, **kwargs: Any) -> tuple[torch.Tensor, Params]:
         """Re-quantize a float weight [out, in] as the same kind (ComfyUI's LoRA path:
-        `requantize_from_float`, whose `requantize_kwargs` supply format, record, granularity and the
-        static input scale). ComfyUI's `scale` / `stochastic_rounding` / `inplace_ops` are ignored:
-        the format's own round-to-nearest quantizer decides the scales."""
+        `requantize_from_float`, whose `requantize_kwargs` supply format, record, granularity, the
+        static input scale and the compute setting). ComfyUI's `scale` / `stochastic_rounding` / `inplace_ops` are
+        ignored: the format's own round-to-nearest quantizer decides the scales."""
         if format_name is None or record is None:
             raise ValueError(f"{LAYOUT_NAME} quantizes only an existing lowbit_pipe weight again "
                              "(requantize_from_float); it never quantizes activations")
@@ -124,6 +146,7 @@ class LowbitLayout(QuantizedLayout):
                 q = fmt.with_activations(q, "none")
         if input_scale is not None:
             q = QuantizedWeight(q.format, q.shape, {**q.tensors, "input_scale": input_scale}, q.record)
+        q.compute = compute
         qt = to_quantized_tensor(q, tensor.dtype)
         return qt._qdata, qt._params
 
@@ -131,14 +154,14 @@ class LowbitLayout(QuantizedLayout):
     def requantize_kwargs(cls, qtensor: QuantizedTensor) -> dict[str, Any]:
         p = qtensor._params
         return {"format_name": p.format_name, "record": p.record, "input_scale": p.input_scale,
-                "granularity": _granularity(p)}
+                "granularity": _granularity(p), "compute": p.compute}
 
     @classmethod
     def dequantize(cls, qdata: torch.Tensor, params: Params) -> torch.Tensor:
         """The stored weight [out, in] (never transposed: QuantizedTensor.dequantize transposes), in the
         original (unrotated) basis, in `orig_dtype`."""
-        q = _weight(qdata, params)
-        return get_format(params.format_name).dequantize(q).to(params.orig_dtype)
+        r = resolved(qdata, params)
+        return r.format.dequantize(r.weight, r.plan).to(params.orig_dtype)
 
     @classmethod
     def get_plain_tensors(cls, qtensor: QuantizedTensor) -> tuple[torch.Tensor | None, ...]:
@@ -166,7 +189,8 @@ def _weight(qdata: torch.Tensor, params: LowbitLayout.Params) -> QuantizedWeight
         t = getattr(params, field)
         if t is not None:
             tensors[suffix] = t
-    return QuantizedWeight(params.format_name, tuple(params.logical_shape), tensors, _record_of(params.record))
+    return QuantizedWeight(params.format_name, tuple(params.logical_shape), tensors, _record_of(params.record),
+                           compute=params.compute)
 
 
 def _granularity(p: LowbitLayout.Params) -> str | None:
@@ -177,6 +201,53 @@ def _granularity(p: LowbitLayout.Params) -> str | None:
     if s.numel() == 1:
         return "tensor"
     return "row" if tuple(s.shape) in ((n, 1), (n,)) else None
+
+
+class _Derived(Mapping[str, torch.Tensor]):
+    """`Format.derived_tensors` of one weight, computed at the first read: a path that reads none (weight-only nvfp4
+    reads no `fp8_row_scale`) never pays for them, and one that does pays once."""
+
+    def __init__(self, fmt: Format, q: QuantizedWeight) -> None:
+        self._fmt, self._q, self._tensors = fmt, q, None
+
+    def _all(self) -> dict[str, torch.Tensor]:
+        if self._tensors is None:
+            self._tensors = self._fmt.derived_tensors(self._q)
+        return self._tensors
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self._all()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What a Params' forward reads, settled once (see the module docstring)."""
+
+    format: Format
+    weight: QuantizedWeight  # the Params' own tensors, its parsed record, `compute`, derived tensors as `runtime`
+    plan: LinearPlan  # with the device facts of the stored tensors' device
+
+
+def resolved(qdata: torch.Tensor, params: LowbitLayout.Params) -> Resolved:
+    """The Resolved of `params` (with its `qdata`): settled at the first call, then read. Inner tensors that are not
+    real (torch.compile's fake / functional tensors while tracing) get a fresh one each time, never kept."""
+    found = getattr(params, RESOLVED_ATTR, None)
+    if found is not None and found.weight.tensors["weight"] is qdata:
+        return found
+    fmt = get_format(params.format_name)
+    q = _weight(qdata, params)
+    plan = fmt.linear_plan(q, qdata.device)
+    q.runtime = _Derived(fmt, QuantizedWeight(q.format, q.shape, q.tensors, q.record))  # type: ignore[assignment]
+    out = Resolved(fmt, q, plan)
+    if found is None and type(qdata) in (torch.Tensor, torch.nn.Parameter):  # another qdata (a contiguous copy): not kept
+        object.__setattr__(params, RESOLVED_ATTR, out)
+    return out
 
 
 def to_quantized_tensor(q: QuantizedWeight, compute_dtype: torch.dtype) -> QuantizedTensor:
@@ -192,8 +263,18 @@ def to_quantized_tensor(q: QuantizedWeight, compute_dtype: torch.dtype) -> Quant
     shape = (int(q.shape[0]), int(q.shape[1]))
     fields = {field: q.tensors.get(suffix) for suffix, field in TENSOR_FIELDS.items()}
     params = LowbitLayout.Params(orig_dtype=compute_dtype, orig_shape=shape, format_name=q.format,
-                                 record=record_text(q.record), logical_shape=shape, transposed=False, **fields)
+                                 record=record_text(q.record), logical_shape=shape, transposed=False,
+                                 compute=q.compute, **fields)
     return QuantizedTensor(q.tensors["weight"], LAYOUT_NAME, params)
+
+
+def as_parameter(qt: QuantizedTensor) -> torch.nn.Parameter:
+    """`qt` as a module's weight Parameter holding the very tensors of `qt`'s Params: `nn.Parameter` detaches a tensor
+    subclass, which comfy-kitchen does with a clone of every scale tensor (a copy of a file's weights would then
+    hold its own block scales); the clone is dropped for `qt`'s Params at once."""
+    param = torch.nn.Parameter(qt, requires_grad=False)
+    param._params = qt._params
+    return param
 
 
 def to_quantized_weight(qt: QuantizedTensor) -> QuantizedWeight:
@@ -202,7 +283,8 @@ def to_quantized_weight(qt: QuantizedTensor) -> QuantizedWeight:
         raise TypeError(f"expected a {LAYOUT_NAME} QuantizedTensor, got {type(qt).__name__}"
                         + (f" of layout {qt._layout_cls}" if isinstance(qt, QuantizedTensor) else ""))
     q = _weight(qt._qdata, qt._params)
-    return QuantizedWeight(q.format, q.shape, q.tensors, dict(q.record))  # the caller's own record (the parse is shared)
+    return QuantizedWeight(q.format, q.shape, q.tensors, dict(q.record),  # the caller's own record (the parse is shared)
+                           compute=q.compute)
 
 
 def is_lowbit(t: Any) -> bool:
@@ -220,8 +302,8 @@ def _plain(t: Any) -> Any:
 
 
 def _run_linear(x: torch.Tensor, w: QuantizedTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    p = w._params
-    return get_format(p.format_name).linear(_plain(x), _weight(w._qdata, p), _plain(bias))
+    r = resolved(w._qdata, w._params)
+    return r.format.linear(_plain(x), r.weight, _plain(bias), plan=r.plan)
 
 
 def _linear(qt: Any, args: tuple, kwargs: dict) -> Any:
@@ -240,6 +322,7 @@ def _t(qt: Any, args: tuple, kwargs: dict) -> Any:
         return _fallback(aten.t.default, args, kwargs)
     p = w._params
     new = dataclasses.replace(p, orig_shape=(p.orig_shape[1], p.orig_shape[0]), transposed=not p.transposed)
+    object.__setattr__(new, RESOLVED_ATTR, getattr(p, RESOLVED_ATTR))  # the same tensors: what p settled holds
     return QuantizedTensor(w._qdata, LAYOUT_NAME, new)
 
 
