@@ -383,16 +383,28 @@ class LowbitLoRA:
 
 
 def _hollow(tree: Any, float_tree: Any) -> None:
-    """A LoRA node's copy after Purge: each quantized or LoRA-carrying layer replaced by the layer at the same
-    path of the tree the run started from, so the copy holds none of the run's tensors (it is sealed too)."""
+    """A node's copy after Purge: each quantized, LoRA-carrying or re-weighted layer (a weight that is not the one at
+    the same path of the tree the run started from: the Compute node's) replaced by the layer at that path of that
+    tree, so the copy holds none of the run's tensors (it is sealed too)."""
     from lowbit_pipe.ledger import parent_of
 
     for name, module in list(tree.named_modules()):
-        if name and (isinstance(module, QuantLinear) or "lora" in module._modules):
+        if name and (isinstance(module, QuantLinear) or "lora" in module._modules or _reweighted(module, float_tree, name)):
             parent, attr = parent_of(tree, name)
             setattr(parent, attr, float_tree.get_submodule(name))
     tree.__dict__.pop("_lowbit_lora", None)
     node_runs.drop_state(tree)
+
+
+def _reweighted(module: Any, float_tree: Any, name: str) -> bool:
+    weight = module._parameters.get("weight")
+    if weight is None:
+        return False
+    try:
+        original = float_tree.get_submodule(name)
+    except AttributeError:
+        return False
+    return weight is not original._parameters.get("weight")
 
 
 # ============================================================================================== Export
@@ -695,12 +707,15 @@ def _models_dir(kind: str) -> Path | None:
 
 
 from lowbit_pipe.comfy.compile_node import LowbitCompile  # noqa: E402 - its own module; registered here
+from lowbit_pipe.comfy.compute_node import LowbitCompute  # noqa: E402 - its own module; registered here
 
 NODE_CLASS_MAPPINGS = {"LowbitQuantize": LowbitQuantize, "LowbitLoRA": LowbitLoRA, "LowbitExport": LowbitExport,
                        "LowbitPurge": LowbitPurge, "LowbitExampleInputs": LowbitExampleInputs,
-                       "LowbitAttention8": LowbitAttention8, "LowbitCompile": LowbitCompile}
+                       "LowbitAttention8": LowbitAttention8, "LowbitCompile": LowbitCompile,
+                       "LowbitCompute": LowbitCompute}
 NODE_DISPLAY_NAME_MAPPINGS = {"LowbitQuantize": "Quantize (lowbit_pipe)", "LowbitLoRA": "LoRA residual (lowbit_pipe)",
                               "LowbitExport": "Export quantized (lowbit_pipe)", "LowbitPurge": "Purge (lowbit_pipe)",
                               "LowbitExampleInputs": "Example inputs (lowbit_pipe)",
                               "LowbitAttention8": "8-bit attention (lowbit_pipe)",
-                              "LowbitCompile": "Compile (lowbit_pipe)"}
+                              "LowbitCompile": "Compile (lowbit_pipe)",
+                              "LowbitCompute": "Compute (lowbit_pipe)"}
