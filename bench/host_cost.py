@@ -14,6 +14,12 @@ On the CPU every op runs on the host (one thread), so the layer is tiny there, a
 most of its time: a change to the Python around them shows as a small difference, which short runs (few calls,
 many repeats) on an idle machine resolve best.
 
+The `layout ...` rows are the same layers as ComfyUI runs a quantized file the node pack loads: a comfy-kitchen
+QuantizedTensor of `lowbit_pipe.comfy.layout.LowbitLayout` called by `F.linear` under `torch.inference_mode()`
+(ComfyUI's sampling; the mode is entered per call, a few microseconds); the nvfp4 ones with ConvRot, as
+`krea2_nvfp4` writes them (`lowbit_nvfp4`). They need comfy-kitchen (none without it); a tree whose layout has no
+compute setting gives "-" for the fp8-compute row.
+
 `--tree NAME=PATH` (repeatable) measures each package tree in its own subprocess, PATH first on sys.path and
 PYTHONPATH, with this script's code, and tabulates them side by side with the ratio of the last to the first;
 `--rounds` alternates the trees that many times and keeps each figure's least.
@@ -22,7 +28,9 @@ PYTHONPATH, with this script's code, and tabulates them side by side with the ra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -59,6 +67,10 @@ CASES = (Case("int8", {"format": "int8"}), Case("fp8", {"format": "fp8"}),
          Case("int8+convrot", {"format": "int8", "rotation": "convrot"}),
          Case("nvfp4 weight-only", {"format": "nvfp4", "activations": "none"}),
          Case("nvfp4 fp8 compute", {"format": "nvfp4"}, compute="fp8"))
+# The same kinds as a file the node pack loads runs them in ComfyUI (LowbitLayout, see the module docstring).
+LAYOUT_CASES = (Case("layout int8+quarot", {"format": "int8", "rotation": "quarot"}),
+                Case("layout nvfp4+convrot", {"format": "nvfp4", "rotation": "convrot"}),
+                Case("layout nvfp4+convrot fp8 compute", {"format": "nvfp4", "rotation": "convrot"}, compute="fp8"))
 SHAPES = ((256, 6144, 6144), (256, 6144, 1536))
 CPU_SHAPES = ((1, 256, 16),)  # the CPU runs the torch references: the smallest layer every case stores
 
@@ -127,7 +139,45 @@ def layers(device: str, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b:
         if case.compute is not None:
             layer.compute = case.compute
         cases.append((case.label, (lambda layer: lambda: layer(x))(layer)))
+    return cases + layout_layers(device, dtype, x, w, b)
+
+
+def layout_layers(device: str, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor
+                  ) -> list[tuple[str, Callable[[], Any] | None]]:
+    """(label, call) per LAYOUT_CASES entry: LowbitLayout QuantizedTensors of the tree imported (call None where
+    that tree's layout has no compute setting); none without comfy-kitchen. Needs `registered()` around the calls."""
+    try:
+        from lowbit_pipe.comfy import layout as lay
+    except ImportError:
+        return []
+    from lowbit_pipe.formats import FormatSpec, get_format
+
+    has_compute = "compute" in {f.name for f in dataclasses.fields(lay.LowbitLayout.Params)}
+    cases: list[tuple[str, Callable[[], Any] | None]] = []
+    for case in LAYOUT_CASES:
+        spec = FormatSpec(**case.spec)
+        q = get_format(spec.format).quantize(w, spec)
+        if case.compute is not None and not has_compute:
+            cases.append((case.label, None))
+            continue
+        q.compute = case.compute
+        qt = lay.to_quantized_tensor(type(q)(q.format, q.shape, {k: t.to(device) for k, t in q.tensors.items()},
+                                             q.record, compute=case.compute), dtype)
+
+        def call(qt: Any = qt) -> Any:
+            with torch.inference_mode():  # ComfyUI samples in it: aten.linear reaches the layout whole
+                return F.linear(x, qt, b)
+        cases.append((case.label, call))
     return cases
+
+
+def registered() -> Any:
+    """LowbitLayout registered with comfy-kitchen (the tree imported), or nothing to do without comfy-kitchen."""
+    try:
+        from lowbit_pipe.comfy import layout as lay
+    except ImportError:
+        return contextlib.nullcontext()
+    return lay.registered()
 
 
 def measure(device: str, calls: int, repeats: int, profile: bool) -> dict[str, Any]:
@@ -157,16 +207,19 @@ def measure_shape(device: str, shape: tuple[int, int, int], calls: int, repeats:
     x = torch.randn(m, k, generator=gen).to(device, dtype)
     w = torch.randn(n, k, generator=gen) * 0.02
     b = torch.randn(n, generator=gen).to(device, dtype)
-    cases, results = layers(device, dtype, x, w, b), []
-    for label, fn in cases:
-        with torch.no_grad():
-            row = {"M": m, "K": k, "N": n, "format": label, "host_ms": host_ms(fn, calls, repeats, sync),
-                   "gpu_ms": gpu_ms(fn) if device == "cuda" else None}
-            if profile and label != cases[0][0]:
-                row["profile"] = profile_top(fn, calls)
-        results.append(row)
-        print(f"M={m} K={k} N={n} {label:18s} host {row['host_ms']:.4f} ms  gpu {row['gpu_ms']}", file=sys.stderr,
-              flush=True)
+    results = []
+    with registered():
+        cases = layers(device, dtype, x, w, b)
+        for label, fn in cases:
+            row = {"M": m, "K": k, "N": n, "format": label, "host_ms": None, "gpu_ms": None}
+            if fn is not None:
+                with torch.no_grad():
+                    row.update(host_ms=host_ms(fn, calls, repeats, sync), gpu_ms=gpu_ms(fn) if device == "cuda" else None)
+                    if profile and label != cases[0][0]:
+                        row["profile"] = profile_top(fn, calls)
+            results.append(row)
+            print(f"M={m} K={k} N={n} {label:18s} host {row['host_ms']} ms  gpu {row['gpu_ms']}", file=sys.stderr,
+                  flush=True)
     return results
 
 
@@ -212,12 +265,16 @@ def compare(trees: list[Tree], args: argparse.Namespace) -> dict[str, Any]:
             kept = best.setdefault(tree.name, report)
             for old, new in zip(kept["results"], report["results"]):
                 for key in ("host_ms", "gpu_ms"):
-                    if new[key] is not None and new[key] < old[key]:
+                    if new[key] is not None and (old[key] is None or new[key] < old[key]):
                         old[key] = new[key]
     first = best[trees[0].name]
     return {"command": args.command, "env": {k: v for k, v in first["env"].items() if k != "lowbit_pipe"},
             "trees": [{"name": t.name, "path": str(t.path), "commit": t.commit} for t in trees],
             "rounds": args.rounds, "results": {t.name: best[t.name]["results"] for t in trees}}
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:.4f}" if value is not None else "-"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -227,8 +284,7 @@ def markdown(report: dict[str, Any]) -> str:
              "CUDA graph. An eager forward costs about max(host, gpu) per layer.", "",
              "| M | K | N | format | host ms | gpu ms |", "|---|---|---|---|---|---|"]
     for r in report["results"]:
-        gpu = f"{r['gpu_ms']:.4f}" if r["gpu_ms"] is not None else "-"
-        lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | {r['host_ms']:.4f} | {gpu} |")
+        lines.append(f"| {r['M']} | {r['K']} | {r['N']} | {r['format']} | {_ms(r['host_ms'])} | {_ms(r['gpu_ms'])} |")
     for r in report["results"]:
         if "profile" in r:
             lines += ["", f"cProfile, {r['format']} at M={r['M']} K={r['K']} N={r['N']} (top by own time):", "```",
@@ -251,9 +307,10 @@ def markdown_trees(report: dict[str, Any]) -> str:
     columns = [report["results"][n] for n in names]
     for rows in zip(*columns):
         r = rows[0]
-        cells = [str(r["M"]), str(r["K"]), str(r["N"]), r["format"], *[f"{x['host_ms']:.4f}" for x in rows],
-                 f"{rows[-1]['host_ms'] / rows[0]['host_ms']:.2f}"]
-        cells += [f"{x['gpu_ms']:.4f}" for x in rows] if gpu else []
+        first, last = rows[0]["host_ms"], rows[-1]["host_ms"]
+        cells = [str(r["M"]), str(r["K"]), str(r["N"]), r["format"], *[_ms(x["host_ms"]) for x in rows],
+                 f"{last / first:.2f}" if first and last else "-"]
+        cells += [_ms(x["gpu_ms"]) for x in rows] if gpu else []
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

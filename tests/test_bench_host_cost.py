@@ -12,7 +12,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-FORMATS = ["fp32", "int8", "fp8", "int8+convrot", "nvfp4 weight-only", "nvfp4 fp8 compute"]
+FORMATS = ["fp32", "int8", "fp8", "int8+convrot", "nvfp4 weight-only", "nvfp4 fp8 compute", "layout int8+quarot",
+           "layout nvfp4+convrot", "layout nvfp4+convrot fp8 compute"]
 
 
 def test_cpu_smoke_run_times_every_format(tmp_path):
@@ -26,6 +27,7 @@ def test_cpu_smoke_run_times_every_format(tmp_path):
     assert all(r["host_ms"] > 0 and r["gpu_ms"] is None for r in report["results"])
     assert Path(report["env"]["lowbit_pipe"]) == ROOT / "lowbit_pipe"
     assert "| 1 | 256 | 16 | nvfp4 fp8 compute |" in out.with_suffix(".md").read_text()
+    assert "| 1 | 256 | 16 | layout nvfp4+convrot fp8 compute |" in out.with_suffix(".md").read_text()
     assert torch.get_num_threads() == threads  # the bench's one thread is given back
 
 
@@ -49,3 +51,14 @@ def test_a_tree_without_the_package_is_refused(tmp_path):
 
     with pytest.raises(SystemExit):
         main(["--device", "cpu", "--tree", f"empty={tmp_path}"])
+
+
+def test_a_row_an_older_tree_cannot_measure_shows_a_dash():
+    """A tree whose LowbitLayout has no compute setting (before it had one) gives no figure for that row."""
+    from host_cost import markdown_trees
+
+    row = {"M": 1, "K": 256, "N": 16, "format": "layout nvfp4+convrot fp8 compute", "gpu_ms": None}
+    report = {"command": "c", "env": {"device": "cpu", "device_name": "cpu", "torch": "x"}, "rounds": 1,
+              "trees": [{"name": "before", "path": "/a", "commit": ""}, {"name": "after", "path": "/b", "commit": ""}],
+              "results": {"before": [{**row, "host_ms": None}], "after": [{**row, "host_ms": 0.5}]}}
+    assert "| 1 | 256 | 16 | layout nvfp4+convrot fp8 compute | - | 0.5000 | - |" in markdown_trees(report)
