@@ -14,6 +14,9 @@ instrumentation node and full-size synthetic Krea 2, bf16, 25.6 GB). Rows (any s
   attention.fused_norm_rope=true (ComfyUI's norms and RoPE as kernels) [+ attention.format=fp8] -> [Compile
   (lowbit_pipe)] -> KSampler. Recipes: fp8 (default recipe, fp8 per-tensor), int8 (default), krea2_nvfp4 with
   quantize.nvfp4_compute=fp8 (Hopper has no FP4 tensor cores).
+- `pack_file_nvfp4_fp8`: the krea2_nvfp4 file (NVFP4 + ConvRot: `lowbit_nvfp4`, streamed from the bf16 one by the
+  CLI) loaded by stock Load Diffusion Model with the pack installed -> Compute (lowbit_pipe) nvfp4_compute=fp8 ->
+  KSampler; next to `pack_krea2_nvfp4` (the same recipe and compute through Quantize).
 
 Per row: a 1-step warm-up queue (file load / quantize / compile: its time is the "first queue"), a 1-step and an
 N-step queue with new seeds (s/step = their difference / (N - 1), ComfyUI's execution timestamps), the device
@@ -100,7 +103,9 @@ PACK_RECIPES = {
 }
 STOCK_ROWS = ["stock_bf16", "stock_bf16_tc", "stock_fp8", "stock_fp8_tc"]
 PACK_ROWS = [f"pack_{r}{a}{c}" for r in PACK_RECIPES for a in ("", "_attn") for c in ("", "_compile")]
-ROWS = STOCK_ROWS + PACK_ROWS
+# file rows: a file the CLI exports (comfyui_gpu.KINDS), loaded by stock Load Diffusion Model -> Compute (lowbit_pipe)
+FILE_ROWS = {"pack_file_nvfp4_fp8": ("krea2_nvfp4", "fp8")}
+ROWS = STOCK_ROWS + PACK_ROWS + list(FILE_ROWS)
 
 
 def pack_parts(row: str) -> tuple[str, list[str], bool]:
@@ -119,6 +124,9 @@ def model_nodes(row: str, unet: str) -> tuple[dict[str, Any], list]:
         if row.endswith("_tc"):
             return {"c": {"class_type": "TorchCompileModel", "inputs": {"model": ["m", 0], "backend": "inductor"}}}, ["c", 0]
         return {}, ["m", 0]
+    if row in FILE_ROWS:
+        return {"q": {"class_type": "LowbitCompute", "inputs": {"model": ["m", 0],
+                                                                 "nvfp4_compute": FILE_ROWS[row][1]}}}, ["q", 0]
     recipe, overrides, compiled = pack_parts(row)
     nodes: dict[str, Any] = {"q": {"class_type": "LowbitQuantize", "inputs": {
         "model": ["m", 0], "recipe": recipe, "overrides": "\n".join(overrides)}}}
@@ -234,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     server = cs.ComfyUIServer.start(src, base, args=("--front-end-root", str(work / "no_frontend"),
                                                      *(() if cuda else ("--cpu",))), stand_ins=stand_ins, timeout=600)
     fp8_file: Path | None = None
+    files: dict[str, Path] = {}  # FILE_ROWS' exports, by kind
     try:
         for name in args.rows:
             if args.deadline_s and time.time() - started > args.deadline_s:
@@ -246,6 +255,11 @@ def main(argv: list[str] | None = None) -> int:
                     if fp8_file is None:
                         fp8_file, row["export_s"] = cg.export_kind(source, base, "fp8", "cuda" if cuda else "cpu")
                     unet = fp8_file.name
+                if name in FILE_ROWS:
+                    kind = FILE_ROWS[name][0]
+                    if kind not in files:
+                        files[kind], row["export_s"] = cg.export_kind(source, base, kind, "cuda" if cuda else "cpu")
+                    unet = files[kind].name
                 row.update(time_row(server, name, unet, args, work))
                 row["purge"] = drop_row(server, name, unet, args)
             except (RuntimeError, cs.PromptError, TimeoutError, KeyError, ValueError) as err:
