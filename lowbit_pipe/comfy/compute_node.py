@@ -18,7 +18,7 @@ The changed layers' `_full_precision_mm` is off on the copy: the setting decides
 
 Purge: the change is recorded in the ledger of the run behind the MODEL (a run of this node's own for a MODEL no pack
 node made, like Compile's): its undo replaces every layer of the copy that this node or the run changed by the
-layer at the same path of the tree the run started from (`nodes._hollow`, as for the LoRA node's copies) and drops
+layer at the same path of the tree the run started from (`node_runs.hollow`, as for the LoRA node's copies) and drops
 the node state; the copy is sealed with the run's other trees, and the weights this node made (with what their
 layouts settled: plans, `fp8_row_scale`) are watched until freed. Put it after the LoRA nodes: a LoRA node rebuilds its MODEL from the run's base tree (this node's copy
 only where it came before any LoRA).
@@ -126,8 +126,7 @@ def with_nvfp4_compute(model: Any, mode: str, made_by: str = "Compute (lowbit_pi
 
 def _apply(model: Any, source: nn.Module, layers: list[tuple[str, str]], mode: str, made_by: str,
            node_id: str | None) -> tuple[Any, str]:
-    from lowbit_pipe.comfy.nodes import _hollow, _with_tree
-    from lowbit_pipe.comfy.patchers import release_weights
+    from lowbit_pipe.comfy.patchers import model_with_tree, release_weights
     from lowbit_pipe.comfy.tree import structural_copy
     from lowbit_pipe.ledger import Ledger
 
@@ -145,14 +144,14 @@ def _apply(model: Any, source: nn.Module, layers: list[tuple[str, str]], mode: s
     float_tree = new_state.source
     node_runs.set_state(tree, new_state)
     run.ledger.record("comfy_compute", f"{made_by}: nvfp4 compute {mode} on {len(layers)} layers",
-                      lambda: _hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
+                      lambda: node_runs.hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
     for name, kind in layers:
         module = tree.get_submodule(name)
         run.ledger.watch(f"{made_by}: {name}", module if kind == "pack" else module.weight._params)
     counts = {kind: sum(1 for _, k in layers if k == kind) for kind in ("file", "stock", "pack")}
     text = (f"nvfp4 compute: {mode} on {len(layers)} layers ({counts['file']} of the pack's file kinds, "
             f"{counts['stock']} stock nvfp4, {counts['pack']} from Quantize)")
-    return _with_tree(model, tree, run), text
+    return model_with_tree(model, tree, run.clone_id), text
 
 
 class LowbitCompute:

@@ -112,6 +112,32 @@ def state_gone(tree: nn.Module) -> bool | str:
     return True if STATE_ATTR not in tree.__dict__ else "node state still set"
 
 
+def hollow(tree: nn.Module, float_tree: nn.Module) -> None:
+    """A node's copy at Purge: each quantized, LoRA-carrying or re-weighted layer (a weight that is not the one at the
+    same path of the tree the run started from: the Compute node's) replaced by the layer at that path of that tree,
+    and its node state dropped, so the copy holds none of the run's tensors (it is sealed too)."""
+    from lowbit_pipe.ledger import parent_of
+    from lowbit_pipe.quant.nn import QuantLinear
+
+    for name, module in list(tree.named_modules()):
+        if name and (isinstance(module, QuantLinear) or "lora" in module._modules or _reweighted(module, float_tree, name)):
+            parent, attr = parent_of(tree, name)
+            setattr(parent, attr, float_tree.get_submodule(name))
+    tree.__dict__.pop("_lowbit_lora", None)
+    drop_state(tree)
+
+
+def _reweighted(module: nn.Module, float_tree: nn.Module, name: str) -> bool:
+    weight = module._parameters.get("weight")
+    if weight is None:
+        return False
+    try:
+        original = float_tree.get_submodule(name)
+    except AttributeError:
+        return False
+    return weight is not original._parameters.get("weight")
+
+
 def check_usable(tree: Any, what: str) -> None:
     """PurgedModelError when `tree` was sealed by a Purge."""
     reason = getattr(tree, "__dict__", {}).get(SEAL_ATTR)

@@ -371,40 +371,15 @@ class LowbitLoRA:
         quantized = {name for name, m in tree.named_modules() if is_quantized(m)}
         kept = _branches_from_patches(tree, model, patches, quantized, run) if patches.low_rank or patches.other else None
         for spec in specs:  # no ledger: its mirror branches on the run's float originals are shared by all copies;
-            # the copy's own undo (_hollow, below) takes its branches off with its layers
+            # the copy's own undo (node_runs.hollow, below) takes its branches off with its layers
             lora.attach(tree, spec.source, strength=spec.strength, name=spec.name)
         node_runs.set_state(tree, NodeState(run, float_tree, base=base, loras=specs))
         for name, module in tree.named_modules():
             if isinstance(module, QuantLinear):
                 run.ledger.watch(f"{name} (LoRA node copy)", module)
         run.ledger.record("comfy_tree", f"diffusion model with LoRAs {[Path(str(s.source)).stem for s in specs]}",
-                          lambda: _hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
+                          lambda: node_runs.hollow(tree, float_tree), check=lambda: node_runs.state_gone(tree))
         return (_with_tree(model, tree, run, kept),)
-
-
-def _hollow(tree: Any, float_tree: Any) -> None:
-    """A node's copy after Purge: each quantized, LoRA-carrying or re-weighted layer (a weight that is not the one at
-    the same path of the tree the run started from: the Compute node's) replaced by the layer at that path of that
-    tree, so the copy holds none of the run's tensors (it is sealed too)."""
-    from lowbit_pipe.ledger import parent_of
-
-    for name, module in list(tree.named_modules()):
-        if name and (isinstance(module, QuantLinear) or "lora" in module._modules or _reweighted(module, float_tree, name)):
-            parent, attr = parent_of(tree, name)
-            setattr(parent, attr, float_tree.get_submodule(name))
-    tree.__dict__.pop("_lowbit_lora", None)
-    node_runs.drop_state(tree)
-
-
-def _reweighted(module: Any, float_tree: Any, name: str) -> bool:
-    weight = module._parameters.get("weight")
-    if weight is None:
-        return False
-    try:
-        original = float_tree.get_submodule(name)
-    except AttributeError:
-        return False
-    return weight is not original._parameters.get("weight")
 
 
 # ============================================================================================== Export
