@@ -43,7 +43,8 @@ CONVERTED_KIND = "lowbit_nvfp4"  # the pack's QUANT_ALGOS kind (quantize_input F
 
 
 def nvfp4_layers(tree: nn.Module) -> list[tuple[str, str]]:
-    """(name, kind) of every nvfp4 layer of `tree` this node can set (see Change.kind)."""
+    """(name, kind) of every nvfp4 layer of `tree` this node can set; kind: "file" (a LowbitLayout weight of format
+    nvfp4), "stock" (comfy-kitchen's nvfp4 layout) or "pack" (Quantize's QuantLinear)."""
     from lowbit_pipe.comfy import layout
 
     found = []
