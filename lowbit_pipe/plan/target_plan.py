@@ -57,8 +57,9 @@ from lowbit_pipe.plan.solver import (
     refuse,
     solve,
 )
-from lowbit_pipe.plan.speed_model import QuantizeOnto, SpeedModel, measure_speed_model
+from lowbit_pipe.plan.speed_model import SpeedModel, measure_speed_model
 from lowbit_pipe.plan.targets import Target
+from lowbit_pipe.quant.swap import LayerSwapper
 
 
 @dataclass
@@ -437,8 +438,9 @@ def _report(t, target: Target, compiled: bool, layers: _Layers, times: _Times, c
 
 
 def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],
-                    quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
-    """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
+                    swapper: LayerSwapper, timing: TimingSettings | None = None) -> TargetPlan:
+    """`run_calibration`: runs the model on calibration inputs; `swapper`: the layer swapper the plan is applied with
+    (the uniform probes swap their layers with it)."""
     t = ctx.recipe.quantize.target
     timing = timing or TimingSettings.for_device(ctx.device)
     model = ctx.transformer
@@ -450,7 +452,7 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     float_ms, reference = time_forward(example, ctx.device, timing)
     errors = measure_output_error(example, reference,
                                   {**options, **{n: [o] for n, o in layers.fixed_options.items()}})
-    speed = measure_speed_model(example, reference, options, layers.fixed_specs, times.layer_ms, float_ms, quantize,
+    speed = measure_speed_model(example, reference, options, layers.fixed_specs, times.layer_ms, float_ms, swapper,
                                 ctx.device, timing) if t.uniform_probes else SpeedModel({})
     costs, base = _base_problem(model, layers, times, errors, speed, float_ms)
     attention = {fmt: (AttentionOption(fmt, float_ms, 0.0, {}) if fmt == STOCK_ATTENTION else

@@ -238,7 +238,7 @@ class Export(Stage):
         recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
         if ctx.stream is not None:
             from lowbit_pipe.files.stream import stream_export
-            from lowbit_pipe.stages.quantize import compute_device
+            from lowbit_pipe.quant.swap import compute_device
 
             # Rounding runs where the loading path would run it: quantize.compute_device, else model.device.
             device = torch.device(ctx.recipe.model.device or "cpu") if ctx.recipe.model.device != "auto" else \

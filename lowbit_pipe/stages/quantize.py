@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -26,6 +26,7 @@ from lowbit_pipe.plan.policy import LayerPlan, _spec, plan_layers, unfit
 from lowbit_pipe.progress import Console, progress
 from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize, gptq_threads, torch_threads
 from lowbit_pipe.quant.nn import QuantLinear
+from lowbit_pipe.quant.swap import LayerSwapper, compute_device
 from lowbit_pipe.recipe import CalibrationConfig, CalibrationKind, GPTQConfig, QuantizeConfig
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.context import Context
@@ -64,26 +65,6 @@ def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]],
     return out
 
 
-@dataclass
-class _WeightOn:
-    """A Linear's weight and bias copied to another device: what QuantLinear.from_linear reads."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-
-def _from_linear(linear: nn.Module, spec: FormatSpec, amax: float | None, name: str, quantizer: Any,
-                 device: torch.device | None) -> QuantLinear:
-    """QuantLinear.from_linear with the rounding on `device` (quantize.compute_device), one layer at a time, and the
-    result placed where the float layer is (a ComfyUI model waits on its offload device until it is sampled)."""
-    home = linear.weight.device
-    if device is None or device == home:
-        return QuantLinear.from_linear(linear, spec, amax, name, quantizer)
-    bias = linear.bias.detach().to(device) if linear.bias is not None else None
-    work = _WeightOn(linear.weight.detach().to(device), bias)
-    return QuantLinear.from_linear(work, spec, amax, name, quantizer).to(home)
-
-
 def _warn_unfit(plans: list[LayerPlan]) -> dict[str, int]:
     """One warning per kind of layer the asked format could not take; their counts for the report."""
     groups = unfit(plans)
@@ -119,34 +100,28 @@ def warn_nothing_quantized(root: nn.Module, plans: list[LayerPlan], stacklevel: 
 
 def _build(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]],
            amax: dict[str, float], quantizer: Quantizer | None, bar: Callable[[list[LayerPlan]], Any],
-           device: torch.device | None = None) -> dict[str, QuantLinear]:
-    """Quantize `todo` (fused groups jointly) into QuantLinears, not yet swapped in. `device`: where the rounding
-    runs (None: where each weight is)."""
+           swapper: LayerSwapper) -> dict[str, QuantLinear]:
+    """Quantize `todo` (fused groups jointly) into QuantLinears, not yet swapped in; the rounding runs where
+    `swapper.device` says (None: where each weight is)."""
     by_name = {p.name: p for p in todo}
     built: dict[str, QuantLinear] = {}
     for group in fused:
-        built.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, device))
+        built.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, swapper.device))
     for plan in bar(todo):
         linear = root.get_submodule(plan.name)
         if isinstance(linear, QuantLinear):
             raise ValueError(f"layer '{plan.name}' is already quantized ({linear.format.name})")
         if plan.name not in built:
             one = None if quantizer is None else (lambda w, spec, name=plan.name: quantizer(name, w, spec))
-            built[plan.name] = _from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one, device)
+            built[plan.name] = swapper.build(linear, plan.spec, amax.get(plan.name), plan.name, one)
     return built
 
 
-def _install(root: nn.Module, built: dict[str, nn.Module], todo: list[LayerPlan], ledger, originals: str,
+def _install(root: nn.Module, built: dict[str, nn.Module], todo: list[LayerPlan], ledger, swapper: LayerSwapper,
              counts: Counter) -> tuple[int, int]:
-    """Swap each built layer in through the ledger; (bytes before, after)."""
-    before = after = 0
-    for plan in todo:
-        linear = root.get_submodule(plan.name)
-        before += tensor_bytes(linear)
-        after += tensor_bytes(built[plan.name])
-        ledger.swap_module(root, plan.name, built[plan.name], keep_original=originals)
-        counts[plan.spec.format] += 1
-    return before, after
+    """Swap each built layer in through the ledger (in plan order); (bytes before, after)."""
+    counts.update(p.spec.format for p in todo)
+    return swapper.install(root, {p.name: built[p.name] for p in todo}, ledger)
 
 
 def _groups(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]]) -> list[list[str]]:
@@ -179,6 +154,7 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
     round-to-nearest runs (each layer's result goes back to its weight's device)."""
     unfit_counts = _warn_unfit(plans)
     warn_nothing_quantized(root, plans, stacklevel=4)
+    swapper = LayerSwapper(originals=originals, device=compute_device)
     todo = [p for p in plans if p.spec is not None]
     counts: Counter[str] = Counter()
     result: dict[str, Any] = {}
@@ -198,16 +174,16 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
         if check is not None:
             check.start()
         if use_gptq:
-            result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, originals, counts,
+            result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, swapper, counts,
                                                          gptq, check, console)
         else:
             def bar(items: list[LayerPlan]) -> Any:
                 return progress(items, "quantize", enabled=console is not None, console=console)
-            built = _build(root, todo, list(fused), amax, None, bar, compute_device)
+            built = _build(root, todo, list(fused), amax, None, bar, swapper)
             if check is not None:
                 built = check.choose({n: built[n] for n in static}, None, _groups(todo, list(fused)), static) | \
                     {n: q for n, q in built.items() if n not in static}
-            before, after = _install(root, built, todo, ledger, originals, counts)
+            before, after = _install(root, built, todo, ledger, swapper, counts)
         if check is not None:
             result["calibration_check"] = _finish_check(root, check, ledger, originals, result.get("gptq"))
     return {"layers": dict(counts), "bytes_before": before, "bytes_after": after,
@@ -276,7 +252,7 @@ def _gptq_quantizer(hessians: dict[str, Any], settings: GPTQSettings, layers: di
 
 
 def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,
-               amax: dict[str, float], originals: str, counts: Counter, cfg: GPTQConfig,
+               amax: dict[str, float], swapper: LayerSwapper, counts: Counter, cfg: GPTQConfig,
                check: CalibrationCheck, console: Console | None) -> tuple[dict[str, Any], tuple[int, int]]:
     """GPTQ in sequential passes: each pass calibrates its layers' Hessians on the model as it stands (earlier
     passes' layers already quantized, so later layers correct for their error) from the calibration's part that is
@@ -285,6 +261,7 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     settings = GPTQSettings(block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, threads=cfg.threads,
                             spectrum_max_width=cfg.spectrum_max_width)
     threads: set[int] = set()
+    home = replace(swapper, device=None)  # GPTQ rounds where the model is (its Hessians are there)
     by_name = {p.name: p for p in todo}
     passes = gptq_passes(todo, fused, cfg.hessian_bytes)
     layers: dict[str, dict[str, float]] = {}
@@ -305,11 +282,11 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
         pass_todo = [by_name[n] for n in names]
         pass_fused = [g for g in fused if g[0][0] in names]
         calibrated = _build(root, pass_todo, pass_fused, amax, _gptq_quantizer(hessians, settings, layers, rtn,
-                                                                                threads), bar)
+                                                                                threads), bar, home)
         hessians.clear()  # freed before the check's forwards and the next pass's Hessians
-        rounded = _build(root, pass_todo, pass_fused, amax, None, lambda items: items)
+        rounded = _build(root, pass_todo, pass_fused, amax, None, lambda items: items, home)
         chosen = check.choose(calibrated, rounded, _groups(pass_todo, pass_fused), static)
-        b, a = _install(root, chosen, pass_todo, ledger, originals, counts)
+        b, a = _install(root, chosen, pass_todo, ledger, swapper, counts)
         before, after = before + b, after + a
     if rtn:
         first = next(iter(rtn))
@@ -336,49 +313,10 @@ def hessian_notes(layers: dict[str, dict[str, Any]], cfg: GPTQConfig) -> dict[st
     return {"few_tokens": few, "low_rank": low_rank, "damp": damped}
 
 
-def prepack_layers(root: nn.Module, ledger) -> int:
-    """Set each QuantLinear's runtime tensors (Format.prepack) through the ledger; returns their bytes."""
-    total = 0
-    for name, module in root.named_modules():
-        if isinstance(module, QuantLinear) and module.prepacked is None:
-            runtime = module.prepack()
-            if runtime:
-                ledger.patch_attr(module, "prepacked", runtime, f"{name}.prepacked")
-                total += sum(t.numel() * t.element_size() for t in runtime.values())
-    return total
-
-
-def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]:
-    """quantize.nvfp4_compute on every nvfp4 QuantLinear (through the ledger unless "auto", the default) and what
-    it resolves to on the model's device: the report's `quantize.nvfp4_compute`."""
-    from lowbit_pipe.formats.nvfp4 import computes_weight_only
-    from lowbit_pipe.kernels import dispatch
-
-    layers = [(n, m) for n, m in root.named_modules() if isinstance(m, QuantLinear) and m.format.name == "nvfp4"]
-    if not layers:
-        return {}
-    if compute != "auto":
-        for name, module in layers:
-            ledger.patch_attr(module, "compute", compute, f"{name}.compute")
-    device = next((t.device for _, m in layers for t in m.buffers()), torch.device("cpu"))
-    probe = torch.empty(0, device=device)
-    weight_only = sum(computes_weight_only(m.format.activation_mode(m.qweight), m.compute, probe) for _, m in layers)
-    fp8 = sum(m.compute == "fp8" for _, m in layers)
-    return {"setting": compute, "device": str(device), "gpu_without_fp4": dispatch.lacks_fp4(device),
-            "weight_only_layers": weight_only, "fp8_layers": fp8,
-            "nvfp4_activation_layers": len(layers) - weight_only - fp8}
-
-
 def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, Any]:
     """The run-time settings of `quantize` (prepack, nvfp4_compute) on every QuantLinear under `root`, whether
-    quantized now or loaded quantized: the report entries they add."""
-    out: dict[str, Any] = {}
-    if cfg.prepack:
-        out["prepacked_bytes"] = prepack_layers(root, ledger)
-    nvfp4 = set_nvfp4_compute(root, cfg.nvfp4_compute, ledger)
-    if nvfp4:
-        out["nvfp4_compute"] = nvfp4
-    return out
+    quantized now or loaded quantized: the report entries they add (quant.swap.LayerSwapper.runtime)."""
+    return LayerSwapper.for_config(cfg).runtime(root, ledger)
 
 
 def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str, Any]:
@@ -442,15 +380,6 @@ def fused_norm_rope_idle(model: nn.Module) -> str | None:
         return None
     return (f"its kernels run on CUDA only and the model is on {p.device.type}, so the norms and RoPE run torch's "
             "code, as without it (model.device=cuda uses them)")
-
-
-def compute_device(name: str | None) -> torch.device | None:
-    """quantize.compute_device: None (where each weight is), "auto" (the GPU when there is one), or a device."""
-    if name is None:
-        return None
-    if name == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else None
-    return torch.device(name)
 
 
 def example_runner(ctx: Context, what: str) -> Callable[[], None]:
@@ -575,11 +504,8 @@ def _target_plan(ctx: Context, plans: list[LayerPlan]):
     if target is None:
         return None
     require_example_forward(ctx)  # before the calibration runner, whose own refusal would not name the target
-    def quantize(todo: list[LayerPlan], ledger, amax: dict[str, float]) -> None:
-        quantize_module(ctx.transformer, todo, ledger, input_amax=amax)
-        runtime_settings(ctx.transformer, ctx.recipe.quantize, ledger)
-
-    return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"), quantize)
+    return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"),
+                           LayerSwapper.for_config(ctx.recipe.quantize))
 
 
 def _check_target(ctx: Context, target_plan) -> dict[str, Any]:
