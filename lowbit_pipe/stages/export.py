@@ -244,7 +244,7 @@ class Export(Stage):
             device = torch.device(ctx.recipe.model.device or "cpu") if ctx.recipe.model.device != "auto" else \
                 torch.device("cuda" if torch.cuda.is_available() else "cpu")
             device = compute_device(ctx.recipe.quantize.compute_device) or device
-            result = stream_export(ctx.stream, ctx.plans, path, layout=cfg.layout, float_dtype=dtype,
+            result = stream_export(ctx.stream, list(ctx.plan.layers) if ctx.plan is not None else [], path, layout=cfg.layout, float_dtype=dtype,
                                    compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console,
                                    overwrite=cfg.overwrite)
             warn_comfy_kinds(_written_records(Path(result["path"])))
