@@ -30,10 +30,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import lowbit_pipe
+from lowbit_pipe.plan.calibration_inputs import _sample_units
 from lowbit_pipe.plan.held_out import capture_outputs, output_error, swapped
 from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.recipe import CalibrationKind
-from lowbit_pipe.stages.quantize import _sample_units
 
 ONE_KIND = ["quantize.calibration_samples=2", "quantize.calibration.kinds=[{}]", "quantize.calibration.held_out_fraction=0"]
 EVAL_SETS = {"kind 0": [CalibrationKind()], "default kinds": None,

@@ -67,8 +67,9 @@ def quantize(module: nn.Module, config: dict[str, Any] | QuantizeConfig, *, ledg
     from lowbit_pipe.arch import generic_policy
     from lowbit_pipe.plan.held_out import as_units, split_units
     from lowbit_pipe.plan.policy import plan_layers
+    from lowbit_pipe.quant.swap import compute_device
     from lowbit_pipe.stages.detect import linear_shapes
-    from lowbit_pipe.stages.quantize import compute_device, native_groups, quantize_module, runtime_settings
+    from lowbit_pipe.stages.quantize import native_groups, quantize_module, runtime_settings
 
     config = _fixed_plan_config(config)
     found = detect_module(module)

@@ -285,6 +285,10 @@ class TeardownConfig:
     clear_kernel_caches: bool = True  # process caches of lowbit_pipe.kernels (Hadamard matrices): pure, rebuilt on use
 
 
+STOCK_ATTENTION = "bf16"  # attention.format for the model's own attention, whatever its dtype
+ATTENTION_FORMATS = (STOCK_ATTENTION, "int8", "fp8")  # int8 / fp8: the format of Q·Kᵀ (P·V is fp8 in both)
+
+
 @dataclass
 class AttentionConfig:
     """8-bit attention (lowbit_pipe.kernels.attention8) in place of the model's own scaled dot-product attention:
@@ -301,7 +305,7 @@ class AttentionConfig:
     arch_keep: bool = True
     # The uncompiled path: the norms of known classes (Krea 2's RMSNorm, diffusers' RMSNorm) and the processors' RoPE
     # (apply_rotary_emb) as one-pass kernels on CUDA (lowbit_pipe.kernels.norm_rope); torch.compile fuses them anyway.
-    # On a ComfyUI model: ComfyUI's own RMSNorms and RoPE (Krea 2, FLUX.1, Qwen-Image; lowbit_pipe.comfy.fused).
+    # On a ComfyUI model: ComfyUI's own RMSNorms and RoPE (Krea 2, FLUX.1, Qwen-Image; lowbit_pipe.attention.comfy_fused).
     # Independent of `format`: bf16 attention gets it too.
     fused_norm_rope: bool = False
     # On a GPU, the kernel per call shape: "auto" the fastest of cuDNN's FP8 attention (fp8 only, the `cudnn` extra),
@@ -312,6 +316,14 @@ class AttentionConfig:
     # and FLUX processors): no quantize pass over q and k. Off until a GPU run has checked it: its kernels were
     # checked against their torch forms under Triton's interpreter only (bench/attention_fold_gpu.py is the check).
     fold_qk: bool = False
+
+
+# The names a `pipeline:` may list (lowbit_pipe.stages registers one class per name, and only these), and the modes of
+# the stages that have them: the schema's word, checked by lowbit_pipe.config.validate without importing the stages.
+PIPELINE_STAGES = ("load", "detect", "quantize", "lora", "compile", "evaluate", "export", "teardown")
+COMPILE_MODES = ("regional", "full")  # compile.mode
+BAKE_MODES = ("standard", "stochastic")  # lora.mode's ways to bake LoRAs into the weights (lowbit_pipe.lora.bake)
+LORA_MODES = ("residual",) + BAKE_MODES  # lora.mode
 
 
 @dataclass

@@ -32,6 +32,7 @@ FIGURES: dict[str, tuple[str, ...]] = {
     "latency_ms": ("evaluate", "latency_ms", "quantized"),
     "target_ms": ("quantize", "target", "forward_check", "measured_ms"),  # the target's whole-forward check
     "target_off": ("quantize", "target", "forward_check", "off"),
+    "attention": ("plan_attention", "format"),  # the Plan's attention format (the recipe's, or the target's choice)
     "seconds": (),  # sum of stage seconds (wall clock of the run)
 }
 HIGHER_IS_BETTER = {"psnr_db": True, "cosine": True, "sqnr_min_db": True, "traj_min_cos": True, "traj_mean_cos": True,

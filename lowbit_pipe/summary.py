@@ -34,6 +34,15 @@ def plan_counts(plan: list[dict[str, Any]]) -> list[list[Any]]:
     return [[fmt, n, why] for (fmt, why), n in sorted(counts.items(), key=lambda kv: (kv[0][0] == "float", kv[0]))]
 
 
+def plan_lines(plan: list[dict[str, Any]] | None, attention: dict[str, Any] | None) -> list[str]:
+    """The run's Plan: layers per format (float per reason) and the planned attention with its reason
+    (report.json's `plan` and `plan_attention` hold every layer's reason and options)."""
+    lines = table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)]) if plan else []
+    if attention:
+        lines.append(f"planned attention: {attention['format']} ({attention['reason']})")
+    return lines
+
+
 def target_lines(t: dict[str, Any] | None) -> list[str]:
     """quantize.target: what was asked, what the plan predicts, what the whole-forward check measured, the frontier."""
     if not t:
@@ -123,9 +132,7 @@ def format_summary(report: dict[str, Any]) -> str:
         lines.append(f"model: {'streamed file to file' if st['streamed'] else 'loaded whole'} "
                      f"(model.stream={st['mode']}: {st['reason']})")
     lines += attention_lines(report.get("attention") or {})
-    plan = report.get("plan")
-    if plan:
-        lines += table(["layers", "count", "why float"], [[f, n, why] for f, n, why in plan_counts(plan)])
+    lines += plan_lines(report.get("plan"), report.get("plan_attention"))
     lines += target_lines((report.get("quantize") or {}).get("target")) + calibration_lines(report.get("quantize"))
     ev = report.get("evaluate")
     if ev and "rel_error" in ev:

@@ -210,7 +210,7 @@ def kernels_vs_comfy(arch: str) -> dict[str, Any]:
     """Each fused norm against its own class's forward, per model dtype; the RoPE (_ropes_vs_comfy); the unwind."""
     import torch
 
-    from lowbit_pipe.comfy.fused import apply_comfy_fused_norm_rope
+    from lowbit_pipe.attention.comfy_fused import apply_comfy_fused_norm_rope
     from lowbit_pipe.ledger import Ledger
 
     out: dict[str, Any] = {}
@@ -248,7 +248,7 @@ def forward_fused_vs_unfused(arch: str, dtype: Any, ops_name: str = "disable_wei
     import comfy.ops
     import torch
 
-    from lowbit_pipe.comfy.fused import apply_comfy_fused_norm_rope
+    from lowbit_pipe.attention.comfy_fused import apply_comfy_fused_norm_rope
     from lowbit_pipe.ledger import Ledger
 
     model, args, kwargs = build(arch, dtype, getattr(comfy.ops, ops_name), seed=3)
@@ -280,7 +280,7 @@ def compiled_vs_unfused(arch: str) -> dict[str, Any]:
     import torch
     from torch._dynamo.utils import counters
 
-    from lowbit_pipe.comfy.fused import apply_comfy_fused_norm_rope
+    from lowbit_pipe.attention.comfy_fused import apply_comfy_fused_norm_rope
     from lowbit_pipe.ledger import Ledger
 
     seen = {}
@@ -323,7 +323,7 @@ def quantize_node(path: str) -> dict[str, Any]:
         "summary_line": next((ln for ln in summary.splitlines() if "fused norm / RoPE" in ln), None),
         "report": report,
         "fused_on_tree": sorted({type(m).__name__ for n, m in tree.named_modules() if type(m).__module__ ==
-                                 "lowbit_pipe.comfy.fused"}),
+                                 "lowbit_pipe.attention.comfy_fused"}),
         "float_tree_untouched": _classes(float_tree) == float_classes,
         "max_diff_vs_unfused_node": float((sample(fused) - sample(plain)).abs().max()),
     }
@@ -331,7 +331,7 @@ def quantize_node(path: str) -> dict[str, Any]:
     proof = json.loads(text.split("lowbit_pipe purge: ", 1)[1].split("\n8-bit attention")[0])
     out["purge"] = {k: proof.get(k) for k in ("proven", "unfreed", "patches_restored")}
     out["classes_restored"] = _classes(tree) == float_classes  # quantized layers and fused classes all undone
-    out["no_fused_class_left"] = not any(type(m).__module__ == "lowbit_pipe.comfy.fused" for m in tree.modules())
+    out["no_fused_class_left"] = not any(type(m).__module__ == "lowbit_pipe.attention.comfy_fused" for m in tree.modules())
     LowbitPurge().purge(plain)
     return out
 

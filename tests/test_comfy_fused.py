@@ -1,4 +1,4 @@
-"""`attention.fused_norm_rope` on ComfyUI's own model code (lowbit_pipe.comfy.fused), in a real ComfyUI 0.29.0 imported
+"""`attention.fused_norm_rope` on ComfyUI's own model code (lowbit_pipe.attention.comfy_fused), in a real ComfyUI 0.29.0 imported
 in a child process on the CPU with the kernels run by Triton's interpreter (slow): the fused norms and RoPE equal
 ComfyUI's own functions and modules for Krea 2, FLUX.1 and Qwen-Image (bf16 bit for bit, with the interpreter's
 bf16 cast made to round as the GPU's does; fp32 within two ulps), whole tiny forwards fused equal unfused, the

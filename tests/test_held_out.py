@@ -17,11 +17,12 @@ import lowbit_pipe
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import FormatSpec
 from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.plan.calibration_inputs import _sample_units
 from lowbit_pipe.plan.held_out import CalibrationUnits, Split, capture_outputs, output_error, split_units
 from lowbit_pipe.plan.policy import LayerPlan
 from lowbit_pipe.quant.nn import QuantLinear
 from lowbit_pipe.recipe import CalibrationConfig, GPTQConfig
-from lowbit_pipe.stages.quantize import _sample_units, quantize_module
+from lowbit_pipe.stages.quantize import quantize_module
 from lowbit_pipe.summary import format_summary
 
 

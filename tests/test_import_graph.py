@@ -33,10 +33,7 @@ FACE_FOLDERS = {"comfy"}
 
 # The arrows up there are today, each with why; issue 42 item 2 (the plan as an artifact) removes them. The
 # test fails on a new one and on a listed one that is gone (then delete its line here).
-KNOWN_UP = {
-    ("lowbit_pipe.plan.target_plan", "attention"): "the solver's probes apply the recipe's attention",
-    ("lowbit_pipe.stages.quantize", "comfy"): "the quantize stage applies ComfyUI's fused norms / RoPE",
-}
+KNOWN_UP: dict[tuple[str, str], str] = {}
 
 
 def module_files(package: Path) -> dict[str, Path]:

@@ -880,7 +880,7 @@ def case_norm_rope() -> None:
         _close(rope(xf, cos, sin, seq_dim), apply_rotary_emb(xf, (cos, sin), sequence_dim=seq_dim), 1e-6,
                f"rope fp32 sequence_dim={seq_dim}")
 
-    # ComfyUI's forms (lowbit_pipe.comfy.fused; against ComfyUI's own code in tests/test_comfy_fused.py): the norm
+    # ComfyUI's forms (lowbit_pipe.attention.comfy_fused; against ComfyUI's own code in tests/test_comfy_fused.py): the norm
     # reading a strided view (q sliced out of a packed qkv; a permuted [B, L, H, D]) into a contiguous result, and
     # RoPE as 2x2 matrices [B, 1, L', D/2, 2, 2] (fp32 freqs; bf16 freqs computed in bf16), trimmed to L tokens
     from lowbit_pipe.kernels.norm_rope import reference_rope_pairs, rope_pairs, row_layout

@@ -310,6 +310,8 @@ def test_attention_formats_are_measured_and_the_chosen_one_is_applied_before_the
     assert att["options"]["bf16"]["error"] == 0 and int8["met"]
     assert int8["predicted"]["error"] > att["options"]["bf16"]["predicted"]["error"]
     assert r.report["attention"] == {"format": "bf16", "chosen_by": "quantize.target"}
+    assert r.report["plan_attention"]["chosen_by"] == "quantize.target"  # the Plan says who chose it, and why
+    assert r.report["plan_attention"]["reason"].startswith("quantize.target weighed ['bf16', 'int8']")
     assert {p["attention"] for p in r.report["quantize"]["target"]["frontier"]} <= {"bf16", "int8"}
 
     r = _run(tmp_path, ["quantize.target.ratio=0.6", "quantize.target.attention=[int8]"], speed_cache, "int8")
@@ -317,6 +319,8 @@ def test_attention_formats_are_measured_and_the_chosen_one_is_applied_before_the
     assert t["attention"]["chosen"] == "int8"
     assert r.report["attention"]["format"] == "int8" and r.report["attention"]["applied"]
     assert r.report["attention"]["chosen_by"] == "quantize.target"
+    assert r.report["plan_attention"] == {"format": "int8", "chosen_by": "quantize.target",
+                                          "reason": "quantize.target.attention lists int8 alone"}
     fc = t["forward_check"]
     # the attention's own error is in both the prediction and the measured check
     assert fc["predicted_error"] >= t["attention"]["options"]["int8"]["error"]

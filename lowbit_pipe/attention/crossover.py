@@ -61,6 +61,11 @@ MARGIN = 0.98  # an 8-bit path is chosen only at <= 98 % of the stock time
 MASKED_FRACTION = 0.1  # keys masked in a measured masked call
 ROUTES = ("auto", "cudnn", "triton")  # apply_attention(route=...): by speed, or that kernel wherever it serves
 
+
+def route_problem(route: object) -> str | None:
+    """What is wrong with an attention route (attention.route, apply_attention's route), or None: its one check."""
+    return None if route in ROUTES else f"must be one of {', '.join(ROUTES)}, got {route!r}"
+
 # default rule: (path kind, masked) -> fewest tokens from which the path is taken without a measurement
 DEFAULT_MIN_TOKENS = {("cudnn_folded", False): 4096, ("cudnn_folded", True): 4096,
                       ("cudnn", False): 8192, ("cudnn", True): 4096,
@@ -165,8 +170,9 @@ class AttentionRouter:
                  route: str = "auto", measure: bool = True, calls: Counter | None = None,
                  timer: Callable[[Callable[[], Any], torch.device], float] | None = None,
                  inputs: Callable[[CallShape, torch.device], tuple] = measure_inputs) -> None:
-        if route not in ROUTES:
-            raise ValueError(f"attention route must be one of {list(ROUTES)}, got {route!r}")
+        problem = route_problem(route)
+        if problem is not None:
+            raise ValueError(f"attention route {problem}")
         self.paths = list(paths)
         self.device = device
         self.table = table

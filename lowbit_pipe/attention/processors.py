@@ -27,21 +27,21 @@ from torch import nn
 
 from lowbit_pipe.attention.crossover import (
     CUDNN,
-    ROUTES,
     AttentionRouter,
     CallShape,
     Path8,
     load_table,
+    route_problem,
     routed_attention_op,
 )
 from lowbit_pipe.attention.fold import CUDNN_FOLDED, QKFold, fold_form, measure_codes, measured_run
 from lowbit_pipe.attention.route import (
-    ATTENTION_FORMATS,
     NO_KERNEL,
     STOCK,
     attend8,
     call_form,
     count_call,
+    format_problem,
     kernel_head_dims,
     traced_counting,
 )
@@ -236,10 +236,12 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
     times cached under `speed_cache`, see lowbit_pipe.attention.crossover; `measure`: time shapes the cache
     lacks), "cudnn" / "triton" that kernel wherever it serves. `fold_qk` (recipe attention.fold_qk): with cuDNN, q and
     k in e4m3 from known processors' RoPE (lowbit_pipe.attention.fold)."""
-    if attention_format not in ATTENTION_FORMATS:
-        raise ValueError(f"{path}.format must be one of {list(ATTENTION_FORMATS)}, got {attention_format!r}")
-    if route not in ROUTES:
-        raise ValueError(f"{path}.route must be one of {list(ROUTES)}, got {route!r}")
+    problem = format_problem(attention_format)
+    if problem is not None:
+        raise ValueError(f"{path}.format {problem}")
+    problem = route_problem(route)
+    if problem is not None:
+        raise ValueError(f"{path}.route {problem}")
     if attention_format == STOCK:
         return None
     try:

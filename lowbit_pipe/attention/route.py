@@ -20,9 +20,19 @@ from typing import Any
 
 import torch
 
+from lowbit_pipe.recipe import ATTENTION_FORMATS
+from lowbit_pipe.recipe import STOCK_ATTENTION as STOCK
+
 NO_KERNEL = "no 8-bit attention kernel for this GPU / head dim (Hopper, head dim 64 or 128)"
-STOCK = "bf16"  # attention.format for the model's own attention, whatever its dtype
-ATTENTION_FORMATS = (STOCK, "int8", "fp8")  # int8 / fp8: the format of Q·Kᵀ (P·V is fp8 in both)
+
+
+def format_problem(attention_format: object, stock: bool = True) -> str | None:
+    """What is wrong with an attention format (attention.format, quantize.target.attention[i], the 8-bit attention
+    node's input; `stock`: whether the model's own attention is one), or None: the one check of every such key."""
+    known = ATTENTION_FORMATS if stock else tuple(f for f in ATTENTION_FORMATS if f != STOCK)
+    if attention_format not in known:
+        return f"must be one of {', '.join(known)}, got {attention_format!r}"
+    return None
 
 
 def kernel_head_dims(device: torch.device) -> tuple[int, ...]:

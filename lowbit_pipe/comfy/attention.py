@@ -25,7 +25,7 @@ from typing import Any, Callable
 
 import torch
 
-from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK, attend8, count_call, route_call, traced_counting
+from lowbit_pipe.attention.route import STOCK, attend8, count_call, format_problem, route_call, traced_counting
 from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
 
 OVERRIDE_KEY = "optimized_attention_override"
@@ -35,9 +35,9 @@ class Attention8Override:
     """ComfyUI's `optimized_attention_override` callable: sdpa8 in `qk_format`, or ComfyUI's function."""
 
     def __init__(self, qk_format: str, made_by: str, node_id: str | None = None, blocks_only: bool = True) -> None:
-        if qk_format not in ATTENTION_FORMATS or qk_format == STOCK:
-            raise ValueError(f"{made_by}: 8-bit attention takes {[f for f in ATTENTION_FORMATS if f != STOCK]}, "
-                             f"got {qk_format!r}")
+        problem = format_problem(qk_format, stock=False)
+        if problem is not None:
+            raise ValueError(f"{made_by}: 8-bit attention's format {problem}")
         self.qk_format = qk_format
         self.made_by = made_by
         self.node_id = node_id

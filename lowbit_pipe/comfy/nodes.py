@@ -244,18 +244,30 @@ class LowbitQuantize:
         if converted:
             summary += f"\nComfyUI LoRA patches on {converted} quantized layers became exact residual branches"
         out = _with_tree(model, tree, run, kept_patches)
-        attention = result.context.recipe.attention.format
-        if attention != "bf16":  # the recipe's attention: ComfyUI's override on this MODEL, dropped by Purge
-            from lowbit_pipe.comfy.attention import drop_attention8, with_attention8
-
-            out = with_attention8(out, attention, made_by, unique_id, result.context.recipe.attention.arch_keep)
-            run.ledger.record("comfy_attention", f"8-bit attention ({attention}) override on the MODEL",
-                              lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
-            summary += f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override"
-            if list(result.context.recipe.attention.layers) != ["*"]:  # diffusers module names: none here
-                summary += (f"; attention.layers {list(result.context.recipe.attention.layers)} names diffusers "
-                            "modules and is not applied in ComfyUI: every attention call of the MODEL gets it")
+        out, summary = _planned_attention(out, result, run, made_by, unique_id, summary)
         return out, summary
+
+
+def _planned_attention(out: Any, result: Any, run: NodeRun, made_by: str, unique_id: str | None,
+                       summary: str) -> tuple[Any, str]:
+    """The run's Plan's attention on the node's MODEL: an 8-bit format becomes ComfyUI's attention override (dropped
+    by Purge), whether the recipe's attention.format or quantize.target's choice; the stock one changes nothing."""
+    plan = result.context.plan
+    if plan is None or plan.attention.stock:
+        return out, summary
+    from lowbit_pipe.comfy.attention import drop_attention8, with_attention8
+
+    cfg = result.context.recipe.attention
+    attention = plan.attention.format
+    out = with_attention8(out, attention, made_by, unique_id, cfg.arch_keep)
+    run.ledger.record("comfy_attention", f"8-bit attention ({attention}) override on the MODEL",
+                      lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
+    summary += (f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override "
+                f"({plan.attention.reason})")
+    if list(cfg.layers) != ["*"]:  # diffusers module names: none here
+        summary += (f"; attention.layers {list(cfg.layers)} names diffusers modules and is not applied in ComfyUI: "
+                    "every attention call of the MODEL gets it")
+    return out, summary
 
 
 def _branches_from_patches(tree: Any, model: Any, patches: Any, quantized: set[str], run: NodeRun) -> dict:

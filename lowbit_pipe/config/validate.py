@@ -1,8 +1,13 @@
-"""Recipe checks that need the registries (formats, rotations, stages, architectures) or value ranges.
+"""Recipe checks that need the registries (formats, rotations, architectures) or value ranges.
 
 Composition (lowbit_pipe.config.compose) refuses unknown keys and wrong types; `validate()` refuses
 what types cannot say. Every error is a RecipeError naming the recipe path at fault. Nothing
 here reads weights or touches the filesystem (that is lowbit_pipe.config.preflight).
+
+One check per key, where the key's values are defined: the stage names and stage modes are the schema's
+(recipe.PIPELINE_STAGES, COMPILE_MODES, LORA_MODES: nothing here imports a stage), an attention format is checked
+by lowbit_pipe.attention.route.format_problem and a route by crossover.route_problem (which the code applying
+them calls too); this module says which key is at fault.
 """
 
 from __future__ import annotations
@@ -12,7 +17,10 @@ import re
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.plan.stream_choice import stream_blockers, stream_mode
 from lowbit_pipe.recipe import (
+    COMPILE_MODES,
     DTYPES,
+    LORA_MODES,
+    PIPELINE_STAGES,
     CompileConfig,
     EvaluateConfig,
     ExportConfig,
@@ -126,11 +134,9 @@ def check_evaluate(cfg: EvaluateConfig) -> None:
 
 
 def _check_pipeline(recipe: Recipe) -> None:
-    from lowbit_pipe.stages import STAGES
-
     for i, name in enumerate(recipe.pipeline):
-        if name not in STAGES:
-            raise RecipeError(f"pipeline[{i}]", f"unknown stage '{name}' (known: {', '.join(STAGES)})")
+        if name not in PIPELINE_STAGES:
+            raise RecipeError(f"pipeline[{i}]", f"unknown stage '{name}' (known: {', '.join(PIPELINE_STAGES)})")
     if len(set(recipe.pipeline)) != len(recipe.pipeline):
         raise RecipeError("pipeline", f"a stage is listed twice: {recipe.pipeline}")
     order = [n for n in ("load", "detect", "quantize") if n in recipe.pipeline]
@@ -154,11 +160,11 @@ def _check_pipeline(recipe: Recipe) -> None:
 
 
 def _check_attention(recipe: Recipe) -> None:
-    from lowbit_pipe.attention.route import ATTENTION_FORMATS, STOCK
+    from lowbit_pipe.attention.route import STOCK, format_problem
 
     a = recipe.attention
-    if a.format not in ATTENTION_FORMATS:
-        raise RecipeError("attention.format", f"must be one of {', '.join(ATTENTION_FORMATS)}, got '{a.format}'")
+    if format_problem(a.format) is not None:
+        raise RecipeError("attention.format", format_problem(a.format))
     if not a.layers:
         raise RecipeError("attention.layers", "lists the attention modules that get 8-bit attention: at least one "
                                               "pattern ('*' for all)")
@@ -168,9 +174,8 @@ def _check_attention(recipe: Recipe) -> None:
         check_pattern(f"attention.layers[{i}]", pattern)
     chosen = list(recipe.quantize.target.attention)
     for i, fmt in enumerate(chosen):
-        if fmt not in ATTENTION_FORMATS:
-            raise RecipeError(f"quantize.target.attention[{i}]", f"must be one of {', '.join(ATTENTION_FORMATS)}, "
-                                                                 f"got '{fmt}'")
+        if format_problem(fmt) is not None:
+            raise RecipeError(f"quantize.target.attention[{i}]", format_problem(fmt))
     if not chosen:
         raise RecipeError("quantize.target.attention", f"lists the attention formats the solver may choose: at least "
                                                        f"one ('{STOCK}': the model's own)")
@@ -192,10 +197,10 @@ def _check_attention(recipe: Recipe) -> None:
     if a.fused_norm_rope and "quantize" not in recipe.pipeline:
         raise RecipeError("attention.fused_norm_rope", f"is applied by the quantize stage, which the pipeline "
                                                        f"{list(recipe.pipeline)} lacks: add 'quantize', or set it false")
-    from lowbit_pipe.attention.crossover import ROUTES
+    from lowbit_pipe.attention.crossover import route_problem
 
-    if a.route not in ROUTES:
-        raise RecipeError("attention.route", f"must be one of {list(ROUTES)}, got '{a.route}'")
+    if route_problem(a.route) is not None:
+        raise RecipeError("attention.route", route_problem(a.route))
 
 
 def _check_device(path: str, device: str | None) -> None:
@@ -301,8 +306,6 @@ def _check_export(export: ExportConfig) -> None:
 
 def _check_compile(compile_cfg: CompileConfig) -> None:
     """compile.*: the mode and a backend dynamo knows (checked when the pipeline compiles)."""
-    from lowbit_pipe.stages.compile import MODES as COMPILE_MODES
-
     if compile_cfg.mode not in COMPILE_MODES:
         raise RecipeError("compile.mode", f"must be one of {list(COMPILE_MODES)}, got '{compile_cfg.mode}'")
     import torch._dynamo
@@ -314,8 +317,6 @@ def _check_compile(compile_cfg: CompileConfig) -> None:
 
 def _check_lora_mode(lora: LoraConfig) -> None:
     """lora.mode: one the lora stage has."""
-    from lowbit_pipe.stages.lora import MODES as LORA_MODES
-
     if lora.mode not in LORA_MODES:
         raise RecipeError("lora.mode", f"must be one of {list(LORA_MODES)}, got '{lora.mode}'")
 

@@ -5,7 +5,7 @@ casts back (another); `apply_rotary_emb` builds the rotated copy (negate, stack)
 fp32 elementwise ops before the cast back. Uncompiled, each op is a kernel reading and writing the whole tensor:
 on the full-size Krea 2 they are most of the 90 ms of eager elementwise time per forward
 (bench/results/forward_profile_eager_h200.md). Under torch.compile Inductor fuses the same chains by itself, so
-the callers use these kernels in eager only. ComfyUI's own model code (lowbit_pipe.comfy.fused) uses the same
+the callers use these kernels in eager only. ComfyUI's own model code (lowbit_pipe.attention.comfy_fused) uses the same
 norm, reading its strided q / k views directly, and `rope_pairs` for its RoPE form.
 
 Each computes in fp32 what the torch code computes, and rounds once to the output dtype:

@@ -25,8 +25,7 @@ from lowbit_pipe.formats import FormatSpec, QuantizedWeight, common, get_format
 from lowbit_pipe.formats.base import ACT_GRANULARITY_KEY
 from lowbit_pipe.kernels import reference, rotation
 from lowbit_pipe.quant.nn import QuantLinear
-
-BAKE_MODES = ("standard", "stochastic")
+from lowbit_pipe.recipe import BAKE_MODES  # lora.mode's baking modes (their names live with the recipe's schema)
 
 
 def spec_of(layer: QuantLinear, where: str = "") -> FormatSpec:

@@ -7,6 +7,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+from torch import nn
+
 from lowbit_pipe.arch.base import LayerPolicy
 from lowbit_pipe.formats import FormatSpec, get_format
 from lowbit_pipe.recipe import FormatChoice, LayerRule, QuantizeConfig
@@ -52,6 +54,11 @@ def rotation_note(spec: FormatSpec, in_features: int) -> str:
     if in_features % group:
         return f"; {spec.rotation} skipped: in_features {in_features} is not a multiple of its group {group}"
     return ""
+
+
+def linear_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every nn.Linear of `module`: name -> (out_features, in_features), what plan_layers plans."""
+    return {n: (m.out_features, m.in_features) for n, m in module.named_modules() if isinstance(m, nn.Linear)}
 
 
 def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy: LayerPolicy,

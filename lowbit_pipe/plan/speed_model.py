@@ -27,7 +27,7 @@ from lowbit_pipe.measure.timing import TimingSettings
 from lowbit_pipe.plan.candidates import Candidate
 from lowbit_pipe.plan.error_model import LayerOption
 from lowbit_pipe.plan.forward_timing import ExampleForward, time_forward
-from lowbit_pipe.plan.policy import LayerPlan
+from lowbit_pipe.quant.swap import LayerSwapper
 
 _FLOOR = 0.05  # a scale below this means the probe timed faster than everything outside the layers: noise, clamped
 STAND_IN_AMAX = 4.0  # static activations: the input scale's value does not change the time (speed_table likewise)
@@ -62,17 +62,14 @@ class SpeedModel:
         return {label: p.as_dict() for label, p in self.probes.items()}
 
 
-# (plans, scratch ledger, stand-in input amax per layer): the quantize stage's own swap and run-time settings
-QuantizeOnto = Callable[[list[LayerPlan], Ledger, dict[str, float]], None]
-
-
 def measure_speed_model(example: ExampleForward, reference: torch.Tensor, options: dict[str, list[LayerOption]],
                         fixed_specs: dict[str, FormatSpec], layer_ms: Callable[[str, Candidate], float],
-                        float_ms: float, quantize: QuantizeOnto, device: torch.device, timing: TimingSettings
+                        float_ms: float, swapper: LayerSwapper, device: torch.device, timing: TimingSettings
                         ) -> SpeedModel:
     """One probe per candidate in `options` (free layer -> its options); `fixed_specs`: the rules' layers, quantized
     in every probe as in every plan; `layer_ms`: the table's time of a layer at a candidate; `float_ms`: the float
-    forward's measured time; `quantize`: swaps the plans' layers on `example.module` as the quantize stage does."""
+    forward's measured time; `swapper`: the layer swapper the quantize stage applies the plan with (its probe form:
+    originals kept, undone at once)."""
     model = example.module
     float_cand = Candidate(None)
     # Outside every free layer, as the prediction has it: the float forward with the rules' layers swapped.
@@ -85,13 +82,11 @@ def measure_speed_model(example: ExampleForward, reference: torch.Tensor, option
     probes = {}
     for label, layers in by_label.items():
         specs = {**fixed_specs, **{n: o.candidate.spec for n, o in layers.items()}}
-        plans = [LayerPlan(n, tuple(model.get_submodule(n).weight.shape), s, "quantize.target speed probe")
-                 for n, s in specs.items()]
         static = next(iter(layers.values())).candidate.spec.activations == "static"
         amax = {n: STAND_IN_AMAX for n, s in specs.items() if s.activations == "static"}
         scratch = Ledger()
         try:
-            quantize(plans, scratch, amax)
+            swapper.for_probes().swap(model, specs, scratch, amax)
             ms, out = time_forward(example, device, timing)
         finally:
             report = scratch.undo_all()
@@ -106,4 +101,4 @@ def measure_speed_model(example: ExampleForward, reference: torch.Tensor, option
     return SpeedModel(probes)
 
 
-__all__ = ["QuantizeOnto", "SpeedModel", "UniformProbe", "measure_speed_model"]
+__all__ = ["SpeedModel", "UniformProbe", "measure_speed_model"]

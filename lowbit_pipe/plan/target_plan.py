@@ -28,12 +28,11 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping, Protocol
 
 import torch
 from torch import nn
 
-from lowbit_pipe.attention.route import STOCK as STOCK_ATTENTION
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import FormatSpec, get_format
 from lowbit_pipe.ledger import Ledger, tensor_bytes
@@ -57,8 +56,10 @@ from lowbit_pipe.plan.solver import (
     refuse,
     solve,
 )
-from lowbit_pipe.plan.speed_model import QuantizeOnto, SpeedModel, measure_speed_model
+from lowbit_pipe.plan.speed_model import SpeedModel, measure_speed_model
 from lowbit_pipe.plan.targets import Target
+from lowbit_pipe.quant.swap import LayerSwapper
+from lowbit_pipe.recipe import STOCK_ATTENTION
 
 
 @dataclass
@@ -85,20 +86,23 @@ class AttentionOption:
         return {"forward_ms": round(self.forward_ms, 6), "error": round(self.error, 8), "calls": self.calls}
 
 
+class AttentionProbe(Protocol):
+    """What the solver needs to weigh attention formats: one applied to a model through a ledger, for one timed
+    forward (lowbit_pipe.attention.swapper.AttentionSwapper is the one the run applies its attention with)."""
+
+    def probe(self, model: nn.Module, attention_format: str, ledger: Ledger) -> Mapping[str, int]:
+        """Apply it; the live count of attention calls per path (read after the forward)."""
+
+
 def measure_attention(ctx, example: ExampleForward, attention_format: str, reference: torch.Tensor,
-                      timing: TimingSettings) -> AttentionOption:
+                      timing: TimingSettings, swapper: AttentionProbe) -> AttentionOption:
     """Apply `attention_format` to the model on a scratch ledger, time the example forward and measure its error,
     then undo the swaps."""
-    from lowbit_pipe.attention import apply_attention
-    from lowbit_pipe.attention.processors import arch_keep
-
     scratch = Ledger()
     try:
-        applied = apply_attention(example.module, attention_format, scratch, list(ctx.recipe.attention.layers),
-                                  keep=arch_keep(ctx.arch, ctx.recipe.attention.arch_keep),
-                                  fold_qk=ctx.recipe.attention.fold_qk)
+        counted = swapper.probe(example.module, attention_format, scratch)
         ms, out = time_forward(example, ctx.device, timing)
-        calls = dict(sorted(applied.calls.items())) if applied is not None else {}
+        calls = dict(sorted(counted.items()))
     finally:
         report = scratch.undo_all()
     if report.errors or report.unfreed:
@@ -437,8 +441,11 @@ def _report(t, target: Target, compiled: bool, layers: _Layers, times: _Times, c
 
 
 def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration: Callable[[], None],
-                    quantize: QuantizeOnto, timing: TimingSettings | None = None) -> TargetPlan:
-    """`run_calibration`: runs the model on calibration inputs; `quantize`: the stage's swap (the uniform probes)."""
+                    swapper: LayerSwapper, attention: AttentionProbe, timing: TimingSettings | None = None
+                    ) -> TargetPlan:
+    """`run_calibration`: runs the model on calibration inputs; `swapper`: the layer swapper the plan is applied with
+    (the uniform probes swap their layers with it); `attention`: the run's attention swapper (each attention format
+    weighed is applied with it for a timed forward)."""
     t = ctx.recipe.quantize.target
     timing = timing or TimingSettings.for_device(ctx.device)
     model = ctx.transformer
@@ -450,11 +457,12 @@ def plan_for_target(ctx, plans: list[LayerPlan], target: Target, run_calibration
     float_ms, reference = time_forward(example, ctx.device, timing)
     errors = measure_output_error(example, reference,
                                   {**options, **{n: [o] for n, o in layers.fixed_options.items()}})
-    speed = measure_speed_model(example, reference, options, layers.fixed_specs, times.layer_ms, float_ms, quantize,
+    speed = measure_speed_model(example, reference, options, layers.fixed_specs, times.layer_ms, float_ms, swapper,
                                 ctx.device, timing) if t.uniform_probes else SpeedModel({})
     costs, base = _base_problem(model, layers, times, errors, speed, float_ms)
     attention = {fmt: (AttentionOption(fmt, float_ms, 0.0, {}) if fmt == STOCK_ATTENTION else
-                       measure_attention(ctx, example, fmt, reference, timing)) for fmt in attention_formats(ctx)}
+                       measure_attention(ctx, example, fmt, reference, timing, attention))
+                 for fmt in attention_formats(ctx)}
     # Each format moves the fixed part by its forward's difference from the stock one and adds its output error.
     problems = {fmt: replace(base, fixed_ms=base.fixed_ms + a.forward_ms - float_ms, output_err2=a.error ** 2)
                 for fmt, a in attention.items()}

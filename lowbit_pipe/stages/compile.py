@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from lowbit_pipe.ledger import Ledger
-from lowbit_pipe.recipe import CompileConfig
+from lowbit_pipe.recipe import COMPILE_MODES, CompileConfig
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 
-MODES = ("regional", "full")  # recipe.validate checks compile.mode against these
+MODES = COMPILE_MODES  # compile.mode (recipe.COMPILE_MODES, which config.validate checks it against)
 # Measured (torch 2.13 CPU, tests/test_teardown.py): per compiled graph, dynamo keeps a FakeTensorMode +
 # ShapeEnv + the traced inputs' fake tensors alive after torch.compiler.reset(), held from C++ (no Python
 # referrer). Fake tensors own no storage: host memory only, no device memory. We cannot free or verify it.

@@ -12,6 +12,7 @@ from torch import nn
 from lowbit_pipe.adapters import Adapter, adapter_for
 from lowbit_pipe.arch.base import Arch, ArchConfig, LayerPolicy, compute_dtype
 from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.plan.plan import Plan
 from lowbit_pipe.progress import Console
 from lowbit_pipe.recipe import Recipe
 
@@ -35,7 +36,7 @@ class Context:
     console: Console = field(default_factory=Console)  # messages, one-line warnings, progress
     stream: Any = None  # model.stream: the checkpoint (load.SourceFile) the export streams from
     stream_choice: Any = None  # validate.StreamChoice: whether this run streams, and why (the runner decides)
-    plans: list = field(default_factory=list)  # the quantize stage's layer plan (what a stream quantizes)
+    plan: Plan | None = None  # the quantize stage's Plan: per layer format and reason, the attention (what a stream quantizes)
     # run(..., calibrate=): runs the model on the caller's calibration inputs (a ComfyUI sampler, a natively
     # named model's own forward); used instead of the arch's example inputs wherever the recipe calibrates.
     calibrate: Callable[[], None] | None = None

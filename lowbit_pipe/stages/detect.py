@@ -6,20 +6,15 @@ from collections import Counter
 from dataclasses import asdict
 from typing import Any
 
-from torch import nn
-
 from lowbit_pipe.arch import Generic, ModuleArch, detect_module, generic_policy, get_arch
 from lowbit_pipe.errors import RecipeError
 from lowbit_pipe.formats import get_format
-from lowbit_pipe.plan.policy import LayerPlan, plan_layers
+from lowbit_pipe.plan.plan import layer_row
+from lowbit_pipe.plan.policy import LayerPlan, linear_shapes, plan_layers
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 from lowbit_pipe.summary import fmt_bytes
-
-
-def linear_shapes(module: nn.Module) -> dict[str, tuple[int, int]]:
-    return {n: (m.out_features, m.in_features) for n, m in module.named_modules() if isinstance(m, nn.Linear)}
 
 
 def plan_bytes(plans: list[LayerPlan], float_itemsize: int) -> tuple[int, int]:
@@ -63,9 +58,7 @@ class Detect(Stage):
         result = {"arch": arch_id, "config": config, "names": "native" if ctx.native else "diffusers",
                   "plan": {"layers": dict(counts), "linear_bytes_before": before, "linear_bytes_after": after}}
         ctx.report["detect"] = result
-        ctx.report["plan"] = [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
-                               "activations": p.spec.activations if p.spec else None, "reason": p.reason}
-                              for p in plans]
+        ctx.report["plan"] = [layer_row(p) for p in plans]
         shape = ", ".join(f"{k}={v}" for k, v in config.items() if k not in ("arch", "extra") and v is not None)
         # A run reading model.path says whether it streams it (model.stream, stream_choice.decide_stream) and why.
         how = f"; {ctx.stream_choice.line()}" if ctx.stream_choice is not None and ctx.source.get("path") else ""

@@ -238,13 +238,13 @@ class Export(Stage):
         recipe = OmegaConf.to_container(OmegaConf.structured(ctx.recipe), resolve=True)
         if ctx.stream is not None:
             from lowbit_pipe.files.stream import stream_export
-            from lowbit_pipe.stages.quantize import compute_device
+            from lowbit_pipe.quant.swap import compute_device
 
             # Rounding runs where the loading path would run it: quantize.compute_device, else model.device.
             device = torch.device(ctx.recipe.model.device or "cpu") if ctx.recipe.model.device != "auto" else \
                 torch.device("cuda" if torch.cuda.is_available() else "cpu")
             device = compute_device(ctx.recipe.quantize.compute_device) or device
-            result = stream_export(ctx.stream, ctx.plans, path, layout=cfg.layout, float_dtype=dtype,
+            result = stream_export(ctx.stream, list(ctx.plan.layers) if ctx.plan is not None else [], path, layout=cfg.layout, float_dtype=dtype,
                                    compute_dtype=ctx.dtype, device=device, recipe=recipe, console=ctx.console,
                                    overwrite=cfg.overwrite)
             warn_comfy_kinds(_written_records(Path(result["path"])))

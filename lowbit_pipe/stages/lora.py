@@ -12,13 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from lowbit_pipe.lora import apply
-from lowbit_pipe.lora.bake import BAKE_MODES
 from lowbit_pipe.lora.make_example import example_lora, parse_spec
+from lowbit_pipe.recipe import LORA_MODES
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 
-MODES = ("residual",) + BAKE_MODES  # recipe.validate checks lora.mode against these
+MODES = LORA_MODES  # lora.mode (recipe.LORA_MODES, which config.validate checks it against)
 
 
 def _source(ctx: Context, path: str) -> Any:

@@ -4,32 +4,36 @@ from __future__ import annotations
 
 import warnings
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
+from lowbit_pipe.attention.swapper import AttentionSwapper
 from lowbit_pipe.errors import FormatError
 from lowbit_pipe.formats import FormatSpec, QuantizedWeight, get_format
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.plan.calibration import input_hessians, static_input_amax
+from lowbit_pipe.plan.calibration_inputs import calibration_source, calibration_split
 from lowbit_pipe.plan.held_out import (
     CalibrationCheck,
     CalibrationUnits,
     Split,
     as_units,
     check_messages,
-    split_units,
 )
-from lowbit_pipe.plan.policy import LayerPlan, _spec, plan_layers, unfit
+from lowbit_pipe.plan.plan import Plan
+from lowbit_pipe.plan.planner import make_plan
+from lowbit_pipe.plan.policy import LayerPlan, unfit
 from lowbit_pipe.progress import Console, progress
 from lowbit_pipe.quant.gptq import GPTQSettings, gptq_quantize, gptq_threads, torch_threads
 from lowbit_pipe.quant.nn import QuantLinear
-from lowbit_pipe.recipe import CalibrationConfig, CalibrationKind, GPTQConfig, QuantizeConfig
+from lowbit_pipe.quant.swap import LayerSwapper
+from lowbit_pipe.recipe import CalibrationConfig, GPTQConfig, QuantizeConfig
+from lowbit_pipe.stages.attention import apply_planned_attention
 from lowbit_pipe.stages.base import Stage
 from lowbit_pipe.stages.context import Context
-from lowbit_pipe.stages.detect import linear_shapes
 from lowbit_pipe.stages.registry import register
 
 Quantizer = Callable[[str, torch.Tensor, FormatSpec], QuantizedWeight]  # (layer, weight, spec) -> its tensors
@@ -62,26 +66,6 @@ def _quantize_jointly(root: nn.Module, group: list[tuple[str, int, int | None]],
         joint_amax = max((amax[n] for n, _, _ in group if n in amax), default=None)
         out[name] = QuantLinear(fmt.with_activations(part, spec.activations, joint_amax, name), lin.bias).to(home)
     return out
-
-
-@dataclass
-class _WeightOn:
-    """A Linear's weight and bias copied to another device: what QuantLinear.from_linear reads."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-
-
-def _from_linear(linear: nn.Module, spec: FormatSpec, amax: float | None, name: str, quantizer: Any,
-                 device: torch.device | None) -> QuantLinear:
-    """QuantLinear.from_linear with the rounding on `device` (quantize.compute_device), one layer at a time, and the
-    result placed where the float layer is (a ComfyUI model waits on its offload device until it is sampled)."""
-    home = linear.weight.device
-    if device is None or device == home:
-        return QuantLinear.from_linear(linear, spec, amax, name, quantizer)
-    bias = linear.bias.detach().to(device) if linear.bias is not None else None
-    work = _WeightOn(linear.weight.detach().to(device), bias)
-    return QuantLinear.from_linear(work, spec, amax, name, quantizer).to(home)
 
 
 def _warn_unfit(plans: list[LayerPlan]) -> dict[str, int]:
@@ -119,34 +103,28 @@ def warn_nothing_quantized(root: nn.Module, plans: list[LayerPlan], stacklevel: 
 
 def _build(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]],
            amax: dict[str, float], quantizer: Quantizer | None, bar: Callable[[list[LayerPlan]], Any],
-           device: torch.device | None = None) -> dict[str, QuantLinear]:
-    """Quantize `todo` (fused groups jointly) into QuantLinears, not yet swapped in. `device`: where the rounding
-    runs (None: where each weight is)."""
+           swapper: LayerSwapper) -> dict[str, QuantLinear]:
+    """Quantize `todo` (fused groups jointly) into QuantLinears, not yet swapped in; the rounding runs where
+    `swapper.device` says (None: where each weight is)."""
     by_name = {p.name: p for p in todo}
     built: dict[str, QuantLinear] = {}
     for group in fused:
-        built.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, device))
+        built.update(_quantize_jointly(root, group, by_name[group[0][0]].spec, amax, quantizer, swapper.device))
     for plan in bar(todo):
         linear = root.get_submodule(plan.name)
         if isinstance(linear, QuantLinear):
             raise ValueError(f"layer '{plan.name}' is already quantized ({linear.format.name})")
         if plan.name not in built:
             one = None if quantizer is None else (lambda w, spec, name=plan.name: quantizer(name, w, spec))
-            built[plan.name] = _from_linear(linear, plan.spec, amax.get(plan.name), plan.name, one, device)
+            built[plan.name] = swapper.build(linear, plan.spec, amax.get(plan.name), plan.name, one)
     return built
 
 
-def _install(root: nn.Module, built: dict[str, nn.Module], todo: list[LayerPlan], ledger, originals: str,
+def _install(root: nn.Module, built: dict[str, nn.Module], todo: list[LayerPlan], ledger, swapper: LayerSwapper,
              counts: Counter) -> tuple[int, int]:
-    """Swap each built layer in through the ledger; (bytes before, after)."""
-    before = after = 0
-    for plan in todo:
-        linear = root.get_submodule(plan.name)
-        before += tensor_bytes(linear)
-        after += tensor_bytes(built[plan.name])
-        ledger.swap_module(root, plan.name, built[plan.name], keep_original=originals)
-        counts[plan.spec.format] += 1
-    return before, after
+    """Swap each built layer in through the ledger (in plan order); (bytes before, after)."""
+    counts.update(p.spec.format for p in todo)
+    return swapper.install(root, {p.name: built[p.name] for p in todo}, ledger)
 
 
 def _groups(todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]]) -> list[list[str]]:
@@ -179,6 +157,7 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
     round-to-nearest runs (each layer's result goes back to its weight's device)."""
     unfit_counts = _warn_unfit(plans)
     warn_nothing_quantized(root, plans, stacklevel=4)
+    swapper = LayerSwapper(originals=originals, device=compute_device)
     todo = [p for p in plans if p.spec is not None]
     counts: Counter[str] = Counter()
     result: dict[str, Any] = {}
@@ -198,16 +177,16 @@ def quantize_module(root: nn.Module, plans: list[LayerPlan], ledger, *, original
         if check is not None:
             check.start()
         if use_gptq:
-            result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, originals, counts,
+            result["gptq"], (before, after) = _gptq_swap(root, todo, list(fused), ledger, amax, swapper, counts,
                                                          gptq, check, console)
         else:
             def bar(items: list[LayerPlan]) -> Any:
                 return progress(items, "quantize", enabled=console is not None, console=console)
-            built = _build(root, todo, list(fused), amax, None, bar, compute_device)
+            built = _build(root, todo, list(fused), amax, None, bar, swapper)
             if check is not None:
                 built = check.choose({n: built[n] for n in static}, None, _groups(todo, list(fused)), static) | \
                     {n: q for n, q in built.items() if n not in static}
-            before, after = _install(root, built, todo, ledger, originals, counts)
+            before, after = _install(root, built, todo, ledger, swapper, counts)
         if check is not None:
             result["calibration_check"] = _finish_check(root, check, ledger, originals, result.get("gptq"))
     return {"layers": dict(counts), "bytes_before": before, "bytes_after": after,
@@ -276,7 +255,7 @@ def _gptq_quantizer(hessians: dict[str, Any], settings: GPTQSettings, layers: di
 
 
 def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[str, int, int | None]]], ledger,
-               amax: dict[str, float], originals: str, counts: Counter, cfg: GPTQConfig,
+               amax: dict[str, float], swapper: LayerSwapper, counts: Counter, cfg: GPTQConfig,
                check: CalibrationCheck, console: Console | None) -> tuple[dict[str, Any], tuple[int, int]]:
     """GPTQ in sequential passes: each pass calibrates its layers' Hessians on the model as it stands (earlier
     passes' layers already quantized, so later layers correct for their error) from the calibration's part that is
@@ -285,6 +264,7 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
     settings = GPTQSettings(block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, threads=cfg.threads,
                             spectrum_max_width=cfg.spectrum_max_width)
     threads: set[int] = set()
+    home = replace(swapper, device=None)  # GPTQ rounds where the model is (its Hessians are there)
     by_name = {p.name: p for p in todo}
     passes = gptq_passes(todo, fused, cfg.hessian_bytes)
     layers: dict[str, dict[str, float]] = {}
@@ -305,11 +285,11 @@ def _gptq_swap(root: nn.Module, todo: list[LayerPlan], fused: list[list[tuple[st
         pass_todo = [by_name[n] for n in names]
         pass_fused = [g for g in fused if g[0][0] in names]
         calibrated = _build(root, pass_todo, pass_fused, amax, _gptq_quantizer(hessians, settings, layers, rtn,
-                                                                                threads), bar)
+                                                                                threads), bar, home)
         hessians.clear()  # freed before the check's forwards and the next pass's Hessians
-        rounded = _build(root, pass_todo, pass_fused, amax, None, lambda items: items)
+        rounded = _build(root, pass_todo, pass_fused, amax, None, lambda items: items, home)
         chosen = check.choose(calibrated, rounded, _groups(pass_todo, pass_fused), static)
-        b, a = _install(root, chosen, pass_todo, ledger, originals, counts)
+        b, a = _install(root, chosen, pass_todo, ledger, swapper, counts)
         before, after = before + b, after + a
     if rtn:
         first = next(iter(rtn))
@@ -336,250 +316,10 @@ def hessian_notes(layers: dict[str, dict[str, Any]], cfg: GPTQConfig) -> dict[st
     return {"few_tokens": few, "low_rank": low_rank, "damp": damped}
 
 
-def prepack_layers(root: nn.Module, ledger) -> int:
-    """Set each QuantLinear's runtime tensors (Format.prepack) through the ledger; returns their bytes."""
-    total = 0
-    for name, module in root.named_modules():
-        if isinstance(module, QuantLinear) and module.prepacked is None:
-            runtime = module.prepack()
-            if runtime:
-                ledger.patch_attr(module, "prepacked", runtime, f"{name}.prepacked")
-                total += sum(t.numel() * t.element_size() for t in runtime.values())
-    return total
-
-
-def set_nvfp4_compute(root: nn.Module, compute: str, ledger) -> dict[str, Any]:
-    """quantize.nvfp4_compute on every nvfp4 QuantLinear (through the ledger unless "auto", the default) and what
-    it resolves to on the model's device: the report's `quantize.nvfp4_compute`."""
-    from lowbit_pipe.formats.nvfp4 import computes_weight_only
-    from lowbit_pipe.kernels import dispatch
-
-    layers = [(n, m) for n, m in root.named_modules() if isinstance(m, QuantLinear) and m.format.name == "nvfp4"]
-    if not layers:
-        return {}
-    if compute != "auto":
-        for name, module in layers:
-            ledger.patch_attr(module, "compute", compute, f"{name}.compute")
-    device = next((t.device for _, m in layers for t in m.buffers()), torch.device("cpu"))
-    probe = torch.empty(0, device=device)
-    weight_only = sum(computes_weight_only(m.format.activation_mode(m.qweight), m.compute, probe) for _, m in layers)
-    fp8 = sum(m.compute == "fp8" for _, m in layers)
-    return {"setting": compute, "device": str(device), "gpu_without_fp4": dispatch.lacks_fp4(device),
-            "weight_only_layers": weight_only, "fp8_layers": fp8,
-            "nvfp4_activation_layers": len(layers) - weight_only - fp8}
-
-
 def runtime_settings(root: nn.Module, cfg: QuantizeConfig, ledger) -> dict[str, Any]:
     """The run-time settings of `quantize` (prepack, nvfp4_compute) on every QuantLinear under `root`, whether
-    quantized now or loaded quantized: the report entries they add."""
-    out: dict[str, Any] = {}
-    if cfg.prepack:
-        out["prepacked_bytes"] = prepack_layers(root, ledger)
-    nvfp4 = set_nvfp4_compute(root, cfg.nvfp4_compute, ledger)
-    if nvfp4:
-        out["nvfp4_compute"] = nvfp4
-    return out
-
-
-def apply_recipe_attention(ctx: Context, chosen: str | None = None) -> dict[str, Any]:
-    """The recipe's `attention:` on the loaded transformer (8-bit attention through its diffusers processors,
-    every swap in the ledger): report.json's `attention`. `chosen`: the format quantize.target's solver picked
-    (validate lets it choose only where attention.format is the stock one)."""
-    from lowbit_pipe.attention import STOCK, apply_attention
-    from lowbit_pipe.attention.processors import arch_keep
-
-    cfg = ctx.recipe.attention
-    fmt = chosen if chosen is not None else cfg.format
-    by = {"chosen_by": "quantize.target"} if chosen is not None and cfg.format == STOCK else {}
-    if fmt == STOCK and not cfg.fused_norm_rope:
-        return {"format": STOCK, **by}
-    if ctx.stream is not None:
-        return {"format": fmt, "applied": False,
-                "note": "a streamed run has no model in memory; the attention format is run time only (exports never "
-                        "carry it)"}
-    if ctx.native:
-        out = {"format": STOCK, **by} if fmt == STOCK else {
-            "format": fmt, "applied": False,
-            "note": "natively named model (ComfyUI's): the node pack sets ComfyUI's attention override on the MODEL"}
-        if cfg.fused_norm_rope:  # ComfyUI's own norm and attention modules (lowbit_pipe.comfy.fused)
-            from lowbit_pipe.comfy.fused import apply_comfy_fused_norm_rope
-
-            fused = apply_comfy_fused_norm_rope(ctx.transformer, ctx.ledger)
-            out["fused_norm_rope"] = fused.as_dict()
-            if not fused.norms and not fused.ropes:
-                warnings.warn("attention.fused_norm_rope: no ComfyUI norm or attention module of a known class "
-                              "(Krea 2, FLUX.1, Qwen-Image, comfy.ops RMSNorm) in this natively named model",
-                              stacklevel=2)
-        return out
-    fused = {}
-    if cfg.fused_norm_rope:  # before the 8-bit processors, which then build on these (processors.rebound_class)
-        from lowbit_pipe.attention.fused import apply_fused_norm_rope
-
-        fused = {"fused_norm_rope": apply_fused_norm_rope(ctx.transformer, ctx.ledger).as_dict()}
-        idle = fused_norm_rope_idle(ctx.transformer)
-        if idle is not None:  # applied (and undone by teardown) all the same: a model moved to a GPU later uses it
-            fused["fused_norm_rope"]["note"] = idle
-            warnings.warn(f"attention.fused_norm_rope=true did nothing in this run: {idle}", stacklevel=2)
-    if fmt == STOCK:
-        return {"format": STOCK, **by, **fused}
-    applied = apply_attention(ctx.transformer, fmt, ctx.ledger, list(cfg.layers), keep=arch_keep(ctx.arch, cfg.arch_keep),
-                              route=cfg.route, speed_cache=ctx.recipe.quantize.speed_cache, fold_qk=cfg.fold_qk)
-    ctx.attention = applied
-    ctx.ledger.record("attention8", "the run's 8-bit attention handle", lambda: setattr(ctx, "attention", None),
-                      check=lambda: True if ctx.attention is None else "still set")
-    if not applied.modules:
-        why = next(iter(applied.kept.values()), "no diffusers attention module (a ComfyUI model takes the 8-bit "
-                                                "attention node's override instead)")
-        warnings.warn(f"attention.format={fmt}: no attention module got 8-bit attention ({why})", stacklevel=2)
-    return {**applied.as_dict(), "applied": bool(applied.modules), **by, **fused}
-
-
-def fused_norm_rope_idle(model: nn.Module) -> str | None:
-    """Why attention.fused_norm_rope changes nothing a forward computes on this model (its kernels serve CUDA tensors
-    only: lowbit_pipe.kernels.norm_rope.kernel_serves), or None when it can."""
-    p = next(model.parameters(), None)
-    if p is None or p.device.type == "cuda":
-        return None
-    return (f"its kernels run on CUDA only and the model is on {p.device.type}, so the norms and RoPE run torch's "
-            "code, as without it (model.device=cuda uses them)")
-
-
-def compute_device(name: str | None) -> torch.device | None:
-    """quantize.compute_device: None (where each weight is), "auto" (the GPU when there is one), or a device."""
-    if name is None:
-        return None
-    if name == "auto":
-        return torch.device("cuda") if torch.cuda.is_available() else None
-    return torch.device(name)
-
-
-def example_runner(ctx: Context, what: str) -> Callable[[], None]:
-    """The calibration run `what` (a recipe key) needs, all of its input sets (example_units) in one function."""
-    return example_units(ctx, what).run
-
-
-def _kind_inputs(ctx: Context, seed: int, kind: CalibrationKind) -> dict[str, Any]:
-    """The arch's seeded example forward at one calibration kind's token counts and text padding (evaluate's
-    text_valid, capped by the kind's text tokens, where the kind sets none)."""
-    ev = ctx.recipe.evaluate
-    image, text = max(1, round(ev.image_tokens * kind.image_scale)), max(1, round(ev.text_tokens * kind.text_scale))
-    inputs = ctx.arch.example_inputs(ctx.model_config, batch=ev.batch, image_tokens=image, text_tokens=text,
-                                     generator=torch.Generator().manual_seed(seed), dtype=ctx.dtype, device=ctx.device)
-    valid = round(text * kind.text_valid) if kind.text_valid is not None else ev.text_valid
-    if valid is None or ctx.arch.text_mask_key is None:
-        return inputs
-    return ctx.arch.padded_text_inputs(inputs, max(1, min(valid, text)))
-
-
-def _sample_units(ctx: Context, first: int, count: int) -> CalibrationUnits:
-    """Input sets `first`.. of the arch's example inputs: sample i is of kind i % len(kinds), seeded
-    calibration_seed + i, denoised by calibration_steps Euler steps (0: one forward at its own timestep)."""
-    from lowbit_pipe.measure import sampler
-
-    cfg, arch = ctx.recipe.quantize, ctx.arch
-    kinds = cfg.calibration.kinds
-
-    def forward(kwargs: dict[str, Any]) -> torch.Tensor:
-        return arch.output_tensor(ctx.transformer(**kwargs))
-
-    def unit(i: int) -> Callable[[], None]:
-        def run() -> None:
-            inputs = _kind_inputs(ctx, cfg.calibration_seed + i, kinds[i % len(kinds)])
-            if cfg.calibration_steps:
-                sampler.euler_sample(forward, inputs, cfg.calibration_steps, sampler.TIME_SCALE.get(arch.id, 1.0))
-            else:
-                ctx.transformer(**inputs)
-        return run
-    index = range(first, first + count)
-    return CalibrationUnits(tuple(unit(i) for i in index), tuple(f"sample {i} (kind {i % len(kinds)})" for i in index))
-
-
-def _prompt_units(ctx: Context, prompts: list[str], first_seed: int, what: str) -> CalibrationUnits:
-    """One input set per prompt, each generated by the run's diffusers pipeline (seed first_seed + i)."""
-    cfg = ctx.recipe.quantize
-    runs = []
-    for i, prompt in enumerate(prompts):
-        run = ctx.adapter.prompt_runner(ctx.model, [prompt], cfg.calibration_steps, first_seed + i,
-                                        cfg.calibration_resolution)
-        if run is None:
-            raise ValueError(f"quantize.calibration_prompts (for {what}) needs a diffusers pipeline to generate them: "
-                             f"pass one as lowbit_pipe.run(..., model=pipe); this run's model is a {ctx.adapter.name}")
-        runs.append(run)
-    return CalibrationUnits(tuple(runs), tuple(f"prompt {first_seed - cfg.calibration_seed + i}" for i in
-                                               range(len(prompts))))
-
-
-def example_units(ctx: Context, what: str) -> CalibrationUnits:
-    """The calibration `what` (a recipe key) needs, one function per input set. With `quantize.calibration_prompts`:
-    the prompts generated by the diffusers pipeline the run was given. Otherwise the transformer on
-    `quantize.calibration_samples` seeded example input sets (the arch's own, of `calibration.kinds` in turn); with
-    `calibration_steps` > 0 each set is denoised by the Euler sampler, so every timestep's input is seen. A caller's
-    calibrate function (or list of them) instead of either."""
-    cfg = ctx.recipe.quantize
-    if ctx.calibrate is not None:
-        return as_units(ctx.calibrate)
-    if cfg.calibration_prompts:
-        return _prompt_units(ctx, list(cfg.calibration_prompts), cfg.calibration_seed, what)
-    if ctx.arch is None:
-        raise ValueError(f"{what} needs calibration inputs: a known architecture's example inputs (model.arch), or "
-                         "quantize.calibration_prompts with a diffusers pipeline passed as the model")
-    if ctx.native:
-        raise ValueError("calibration (activations=static, quantize.budget_*, quantize.gptq) runs the arch's example "
-                         "inputs, which fit its diffusers class, not this natively named model (a ComfyUI model); use "
-                         "lowbit_pipe.quantize(..., calibrate=...) with your own inputs")
-    return _sample_units(ctx, 0, cfg.calibration_samples)
-
-
-def calibration_split(ctx: Context, what: str) -> Split:
-    """example_units split for the held-out check: quantize.calibration's own held-out set (held_out_prompts with
-    prompts, held_out_samples more seeded samples otherwise) or its held_out_fraction of the input sets."""
-    cfg = ctx.recipe.quantize
-    units = example_units(ctx, what)
-    held = None
-    if ctx.calibrate is None and cfg.calibration_prompts and cfg.calibration.held_out_prompts:
-        held = _prompt_units(ctx, list(cfg.calibration.held_out_prompts),
-                             cfg.calibration_seed + len(cfg.calibration_prompts), what)
-    elif ctx.calibrate is None and not cfg.calibration_prompts and cfg.calibration.held_out_samples:
-        held = _sample_units(ctx, cfg.calibration_samples, cfg.calibration.held_out_samples)
-    return split_units(units, cfg.calibration.held_out_fraction, cfg.calibration_seed, held)
-
-
-def calibration_source(cfg: QuantizeConfig) -> dict[str, Any]:
-    """What the calibration ran on, for report.json."""
-    if cfg.calibration_prompts:
-        return {"source": "pipeline prompts", "prompts": len(cfg.calibration_prompts), "steps": cfg.calibration_steps,
-                "resolution": cfg.calibration_resolution, "seed": cfg.calibration_seed}
-    return {"source": "arch example inputs", "samples": cfg.calibration_samples, "steps": cfg.calibration_steps,
-            "seed": cfg.calibration_seed, "kinds": len(cfg.calibration.kinds)}
-
-
-def _budget_plans(ctx: Context, plans: list[LayerPlan]) -> tuple[list[LayerPlan], dict[str, Any]]:
-    from lowbit_pipe.plan.budget import plan_budget
-
-    cfg = ctx.recipe.quantize
-    model = ctx.transformer
-    budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget_ratio * tensor_bytes(model))
-    candidates = [_spec(c) for c in cfg.budget_candidates]
-    result = plan_budget(model, plans, candidates, budget, example_runner(ctx, "quantize.budget_*"),
-                         seed=cfg.calibration_seed,
-                         allow_float=cfg.budget_allow_float)
-    return result.plans, result.as_dict()
-
-
-def _target_plan(ctx: Context, plans: list[LayerPlan]):
-    """quantize.target: the solver's plan (lowbit_pipe.plan.target_plan), or None when the recipe sets no target."""
-    from lowbit_pipe.plan.target_plan import plan_for_target, require_example_forward
-    from lowbit_pipe.plan.targets import resolve_target
-
-    target = resolve_target(ctx.recipe.quantize)
-    if target is None:
-        return None
-    require_example_forward(ctx)  # before the calibration runner, whose own refusal would not name the target
-    def quantize(todo: list[LayerPlan], ledger, amax: dict[str, float]) -> None:
-        quantize_module(ctx.transformer, todo, ledger, input_amax=amax)
-        runtime_settings(ctx.transformer, ctx.recipe.quantize, ledger)
-
-    return plan_for_target(ctx, plans, target, example_runner(ctx, "quantize.target"), quantize)
+    quantized now or loaded quantized: the report entries they add (quant.swap.LayerSwapper.runtime)."""
+    return LayerSwapper.for_config(cfg).runtime(root, ledger)
 
 
 def _check_target(ctx: Context, target_plan) -> dict[str, Any]:
@@ -593,11 +333,6 @@ def _check_target(ctx: Context, target_plan) -> dict[str, Any]:
     target_plan.report["forward_check"] = result.as_dict()
     return {"target_predicted_ms": round(result.predicted_ms, 4), "target_measured_ms": round(result.measured_ms, 4),
             "target_off": round(result.off, 4)}
-
-
-def _plan_report(plans: list[LayerPlan]) -> list[dict[str, Any]]:
-    return [{"name": p.name, "shape": list(p.shape), "format": p.spec.format if p.spec else None,
-             "activations": p.spec.activations if p.spec else None, "reason": p.reason} for p in plans]
 
 
 def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[str, int, int | None]]]:
@@ -615,59 +350,67 @@ def native_groups(arch, arch_config, plans: list[LayerPlan]) -> list[list[tuple[
     return out
 
 
+def _streamed(ctx: Context, plan: Plan) -> dict[str, Any]:
+    """A streamed run: nothing to swap (the export quantizes each layer per the Plan as it streams by)."""
+    ctx.report["plan"] = plan.rows()
+    ctx.report["plan_attention"] = plan.attention.as_dict()
+    ctx.report["quantize"] = {"layers": plan.counts(), "streamed": True, "unfit": _warn_unfit(list(plan.layers)),
+                              "float_layers": plan.float_reasons()}
+    ctx.report["attention"] = apply_planned_attention(ctx, plan.attention)
+    return {"planned_layers": len(plan.quantized), "streamed": True}
+
+
+def _apply_layers(ctx: Context, plan: Plan, swapper: LayerSwapper) -> tuple[dict[str, Any], bool]:
+    """The Plan's layer part on the live transformer (GPTQ, static scales and their held-out check as the recipe
+    asks): the report's `quantize` section, and whether it calibrated."""
+    cfg = ctx.recipe.quantize
+    plans = list(plan.layers)
+    static = any(p.spec.activations == "static" for p in plan.quantized)
+    # Native fused modules (FLUX qkv) are one weight already on a native tree.
+    groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" and \
+        not ctx.native else []
+    ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
+    run_examples = None
+    if cfg.gptq.enabled or static:  # static scales and GPTQ calibrate here, checked on a held-out part
+        run_examples = calibration_split(ctx, "quantize.gptq" if cfg.gptq.enabled else "activations=static")
+    result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=swapper.originals, console=ctx.console,
+                             fused=groups, gptq=cfg.gptq, run_examples=run_examples, calibration=cfg.calibration,
+                             compute_device=swapper.device)
+    result.update(swapper.runtime(ctx.transformer, ctx.ledger))
+    if plan.budget is not None:
+        result["budget"] = {**plan.budget, "model_bytes": tensor_bytes(ctx.transformer)}
+    return result, run_examples is not None
+
+
 @register
 class Quantize(Stage):
     name = "quantize"
 
     def run(self, ctx: Context) -> dict[str, Any]:
         cfg = ctx.recipe.quantize
-        plans = plan_layers(linear_shapes(ctx.transformer), cfg, ctx.policy, ctx.policy_name)
-        budget = None
-        if cfg.budget_bytes is not None or cfg.budget_ratio is not None:
-            plans, budget = _budget_plans(ctx, plans)
-        target_plan = _target_plan(ctx, plans)
-        if target_plan is not None:
-            plans = target_plan.plans
-        static = any(p.spec is not None and p.spec.activations == "static" for p in plans)
-        # Native fused modules (FLUX qkv) are one weight already on a native tree.
-        ctx.plans = plans
-        if ctx.stream is not None:  # the export quantizes each layer as it streams by
-            counts = Counter(p.spec.format for p in plans if p.spec is not None)
-            unfit_counts = _warn_unfit(plans)
-            ctx.report["plan"] = _plan_report(plans)
-            ctx.report["quantize"] = {"layers": dict(counts), "streamed": True, "unfit": unfit_counts,
-                                      "float_layers": dict(Counter(p.reason for p in plans if p.spec is None))}
-            ctx.report["attention"] = apply_recipe_attention(ctx)
-            return {"planned_layers": sum(counts.values()), "streamed": True}
-        groups = native_groups(ctx.arch, ctx.arch_config, plans) if ctx.recipe.export.layout == "comfy" and \
-            not ctx.native else []
-        ctx.fused_groups = [[name for name, _, _ in group] for group in groups]
-        run_examples = None
-        if cfg.gptq.enabled or static:  # static scales and GPTQ calibrate here, checked on a held-out part
-            run_examples = calibration_split(ctx, "quantize.gptq" if cfg.gptq.enabled else "activations=static")
-        result = quantize_module(ctx.transformer, plans, ctx.ledger, originals=cfg.originals, console=ctx.console,
-                                 fused=groups, gptq=cfg.gptq, run_examples=run_examples, calibration=cfg.calibration,
-                                 compute_device=compute_device(cfg.compute_device))
-        result.update(runtime_settings(ctx.transformer, cfg, ctx.ledger))
+        swapper = LayerSwapper.for_config(cfg)
+        plan = make_plan(ctx, swapper, AttentionSwapper.for_recipe(ctx.recipe, ctx.arch))
+        ctx.plan = plan
+        if ctx.stream is not None:
+            return _streamed(ctx, plan)
+        result, calibrated = _apply_layers(ctx, plan, swapper)
         gptq_threads = result["gptq"].pop("threads", None) if "gptq" in result else None
-        if budget is not None:
-            budget["model_bytes"] = tensor_bytes(ctx.transformer)
-            result["budget"] = budget
         # The attention goes on before the target's check: the plan's predicted time and error include it.
-        attention = apply_recipe_attention(ctx, target_plan.attention if target_plan is not None else None)
-        if target_plan is not None:
-            result["target"] = target_plan.report
-            figures_target = _check_target(ctx, target_plan)
-        if budget is not None or target_plan is not None or run_examples is not None:
+        attention = apply_planned_attention(ctx, plan.attention)
+        figures_target = {}
+        if plan.target is not None:
+            result["target"] = plan.target.report
+            figures_target = _check_target(ctx, plan.target)
+        if plan.budget is not None or plan.target is not None or calibrated:
             result["calibration"] = calibration_source(cfg) if ctx.calibrate is None else {
                 "source": getattr(ctx.calibrate, "description", "") or "the caller's calibrate function"}
-        ctx.report["plan"] = _plan_report(plans)
+        ctx.report["plan"] = plan.rows()
+        ctx.report["plan_attention"] = plan.attention.as_dict()
         ctx.report["quantize"] = result
         ctx.report["attention"] = attention
         figures = {"quantized_layers": sum(result["layers"].values()), "bytes_before": result["bytes_before"],
-                   "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values())}
-        if target_plan is not None:
-            figures.update(figures_target)
+                   "bytes_after": result["bytes_after"], "float_layers": sum(result["float_layers"].values()),
+                   **figures_target}
         if gptq_threads:  # the CPU threads GPTQ's matrix work ran on (gptq_threads: they follow the machine's load)
             figures["gptq_threads"] = gptq_threads
         return figures

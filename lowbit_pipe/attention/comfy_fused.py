@@ -2,7 +2,7 @@
 
 ComfyUI runs its own modules (comfy/ldm/...), not diffusers', so lowbit_pipe.attention.fused does not reach them.
 This module does the same for ComfyUI (0.29.0's code; checked in tests/test_comfy_fused.py) where a natively named
-model is quantized with the recipe key set (the quantize stage calls `apply_comfy_fused_norm_rope`; the Quantize
+model is quantized with the recipe key set (the attention step, lowbit_pipe.stages.attention, calls `apply_comfy_fused_norm_rope`; the Quantize
 node runs that stage on its own structural copy of the tree):
 
 - Norms. Krea 2's `RMSNorm` (comfy.ldm.krea2.model: `F.rms_norm` of x upcast to fp32 with the weight `scale + 1`
