@@ -16,7 +16,7 @@ from lowbit_pipe.arch.base import compute_dtype, keeps_fp32
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.errors import CheckpointError, FormatError
 from lowbit_pipe.files.checkpoint import all_finite, load_tensors, metadata_json, read_header, shard_files
-from lowbit_pipe.formats import decode_record, encode_record, format_for_record
+from lowbit_pipe.formats import QuantizedWeight, decode_record, encode_record, format_for_record
 from lowbit_pipe.ledger import parent_of
 from lowbit_pipe.plan.stream_choice import StreamChoice, decide_stream
 from lowbit_pipe.progress import Console
@@ -99,15 +99,7 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
             qweight = fmt.from_tensors(tensors, record, name)
         except FormatError as err:
             raise CheckpointError(where, str(err)) from err
-        try:
-            target = model.get_submodule(name)
-        except AttributeError:
-            raise CheckpointError(where, "quantized layer has no matching module in the model", file_key(name)) from None
-        if not isinstance(target, nn.Linear) or (target.out_features, target.in_features) != qweight.shape:
-            shape = getattr(target, "weight", None)
-            raise CheckpointError(where, f"record says {qweight.shape[0]}x{qweight.shape[1]} but the model's module is "
-                                         f"{type(target).__name__} {tuple(shape.shape) if shape is not None else ''}",
-                                  file_key(name))
+        _check_target(model, name, qweight, where, file_key)
         parent, attr = parent_of(model, name)
         bias_dtype = torch.float32 if kept(f"{name}.bias") else dtype
         setattr(parent, attr, QuantLinear(qweight, bias.to(bias_dtype) if bias is not None else None))
@@ -135,6 +127,23 @@ def install_state_dict(model: nn.Module, state: dict[str, torch.Tensor], where: 
     if leftover:
         raise CheckpointError(where, f"tensors the file does not provide: {leftover[:5]}")
     return quantized
+
+
+def _check_target(model: nn.Module, name: str, qweight: QuantizedWeight, where: str,
+                  file_key: Callable[[str], str]) -> None:
+    """The model's module for a quantized layer of the file is a Linear of the layer's logical shape, or a
+    CheckpointError naming the layer (no such module, not a Linear) or its stored weight (another shape)."""
+    try:
+        target = model.get_submodule(name)
+    except AttributeError:
+        raise CheckpointError(where, "quantized layer has no matching module in the model", file_key(name)) from None
+    if not isinstance(target, nn.Linear):
+        raise CheckpointError(where, f"quantized layer, but the model's module is a {type(target).__name__}, not a "
+                                     "Linear", file_key(name))
+    if (target.out_features, target.in_features) != qweight.shape:
+        raise CheckpointError(where, f"stored {tuple(qweight.tensors['weight'].shape)}, a {qweight.shape[0]}x"
+                                     f"{qweight.shape[1]} layer in {qweight.format}, but the model's Linear is "
+                                     f"{target.out_features}x{target.in_features}", f"{file_key(name)}.weight")
 
 
 def _owned(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
