@@ -241,8 +241,9 @@ def test_compute_node_on_a_quantize_model(tmp_path, monkeypatch):
     (fp8,) = LowbitCompute().apply(quantized, "fp8", unique_id="4")["result"]
     layers = [m for m in fp8.get_model_object("diffusion_model").modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.compute == "fp8" for m in layers)
-    assert all(m.compute is None for m in quantized.get_model_object("diffusion_model").modules()
-               if isinstance(m, QuantLinear))
+    source = [m for m in quantized.get_model_object("diffusion_model").modules() if isinstance(m, QuantLinear)]
+    assert source and all(m.compute is None for m in source)
+    del source
     refs = [weakref.ref(m) for m in layers]
     del layers
     text = LowbitPurge().purge(fp8)["ui"]["text"][0]

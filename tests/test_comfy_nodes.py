@@ -140,6 +140,7 @@ def test_quantize_lora_export_purge_on_a_comfyui_model(krea2, tmp_path, monkeypa
 
     refs = [weakref.ref(m) for t in (quantized, a, b) for m in t.get_model_object("diffusion_model").modules()
             if isinstance(m, QuantLinear)]
+    assert refs
     count, other = LowbitQuantize.IS_CHANGED(unique_id="7"), LowbitQuantize.IS_CHANGED(unique_id="8")
     latent = {"samples": torch.zeros(1)}
     shown = LowbitPurge().purge(b, after=latent)

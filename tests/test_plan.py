@@ -65,7 +65,8 @@ def test_report_json_and_summary_show_the_plan(planned):
     assert [r["name"] for r in report["plan"]] == [p.name for p in planned.context.plan.layers]
     ff = next(r for n, r in rows.items() if r["reason"] == "rule 0")
     assert ff["format"] == "fp8" and ff["options"]["activations"] == "dynamic" and "rotation" in ff["options"]
-    assert all(r["options"] == {} for r in rows.values() if r["format"] is None)
+    floats = [r for r in rows.values() if r["format"] is None]
+    assert floats and all(r["options"] == {} for r in floats)
     summary = (planned.run_dir / "summary.txt").read_text()
     counts = planned.context.plan.counts()
     for fmt, n in counts.items():  # the compact count per format
