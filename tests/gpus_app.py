@@ -1,5 +1,6 @@
 """A minimal Hydra app for hydra/launcher=gpus tests: each job records the GPU it was given and when it ran, then
-does what `outcome` says (ok, raise, exit, die). No torch, so a job's process starts in about a second."""
+does what `outcome` says (ok, raise, exit, die, or stage: a lowbit_pipe stage failure, a report.json saying so
+and NaN returned, as lowbit_pipe's CLI does). No torch, so a job's process starts in about a second."""
 
 from __future__ import annotations
 
@@ -31,6 +32,9 @@ def job(cfg: DictConfig) -> float:
         sys.exit(3)
     if cfg.outcome == "die":
         os.kill(os.getpid(), signal.SIGKILL)
+    if cfg.outcome == "stage":
+        (run_dir / "report.json").write_text(json.dumps({"status": "failed", "error": "stage 'quantize' failed on purpose"}))
+        return float("nan")
     record["end"] = time.time()
     (run_dir / "job.json").write_text(json.dumps(record))
     return float(HydraConfig.get().job.num)

@@ -32,6 +32,7 @@ from hydra.core.utils import JobReturn, JobStatus, configure_log, filter_overrid
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.lowbit_gpu_launcher.assign import GpuQueue, check_job_device
+from lowbit_pipe.running.sweep_outcome import failed_jobs, print_failed
 
 if TYPE_CHECKING:
     from hydra_plugins.lowbit_gpu_launcher.gpu_launcher import GpuLauncher
@@ -215,20 +216,24 @@ def launch(launcher: "GpuLauncher", job_overrides: Sequence[Sequence[str]], init
                                                  Singleton.get_state())))
         returns = run_queue(jobs, launcher.gpus, common, tmp, settings.poll_seconds, settings.stop_seconds)
     ordered = [returns[i] for i in range(len(jobs))]
-    report_failures(jobs, ordered)
+    report_failures(jobs, ordered, sweep_dir)
     return ordered
 
 
-def report_failures(jobs: list[Job], returns: list[JobReturn]) -> None:
+def report_failures(jobs: list[Job], returns: list[JobReturn], sweep_dir: Path) -> None:
     """One stderr line per job that failed or died, once every job has ended (Hydra then raises the first one's
-    error and the sweep exits 1). A lowbit_pipe stage failure is not among them: such a job returns NaN and
-    lowbit_pipe.running.sweep_outcome names it."""
+    error and the sweep exits 1). A lowbit_pipe stage failure returns NaN, not a failure: lowbit_pipe.running.
+    sweep_outcome names those at the sweep's end, but Hydra skips that callback when it raises here, so where a job
+    died they are listed here too."""
     failed = [(job, r) for job, r in zip(jobs, returns) if r.status != JobStatus.COMPLETED]
     if not failed:
         return
+    stage_failures = failed_jobs(sweep_dir)
     print(f"hydra/launcher=gpus: {len(failed)} of {len(jobs)} job(s) failed; the others ran to their end:",
           file=sys.stderr)
     for job, r in failed:
         error = getattr(r, "_return_value", None)
         print(f"  #{job.num} {job.run_dir}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}",
               file=sys.stderr)
+    if stage_failures:
+        print_failed(stage_failures)

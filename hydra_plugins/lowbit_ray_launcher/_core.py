@@ -20,6 +20,7 @@ from hydra.types import HydraContext, TaskFunction
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.lowbit_ray_launcher.config import RayLauncherConf
+from lowbit_pipe.running.sweep_outcome import failed_jobs, print_failed
 
 if TYPE_CHECKING:
     from hydra_plugins.lowbit_ray_launcher.ray_launcher import RayLauncher
@@ -140,7 +141,12 @@ def launch(launcher: "RayLauncher", job_overrides: Sequence[Sequence[str]],
         # Never retried: a rerun would rewrite a run dir that callbacks may already have logged.
         ref = remote_job.options(**resources, max_retries=0).remote(sweep_config, context_ref, task_ref, state_ref)
         submitted.append((ref, sweep_config, overrides))
-    return [_result(ray, ref, sweep_config, overrides) for ref, sweep_config, overrides in submitted]
+    returns = [_result(ray, ref, sweep_config, overrides) for ref, sweep_config, overrides in submitted]
+    stage_failures = failed_jobs(sweep_dir)
+    if stage_failures and any(r.status != JobStatus.COMPLETED for r in returns):
+        # Hydra raises the failed job's error and skips lowbit_pipe's sweep-outcome callback, which lists these.
+        print_failed(stage_failures)
+    return returns
 
 
 def _result(ray: Any, ref: Any, sweep_config: DictConfig, overrides: Sequence[str]) -> JobReturn:

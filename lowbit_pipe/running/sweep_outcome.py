@@ -31,13 +31,18 @@ def failed_jobs(sweep_dir: Path) -> list[tuple[Path, str]]:
     return out
 
 
+def print_failed(failed: list[tuple[Path, str]]) -> None:
+    """The failed jobs (failed_jobs), one stderr line each under a count."""
+    print(f"lowbit_pipe: {len(failed)} job(s) of the sweep failed:", file=sys.stderr)
+    for run_dir, error in failed:
+        print(f"  {run_dir}: {error.splitlines()[0] if error else 'see its report.json'}", file=sys.stderr)
+
+
 class SweepOutcome(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         failed = failed_jobs(Path(config.hydra.sweep.dir))
         if not failed:
             return
-        print(f"lowbit_pipe: {len(failed)} job(s) of the sweep failed:", file=sys.stderr)
-        for run_dir, error in failed:
-            print(f"  {run_dir}: {error.splitlines()[0] if error else 'see its report.json'}", file=sys.stderr)
+        print_failed(failed)
         # SystemExit, not an exception: Hydra turns an exception in a callback into a warning.
         sys.exit(1)
