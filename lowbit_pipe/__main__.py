@@ -50,9 +50,14 @@ def _main(cfg: DictConfig) -> float | None:
     return (result.report.get("evaluate") or {}).get("objective")
 
 
-def stopped_line(stopped: Interrupted) -> str:
-    """One line: which signal stopped the run, in which stage, whether teardown is proven, what the export is."""
+def stopped_line(stopped: Interrupted, *, sweep: bool = False) -> str:
+    """One line: which signal stopped the run, in which stage, whether teardown is proven, what the export is.
+    `sweep`: the signal reached the sweep's own process outside any job of it (a launcher that runs jobs in other
+    processes, e.g. hydra/launcher=gpus, passes it on to them), so jobs may have run and written."""
     report = getattr(stopped, "run_report", None)
+    if report is None and sweep:
+        return (f"stopped by {stopped.signal_name} during the sweep; jobs that had started were stopped and torn "
+                "down in their own processes (each run dir's report.json says how far it got)")
     if report is None:
         return f"stopped by {stopped.signal_name} before the run started; nothing was written"
     teardown = report["stages"].get("teardown") or {}
@@ -95,10 +100,12 @@ def main() -> None:
     # installs its own handlers over these (the stage it is in), and puts these back when it ends.
     stop = OrderlyStop("startup")
     stop.install()
+    multirun = False
     try:
         # Refuse a bad recipe, or inputs that cannot work, in one line before Hydra creates any run dir.
         try:
             flags, overrides = split_cli(sys.argv[1:])
+            multirun = flags.multirun
             if not (flags.help or flags.hydra_help or flags.shell_completion):
                 check_extras(overrides)
                 check_groups(overrides)
@@ -114,7 +121,7 @@ def main() -> None:
         _main()
     except KeyboardInterrupt as err:  # not inside a run (those are answered by _main, with their run dir)
         stopped = as_interrupted(err, None)
-        print(f"lowbit_pipe: {stopped_line(stopped)}", file=sys.stderr)
+        print(f"lowbit_pipe: {stopped_line(stopped, sweep=multirun)}", file=sys.stderr)
         sys.exit(stopped.exit_code)
     finally:
         stop.restore()

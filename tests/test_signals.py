@@ -189,3 +189,12 @@ def test_a_sigterm_from_outside_mid_evaluate(tmp_path):
     assert "stopped by SIGTERM during stage 'evaluate'; torn down (proven); no export written" in _one_line(err)
     report = json.loads((run_dir / "report.json").read_text())
     assert report["interrupted"] == {"stage": "evaluate", "signal": "SIGTERM"} and _temps(tmp_path) == []
+
+
+def test_a_signal_to_a_sweeps_own_process_does_not_claim_nothing_was_written():
+    """A launcher that runs jobs in other processes (hydra/launcher=gpus) passes a signal on and re-raises it in the
+    sweep's process, where no run report exists: the line says jobs were stopped, not 'nothing was written'."""
+    stopped = Interrupted(signal.SIGINT, None)
+    assert stopped_line(stopped) == "stopped by SIGINT before the run started; nothing was written"
+    line = stopped_line(stopped, sweep=True)
+    assert line.startswith("stopped by SIGINT during the sweep;") and "nothing was written" not in line
