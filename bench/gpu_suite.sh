@@ -17,6 +17,12 @@
 #   bash bench/gpu_suite.sh solver_ratio_nvfp4 "$OUT"  # krea2_nvfp4 beside a target at its bytes, NVFP4 a candidate
 #   bash bench/gpu_suite.sh headline_mask "$OUT"  # the 8-bit attention rows with the pipeline's text padding mask
 #   bash bench/gpu_suite.sh pipeline_steps "$OUT"  # whole 28-step 1024x1024 images through diffusers' Krea2Pipeline
+#   bash bench/gpu_suite.sh attention_fold "$OUT"  # issue 43: the q/k-in-e4m3 fold's check (decides attention.fold_qk's default)
+#   bash bench/gpu_suite.sh comfyui_a "$OUT" / comfyui_b "$OUT"  # issue 47: the running-server table, in two calls
+# The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
+#   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
+#   and the wheels as .whl_comfy/ = hydra-core, omegaconf, antlr4, diffusers, comfy-kitchen (43 MB): with the tree
+#   that is 63 MiB of the 64 MiB a call may carry, so torchao / sageattention / cudnn-frontend stay behind.
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
 # without --compiled (the compiled rows add one compile each); stream: source 26-31, then int8 45, fp8 52, nvfp4 48
 # per format; headline: torchao 89, each recipe variant 5-26 (72 for the LoRA one, with its recompile counts) once
@@ -25,7 +31,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask or pipeline_steps}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a or comfyui_b}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -122,5 +128,21 @@ case "$part" in
       "krea2_nvfp4, fp8 compute, compiled" "fp8, no compile" --headline bench/results/headline_h200.json \
       --out "$out/pipeline_steps_${card}.json" > "$out/pipeline_steps.log" 2>&1
     tail -14 "$out/pipeline_steps.log" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps)"; exit 2 ;;
+  attention_fold)
+    timeout 300 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}.json" > "$out/attention_fold.log" 2>&1
+    tail -30 "$out/attention_fold.log"
+    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cudnn_attention.py tests/test_gpu_attention_recipe.py \
+      2>&1 | tail -20 > "$out/pytest_attention_fold.log"; tail -3 "$out/pytest_attention_fold.log" ;;
+  comfyui_a|comfyui_b)
+    # one warm machine: part b reuses part a's unpacked ComfyUI, float file and fp8 export under /tmp/cspeed
+    if [ "$part" = comfyui_a ]; then
+      rows="stock_bf16 pack_fp8 stock_fp8 pack_krea2_nvfp4 pack_fp8_compile pack_fp8_attn pack_file_nvfp4_fp8"
+    else
+      rows="stock_bf16 stock_bf16_tc stock_fp8_tc pack_int8 pack_fp8_attn_compile pack_krea2_nvfp4_compile pack_int8_compile"
+    fi
+    timeout 570 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
+      --out "$out/comfyui_speed_${card}_${part#comfyui_}" --rows $rows --profile --deadline-s 430 \
+      > "$out/comfyui_speed_${part}.log" 2>&1
+    tail -30 "$out/comfyui_speed_${card}_${part#comfyui_}.md" ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b)"; exit 2 ;;
 esac
