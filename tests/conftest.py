@@ -42,6 +42,17 @@ def comfyui_src():
                     f"gives a test its own copy): {wrote[:20]}", pytrace=False)
 
 
+@pytest.fixture(scope="session")
+def server_python(request, tmp_path_factory, comfyui_src):
+    """The Python every ComfyUI server of the session runs in (comfyui_harness.shared_server_python), made once
+    per session: under pytest-xdist in the folder above the workers' own temp folders, which they all share."""
+    from comfyui_harness import shared_server_python
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base  # a worker's is <session>/popen-gwN
+    return shared_server_python(comfyui_src, shared / "comfyui-server-python")
+
+
 def has_module(name: str) -> bool:
     """Whether `name` can be imported; False (not an error) when a parent package is missing, e.g.
     `hydra_plugins.hydra_joblib_launcher` without any Hydra plugin installed."""
