@@ -10,6 +10,9 @@ import torch
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.arch.tiny import tiny_model_config as tiny_config
 
+# How a pytest-xdist run spreads the files over its workers, and torch's threads in each (tests/xdist_plan.py).
+pytest_plugins = ["xdist_plan"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--comfy-soak-cycles", type=int, default=40,
