@@ -13,11 +13,17 @@ once per archive content in a cache folder (unpacked beside it and compiled to b
 half-made tree is never used), so no child or server of any module unpacks or compiles ComfyUI again. Tests use it read-only: its manifest (every file's size and mtime, `__pycache__` aside) is checked when it is
 reused and at the end of the session (`changes`), which names any file a test added, changed or removed. A test that
 must write into a ComfyUI folder unpacks its own with `unpack(dest)`.
+
+`shared_server_python(src, root)` (the `server_python` session fixture) is the one Python the server and browser
+modules start ComfyUI with: a venv with ComfyUI's pinned requirements and this checkout installed the README's way,
+made once per test session under a file lock (pytest-xdist's workers are processes of their own: the first to ask
+builds it, the other waits and reuses it).
 """
 
 from __future__ import annotations
 
 import compileall
+import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +33,7 @@ import sys
 import tarfile
 import tempfile
 import uuid
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,3 +170,34 @@ def shared_comfyui() -> Path:
     if not home.is_dir():
         _build(archive, home)
     return _comfyui_folder(home, archive)
+
+
+@dataclass(frozen=True)
+class ServerPython:
+    """The server's Python and comfy-kitchen's version in it before / after the README's `pip install`."""
+
+    python: str
+    comfy_kitchen_before: str | None
+    comfy_kitchen_after: str | None
+
+
+def shared_server_python(src: Path, root: Path) -> ServerPython:
+    """The session's server Python under `root` (a folder every worker of the session shares): made by the first
+    caller (bench/comfyui_server: ComfyUI's requirements into a venv, then this checkout with the README's command),
+    under an exclusive lock on `root/venv.lock`; later callers, in this process or another, read its record."""
+    import comfyui_server as cs  # bench/, on the path above
+
+    root.mkdir(parents=True, exist_ok=True)
+    record = root / "venv.json"
+    with open(root / "venv.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if record.is_file():
+            return ServerPython(**json.loads(record.read_text()))
+        python = cs.prepare_python(src, root / "venv")
+        before = cs.package_version(python, "comfy-kitchen")
+        cs.install_lowbit(python)  # the README's `pip install "lowbit_pipe[comfy]"`, into ComfyUI's Python
+        made = ServerPython(python, before, cs.package_version(python, "comfy-kitchen"))
+        scratch = record.with_name(f".{record.name}.{os.getpid()}")
+        scratch.write_text(json.dumps(asdict(made)))
+        scratch.replace(record)
+        return made

@@ -10,6 +10,9 @@ import torch
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.arch.tiny import tiny_model_config as tiny_config
 
+# How a pytest-xdist run spreads the files over its workers, and torch's threads in each (tests/xdist_plan.py).
+pytest_plugins = ["xdist_plan"]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--comfy-soak-cycles", type=int, default=40,
@@ -40,6 +43,17 @@ def comfyui_src():
     if wrote:
         pytest.fail(f"a test wrote into the shared ComfyUI tree {home} (tests must use it read-only; unpack(dest) "
                     f"gives a test its own copy): {wrote[:20]}", pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def server_python(request, tmp_path_factory, comfyui_src):
+    """The Python every ComfyUI server of the session runs in (comfyui_harness.shared_server_python), made once
+    per session: under pytest-xdist in the folder above the workers' own temp folders, which they all share."""
+    from comfyui_harness import shared_server_python
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if hasattr(request.config, "workerinput") else base  # a worker's is <session>/popen-gwN
+    return shared_server_python(comfyui_src, shared / "comfyui-server-python")
 
 
 def has_module(name: str) -> bool:

@@ -59,17 +59,18 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Served:
-    archive = require_archive()
+def served(tmp_path_factory, request) -> Served:
+    require_archive()
     why = missing()
     if why:
         pytest.skip(why)
     root = tmp_path_factory.mktemp("comfyui_browser")
-    src = cs.unpack(archive, root / "src")
-    python = cs.prepare_python(src, root / "venv")  # ComfyUI's requirements, its front-end package among them
+    src = request.getfixturevalue("comfyui_src")  # the session's shared tree, read-only (conftest.py)
+    # ComfyUI's requirements (its front-end package among them) and lowbit_pipe the README's way: the session's one
+    # server Python (conftest.py), which tests/test_comfyui_server.py's servers run in too
+    python = request.getfixturevalue("server_python").python
     if cs.package_version(python, "comfyui-frontend-package") is None:
         pytest.skip("no comfyui-frontend-package in ComfyUI's Python (ComfyUI's requirements.txt pins it)")
-    cs.install_lowbit(python)
     base = root / "base"
     cs.install_pack(base, python)
     _float_krea2(base / "models" / "diffusion_models" / "krea2.safetensors", root)

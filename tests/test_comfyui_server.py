@@ -96,13 +96,12 @@ def _server(comfy: Env, name: str):
 
 
 @pytest.fixture(scope="module")
-def comfy(tmp_path_factory, comfyui_src, request) -> Env:
+def comfy(tmp_path_factory, comfyui_src, server_python, request) -> Env:
     root = tmp_path_factory.mktemp("comfyui")
     src = comfyui_src  # the session's shared tree, read-only: the server's own files go under --base-directory
-    python = cs.prepare_python(src, root / "venv")
-    before = cs.package_version(python, "comfy-kitchen")
-    cs.install_lowbit(python)  # the README's `pip install "lowbit_pipe[comfy]"`, into ComfyUI's Python
-    after = cs.package_version(python, "comfy-kitchen")
+    # ComfyUI's pinned requirements, then the README's `pip install "lowbit_pipe[comfy]"` (conftest: one per session)
+    python = server_python.python
+    before, after = server_python.comfy_kitchen_before, server_python.comfy_kitchen_after
     base = root / "base"
     cs.install_pack(base, python)
     (base / "custom_nodes" / TEST_NODES).mkdir(parents=True)
