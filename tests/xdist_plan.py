@@ -5,17 +5,23 @@
   more on 2 busy cores, longest first) are collected first and xdist keeps that order (its default re-sorts files by
   their number of tests, `--loadscope-reorder`, which this turns off for loadfile runs); every other file follows
   in pytest's own order.
-- torch's threads are left as they are (two per process on 2 cores), although one per worker is much faster here
-  (test_export_load: 206 / 164 s on one thread against 330 / 265 s on two, twice each, on this 2-core machine
-  under load; the whole suite on two workers in 835 s with the workers on one thread): some checks' figures move
-  with the thread count past their bounds. The stock-LoRA check's flux1 fp8+convrot case is 6.7e-5 of its 1e-4
-  bound on two threads and 1.01e-4 on one; with the workers on one thread and their children on two, the server's
-  every-kind check's krea2 svdquant_w4a4 file-vs-node figure is 1.19e-3 of its 1e-3 bound.
+- One torch thread per core and worker. torch starts as many intra-op threads as there are cores in each worker:
+  two workers on two cores then run four busy threads that wait on each other at every parallel region. Each worker
+  sets its own torch to cores // workers threads (test_export_load: 206 / 164 s on one thread against 330 / 265 s
+  on two, twice each, on this 2-core machine under load). The child processes tests start (CLI runs, ComfyUI servers
+  and children) keep torch's default: they mostly run while their worker waits, and some checks' figures move with
+  the thread count (the stock-LoRA check's flux1 fp8+convrot case is 6.7e-5 of its 1e-4 bound on two threads, 1.01e-4
+  on one). A test that compares what its worker computes with what a child computes runs that part at the
+  children's count (`children_threads`): the server's every-kind check exports svdquant_w4a4 files whose SVD must
+  match the one the server's Quantize node runs (1.19e-3 of a 1e-3 bound when the worker's SVD ran on one thread).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -43,6 +49,9 @@ LONGEST_FIRST = (
 )
 
 
+CHILDREN_THREADS = pytest.StashKey[int]()  # torch's default thread count, what the child processes start with
+
+
 def _worker_count(config: pytest.Config) -> int | None:
     """The number of workers when this process is a pytest-xdist worker, else None."""
     workerinput = getattr(config, "workerinput", None)
@@ -52,6 +61,30 @@ def _worker_count(config: pytest.Config) -> int | None:
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # the controller schedules in collection order: ours, below
+    workers = _worker_count(config)
+    if workers is None:
+        return
+    import torch
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // workers)
+    config.stash[CHILDREN_THREADS] = torch.get_num_threads()
+    if threads < torch.get_num_threads():
+        torch.set_num_threads(threads)  # this process only: children start with torch's default
+
+
+@contextlib.contextmanager
+def children_threads(config: pytest.Config) -> Iterator[None]:
+    """torch at the thread count a child process starts with (this worker's before it went down to its share) for
+    the duration, then as before: for work whose figures are compared with a child's. Outside xdist: no change."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(config.stash.get(CHILDREN_THREADS, before))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
