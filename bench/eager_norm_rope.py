@@ -91,7 +91,7 @@ def kernel_checks(dims: dict[str, int], device: torch.device) -> dict[str, Any]:
     angle = torch.rand(s, d // 2, generator=gen, device=device, dtype=torch.float64) * 6.283
     cos, sin = angle.cos().repeat_interleave(2, 1).float(), angle.sin().repeat_interleave(2, 1).float()
     if device.type != "cuda":
-        return {"note": "the kernels run on CUDA only (tests/test_kernels.py interprets them on the CPU)"}
+        return {"note": "the kernels run on CUDA only (tests/kernels/test_kernels.py interprets them on the CPU)"}
     from diffusers.models.embeddings import apply_rotary_emb
     from diffusers.models.normalization import RMSNorm
 

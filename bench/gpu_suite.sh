@@ -42,7 +42,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 case "$part" in
   kernels)
     # autotuning every kernel specialization dominates: 290 s for 63 tests at c23f1fe, more since
-    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py 2>&1 | tail -40 > "$out/pytest_gpu.log"
+    timeout 560 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py 2>&1 | tail -40 > "$out/pytest_gpu.log"
     tail -3 "$out/pytest_gpu.log" ;;
   linear)
     timeout 420 python3 bench/linear_speed.py --compiled --rep-ms 40 --out "$out/linear_speed_${card}.json" > "$out/linear_speed.log" 2>&1
@@ -63,7 +63,7 @@ case "$part" in
       timeout 60 python3 -m lowbit_pipe recipe=$r model.device=cuda model.dtype=bfloat16 hydra.run.dir=/tmp/gpu_runs/$r 2>&1 | tail -14
     done > "$out/pipeline_gpu.log"
     timeout 100 python3 -m pytest -q -x -p no:cacheprovider tests/test_pipeline.py tests/test_recipe.py \
-      tests/test_export_load.py 2>&1 | tail -5 > "$out/pytest.log"
+      tests/files/test_export_load.py 2>&1 | tail -5 > "$out/pytest.log"
     tail -3 "$out/pytest.log" ;;
   gptq)
     timeout 560 python3 bench/gptq_full.py --formats int8 nvfp4 --out "$out/gptq_full_${card}.json" > "$out/gptq_full.log" 2>&1
@@ -77,7 +77,7 @@ case "$part" in
       > "$out/forward_profile_eager.log" 2>&1
     tail -8 "$out/forward_profile_eager.log" ;;
   attention)
-    timeout 270 python3 -m pytest -q -p no:cacheprovider -rfE tests/test_gpu_kernels.py tests/test_gpu_attention_recipe.py \
+    timeout 270 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py tests/attention/test_gpu_attention_recipe.py \
       -k attention 2>&1 | tail -30 > "$out/pytest_attention.log"
     tail -3 "$out/pytest_attention.log"
     timeout 250 python3 bench/attention8_bench.py --shapes krea2_1024 krea2_1024_masked krea2_2048 --profile \
@@ -131,7 +131,7 @@ case "$part" in
   attention_fold)
     timeout 300 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}.json" > "$out/attention_fold.log" 2>&1
     tail -30 "$out/attention_fold.log"
-    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/test_gpu_cudnn_attention.py tests/test_gpu_attention_recipe.py \
+    timeout 250 python3 -m pytest -q -p no:cacheprovider tests/attention/test_gpu_cudnn_attention.py tests/attention/test_gpu_attention_recipe.py \
       2>&1 | tail -20 > "$out/pytest_attention_fold.log"; tail -3 "$out/pytest_attention_fold.log" ;;
   comfyui_a|comfyui_b)
     # one warm machine: part b reuses part a's unpacked ComfyUI, float file and fp8 export under /tmp/cspeed

@@ -11,7 +11,7 @@ file attached instead (the swap); one forward; the ledger unwound and its proof 
 unfreed or retained, proven); one forward that must equal the float reference bit for bit. Measured after
 each teardown: host RSS (/proc/self/status, after gc), open file descriptors (/proc/self/fd) and, on CUDA,
 `torch.cuda.memory_allocated()` / `memory_reserved()` (after empty_cache) and nvidia-smi's free memory, each
-against its value before the first cycle. `soak()` is what tests/test_soak.py runs (200 cycles on the CPU).
+against its value before the first cycle. `soak()` is what tests/running/test_soak.py runs (200 cycles on the CPU).
 """
 
 from __future__ import annotations

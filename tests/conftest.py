@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from lowbit_pipe.arch.tiny import build_tiny
 from lowbit_pipe.arch.tiny import tiny_model_config as tiny_config
+
+# The checkout, for tests in any folder of tests/ (`from conftest import ROOT`).
+ROOT = Path(__file__).resolve().parents[1]
+
+# tests/ mirrors the package's folders (docs/layout.md, "Tests"). Test modules and helpers keep unique basenames and
+# import one another by them (`from test_comfy_nodes import Patcher`, `from hostile_files import ...`), as pytest's
+# default (prepend) import mode puts each test file's folder on sys.path only once it reaches that file: every
+# folder goes on it here, before any test module is imported, so such an import works in any order and in a run of
+# one file.
+for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and p.name[0] not in "._"):
+    if str(_folder) not in sys.path:
+        sys.path.insert(1, str(_folder))
 
 # How a pytest-xdist run spreads the files over its workers, and torch's threads in each (tests/xdist_plan.py).
 pytest_plugins = ["xdist_plan"]
@@ -89,11 +103,9 @@ def cli(args: list[str], cwd, timeout: int = 600):
     """Run `python -m lowbit_pipe ARGS` from another directory, on this checkout's code."""
     import os
     import subprocess
-    import sys
-    from pathlib import Path
 
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(ROOT)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     return subprocess.run([sys.executable, "-m", "lowbit_pipe", *args], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout, env=env)

@@ -86,7 +86,7 @@ def test_suite_collects_without_the_sweep_plugins(tmp_path):
         "            raise ModuleNotFoundError(name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import pytest\n"
-        f"sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', {str(ROOT / 'tests' / 'test_report.py')!r}]))\n"
+        f"sys.exit(pytest.main(['--collect-only', '-q', '-p', 'no:cacheprovider', {str(ROOT / 'tests' / 'running' / 'test_report.py')!r}]))\n"
     )
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -342,7 +342,7 @@ def test_images_png_panels_are_labelled(tmp_path):
 # ---- (g) a clone named lowbit_pipe with its venv inside (issue 45) ---------------------------------------------------
 
 def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the_path(tmp_path):
-    """tests/test_teardown.py's `_ours`: a venv inside a clone named lowbit_pipe (the default name) puts
+    """tests/running/test_teardown.py's `_ours`: a venv inside a clone named lowbit_pipe (the default name) puts
     "lowbit_pipe" in every torch file's path; torch's allocations are still not ours."""
     from pathlib import Path
 
@@ -361,9 +361,10 @@ def test_teardown_counts_host_allocations_by_package_folder_not_by_a_word_in_the
 
 # ---- (h) the real-ComfyUI tests without the ComfyUI archive (issue 45) ---------------------------------------------
 
-COMFYUI_TESTS = ["test_comfyui_server.py", "test_comfy_attention.py", "test_comfy_patchers.py", "test_lora_comfyui.py",
-                 "test_comfy_versions.py", "test_comfy_compile.py", "test_comfy_fused.py",
-                 "test_comfy_stock_lora_comfyui.py", "test_comfyui_browser.py"]
+COMFYUI_TESTS = [f"comfy/{name}" for name in (  # paths under tests/
+    "test_comfyui_server.py", "test_comfy_attention.py", "test_comfy_patchers.py", "test_lora_comfyui.py",
+    "test_comfy_versions.py", "test_comfy_compile.py", "test_comfy_fused.py", "test_comfy_stock_lora_comfyui.py",
+    "test_comfyui_browser.py")]
 
 
 def test_without_the_comfyui_archive_each_real_comfyui_test_skips_with_one_line_saying_how_to_enable_it(tmp_path):
@@ -415,7 +416,7 @@ def test_require_archive_skips_or_under_ci_fails_and_each_real_comfyui_test_is_m
     # every test module that reaches the archive (through the harness, the shared tree's fixture or the server bench)
     # marks its tests `comfyui`
     tests = Path(__file__).resolve().parent
-    users = sorted(p.name for p in tests.glob("test_*.py") if p.name != Path(__file__).name
+    users = sorted(p.relative_to(tests).as_posix() for p in tests.rglob("test_*.py") if p.name != Path(__file__).name
                    and any(s in p.read_text() for s in ("from comfyui_harness import", "import comfyui_server",
                                                          "comfyui_src")))
     assert users == sorted(COMFYUI_TESTS), users
@@ -428,11 +429,11 @@ def test_require_archive_skips_or_under_ci_fails_and_each_real_comfyui_test_is_m
 
 # The tests that wrote run dirs into the working directory's runs/ (7 per `pytest` run): the ComfyUI nodes without
 # ComfyUI (nodes._run_dir falls back to ./runs) and lowbit_pipe.run without run_dir.
-LEAKED = ["test_comfy_nodes.py::test_quantize_lora_export_purge_on_a_comfyui_model",
-          "test_comfy_nodes.py::test_comfyui_lora_patches_become_exact_residual_branches",
-          "test_comfy_nodes.py::test_a_comfyui_dora_patch_on_a_quantized_layer_is_refused_naming_it",
-          "test_comfy_nodes.py::test_quantize_refuses_a_model_a_lowbit_node_made",
-          "test_comfy_nodes.py::test_a_model_with_comfyui_lora_patches_is_refused",
+LEAKED = ["comfy/test_comfy_nodes.py::test_quantize_lora_export_purge_on_a_comfyui_model",
+          "comfy/test_comfy_nodes.py::test_comfyui_lora_patches_become_exact_residual_branches",
+          "comfy/test_comfy_nodes.py::test_a_comfyui_dora_patch_on_a_quantized_layer_is_refused_naming_it",
+          "comfy/test_comfy_nodes.py::test_quantize_refuses_a_model_a_lowbit_node_made",
+          "comfy/test_comfy_nodes.py::test_a_model_with_comfyui_lora_patches_is_refused",
           "test_new_user.py::test_compute_dtype_skips_the_fp32_modules"]
 
 
@@ -460,7 +461,7 @@ def test_every_lowbit_pipe_run_in_the_tests_names_its_run_dir():
     from pathlib import Path
 
     offenders = []
-    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+    for path in sorted(Path(__file__).resolve().parent.rglob("*.py")):
         source = path.read_text()
         chdir = "monkeypatch.chdir(tmp_path)" in source
         for node in ast.walk(ast.parse(source)):

@@ -135,7 +135,7 @@ def test_setup_commands_resolve_and_ci_runs_the_development_one():
 
 def test_comfyui_commands_install_the_pack(tmp_path):
     pip_line, install_line = _of_kind("comfyui")
-    # `<ComfyUI's python> -m pip install "<checkout>[comfy]"`: resolved here; tests/test_comfyui_server.py
+    # `<ComfyUI's python> -m pip install "<checkout>[comfy]"`: resolved here; tests/comfy/test_comfyui_server.py
     # runs it for real in a venv with ComfyUI 0.29.0's own requirements
     assert shlex.split(pip_line)[1:] == ["install", "/path/to/lowbit_pipe[comfy]"]
     _pip_dry_run(f"{ROOT}[comfy]")

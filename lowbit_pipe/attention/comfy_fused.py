@@ -1,7 +1,7 @@
 """`attention.fused_norm_rope` on ComfyUI's own model code: its RMSNorms and RoPE as one-pass kernels.
 
 ComfyUI runs its own modules (comfy/ldm/...), not diffusers', so lowbit_pipe.attention.fused does not reach them.
-This module does the same for ComfyUI (0.29.0's code; checked in tests/test_comfy_fused.py) where a natively named
+This module does the same for ComfyUI (0.29.0's code; checked in tests/comfy/test_comfy_fused.py) where a natively named
 model is quantized with the recipe key set (the attention step, lowbit_pipe.stages.attention, calls `apply_comfy_fused_norm_rope`; the Quantize
 node runs that stage on its own structural copy of the tree):
 

@@ -158,7 +158,7 @@ def load_tensors(path: str | Path, keys: list[str] | None = None, *, console: Co
 
     Not through safetensors' `get_tensor`: it leaks two Python ints per tensor read (safetensors 0.8; about 2 KB
     per load of a 32-tensor LoRA), which a long-lived process, a ComfyUI server loading LoRAs all day, piles up
-    (tests/test_soak.py counts it). Nor through a memory map, for lazy.py's reason."""
+    (tests/running/test_soak.py counts it). Nor through a memory map, for lazy.py's reason."""
     path = str(path)
     header = header if header is not None else read_header(path)
     todo = keys if keys is not None else list(header.tensors)

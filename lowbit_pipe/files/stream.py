@@ -7,7 +7,7 @@ export reads one tensor at a time (lowbit_pipe.files.lazy), quantizes it on `qua
 `model.device` as it arrives, and appends it to the output (checkpoint.StreamingWriter). Peak host
 memory is about one tensor (a fused native layer: its parts together) plus its quantized form, not the
 model. The result holds the very tensors, names and records the loading path writes, which
-tests/test_stream.py checks bit for bit (the header's recipe says which model.stream ran).
+tests/files/test_stream.py checks bit for bit (the header's recipe says which model.stream ran).
 
 Inputs: a single-file checkpoint or a shard index (diffusers or native names, any prefix), or a
 diffusers model folder (config.json + safetensors shards). Float weights only; what needs a forward

@@ -20,8 +20,8 @@ Each computes in fp32 what the torch code computes, and rounds once to the outpu
                                                                          as ComfyUI's torch code does)
 
 The fp32 sums may round differently from torch's (order, fused multiply-add, 1 / sqrt against rsqrt): within an
-fp32 ulp or a few, so the rounded outputs agree but for a rare bf16 ulp (tests/test_kernels.py, case norm_rope;
-tests/test_comfy_fused.py against ComfyUI's own modules and functions).
+fp32 ulp or a few, so the rounded outputs agree but for a rare bf16 ulp (tests/kernels/test_kernels.py, case norm_rope;
+tests/comfy/test_comfy_fused.py against ComfyUI's own modules and functions).
 """
 
 from __future__ import annotations

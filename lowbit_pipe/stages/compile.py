@@ -41,7 +41,7 @@ from lowbit_pipe.stages.context import Context
 from lowbit_pipe.stages.registry import register
 
 MODES = COMPILE_MODES  # compile.mode (recipe.COMPILE_MODES, which config.validate checks it against)
-# Measured (torch 2.13 CPU, tests/test_teardown.py): per compiled graph, dynamo keeps a FakeTensorMode +
+# Measured (torch 2.13 CPU, tests/running/test_teardown.py): per compiled graph, dynamo keeps a FakeTensorMode +
 # ShapeEnv + the traced inputs' fake tensors alive after torch.compiler.reset(), held from C++ (no Python
 # referrer). Fake tensors own no storage: host memory only, no device memory. We cannot free or verify it.
 DYNAMO_CAVEAT = ("torch keeps per-graph tracing state (FakeTensorMode/ShapeEnv, fake tensors: host memory only, "

@@ -44,7 +44,7 @@ def _oracle(fmt_name: str, q, x: torch.Tensor, mode: str) -> torch.Tensor:
         kind, group = "convrot", 256
     else:  # the stored record says which rotation the weight carries
         kind, group = common.record_rotation(q.record, fmt_name)
-    # The rotation in fp32 as the layer runs it (tests/test_rotation.py checks it against the Hadamard
+    # The rotation in fp32 as the layer runs it (tests/kernels/test_rotation.py checks it against the Hadamard
     # definition), so rounding boundaries match; everything after it in float64.
     xr, mu = rotation.rotate_activation(x.float(), kind, group or None)
     xr = xr.double()

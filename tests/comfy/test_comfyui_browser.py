@@ -2,7 +2,7 @@
 playwright, on a ComfyUI 0.29.0 server with the pack installed the README's way.
 
 The front end is ComfyUI's pinned `comfyui-frontend-package` (ComfyUI's requirements.txt; the server's Python gets
-it from there, as tests/test_comfyui_server.py prepares it); the archive holds no front end. The test loads the UI,
+it from there, as tests/comfy/test_comfyui_server.py prepares it); the archive holds no front end. The test loads the UI,
 finds the pack's nodes in the node library and its templates in the template browser (titles, thumbnails, the
 category named as the node library names it), opens the template that needs no file but a diffusion model (a tiny
 float Krea 2 saved under the template's own file name), runs it with the Run button and reads Quantize's summary and
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import comfyui_server as cs  # noqa: E402
-from comfyui_harness import require_archive  # noqa: E402
+import comfyui_server as cs
+from comfyui_harness import require_archive
 
 pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
@@ -67,7 +67,7 @@ def served(tmp_path_factory, request) -> Served:
     root = tmp_path_factory.mktemp("comfyui_browser")
     src = request.getfixturevalue("comfyui_src")  # the session's shared tree, read-only (conftest.py)
     # ComfyUI's requirements (its front-end package among them) and lowbit_pipe the README's way: the session's one
-    # server Python (conftest.py), which tests/test_comfyui_server.py's servers run in too
+    # server Python (conftest.py), which tests/comfy/test_comfyui_server.py's servers run in too
     python = request.getfixturevalue("server_python").python
     if cs.package_version(python, "comfyui-frontend-package") is None:
         pytest.skip("no comfyui-frontend-package in ComfyUI's Python (ComfyUI's requirements.txt pins it)")

@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import lowbit_pipe
 from lowbit_pipe.__main__ import stopped_line
@@ -20,8 +21,7 @@ from lowbit_pipe.files import checkpoint
 from lowbit_pipe.running.interrupts import Interrupted, OrderlyStop
 from lowbit_pipe.stages import STAGES
 
-ROOT = Path(__file__).resolve().parents[1]
-CHILD = str(ROOT / "tests" / "fault_child.py")
+CHILD = str(Path(__file__).with_name("fault_child.py"))
 PIPELINE = ["load", "detect", "quantize", "evaluate", "export", "teardown"]  # the default recipe's
 FAST = {("TERM", "export"), ("INT", "quantize")}
 

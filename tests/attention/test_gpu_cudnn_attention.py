@@ -4,7 +4,7 @@ the fp8 bound and against torch's bf16 attention, key-padding masks, a batch wit
 router's choice per shape, and the path on the tiny models through their diffusers processors, eager and compiled,
 with teardown.
 
-    python3 -m pytest -q tests/test_gpu_cudnn_attention.py
+    python3 -m pytest -q tests/attention/test_gpu_cudnn_attention.py
 """
 
 from __future__ import annotations

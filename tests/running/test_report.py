@@ -63,7 +63,7 @@ def test_six_job_local_sweep_and_report(tmp_path):
     assert differing(figures(tmp_path / "rerun"), figures(job)) == []
 
     proc = subprocess.run([sys.executable, "-m", "lowbit_pipe.report", str(reports[0].parent), "--out", str(tmp_path / "one"),
-                           "--metric", "rel_error"], capture_output=True, text=True, cwd=Path(__file__).parents[1])
+                           "--metric", "rel_error"], capture_output=True, text=True, cwd=Path(__file__).parents[2])
     assert proc.returncode == 0, proc.stderr
     assert "rel_error" in proc.stdout.splitlines()[0] and (tmp_path / "one" / "report.png").is_file()
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors import safe_open
 
 import lowbit_pipe
@@ -22,8 +23,7 @@ from lowbit_pipe.files import checkpoint, tempfiles
 from lowbit_pipe.files.checkpoint import atomic_save
 from lowbit_pipe.purge import purge_run_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-CHILD = str(ROOT / "tests" / "fault_child.py")
+CHILD = str(Path(__file__).with_name("fault_child.py"))
 EXPORT = ["pipeline=[load,detect,quantize,export]"]
 
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors import safe_open
 
 import lowbit_pipe
 from lowbit_pipe.errors import RecipeError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _read(path: str) -> tuple[dict, dict]:

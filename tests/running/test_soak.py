@@ -17,17 +17,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import soak as soak_bench  # noqa: E402
+import soak as soak_bench
 
-from lowbit_pipe import api, lora  # noqa: E402
-from lowbit_pipe.arch import get_arch  # noqa: E402
-from lowbit_pipe.ledger import Ledger  # noqa: E402
-from lowbit_pipe.lora.make_example import example_lora  # noqa: E402
+from lowbit_pipe import api, lora
+from lowbit_pipe.arch import get_arch
+from lowbit_pipe.ledger import Ledger
+from lowbit_pipe.lora.make_example import example_lora
 
 CYCLES = 200
 RSS_BOUND = 4 * 2**20  # growth over the post-warm-up baseline; a leak of one LoRA's tensors per cycle is ~1 MB each

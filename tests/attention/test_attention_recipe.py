@@ -309,7 +309,7 @@ def test_the_error_bench_runs_and_writes_its_table(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(root / "bench" / "attention8_error.py"), "--smoke", "--archs", "flux1",
                            "--out", str(tmp_path / "err")], capture_output=True, text=True, env=env, timeout=300)
@@ -370,7 +370,7 @@ def test_text_valid_refusals_name_the_key(tiny_model, tmp_path, arch_id, overrid
 # ------------------------------------------------------------------------------------------------------ fused norm, RoPE
 def test_fused_norm_rope_applies_under_8bit_attention_and_teardown_restores(tiny_model, tmp_path):
     """attention.fused_norm_rope: Krea 2's RMSNorms get the one-pass forward, every RoPE-calling processor the
-    one-pass RoPE (the kernels in tests/test_kernels.py, case norm_rope); the 8-bit processors build on those, so
+    one-pass RoPE (the kernels in tests/kernels/test_kernels.py, case norm_rope); the 8-bit processors build on those, so
     evaluate's float reference keeps the same RoPE. On the CPU both run the torch code. Teardown puts every forward
     and processor back: the output is the stock model's, bit for bit."""
     from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
@@ -427,7 +427,7 @@ def test_the_eager_norm_rope_bench_runs_and_writes_its_table(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "enr.json"
     proc = subprocess.run([sys.executable, str(root / "bench" / "eager_norm_rope.py"), "--device", "cpu", "--small",

@@ -2,7 +2,7 @@
 lowbit_pipe.kernels.norm_rope.rope_e4m3, qkv_fp8.quantize_folded): the kernels under TRITON_INTERPRET against
 their torch forms, the norm bound against adversarial inputs, the router's folded path, and a diffusers Krea 2
 attention module whose processor folds (cuDNN stood in for by the torch model of its arithmetic) against its
-stock processor, with GQA and the text padding mask. The cuDNN kernel itself: tests/test_gpu_cudnn_attention.py.
+stock processor, with GQA and the text padding mask. The cuDNN kernel itself: tests/attention/test_gpu_cudnn_attention.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (not conftest's: this file also runs as a script)
 
 
 def _cos(a, b):

@@ -1,4 +1,4 @@
-"""Hostile and damaged safetensors files for the fuzz tests (tests/test_header_fuzz.py, tests/test_file_fuzz.py).
+"""Hostile and damaged safetensors files for the fuzz tests (tests/files/test_header_fuzz.py, tests/files/test_file_fuzz.py).
 
 Three kinds, all deterministic from a seed:
 - hand-made headers (`HOSTILE_HEADERS`): what safetensors' own validation refuses, one rule each;

@@ -18,13 +18,12 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import lowbit_pipe
 from lowbit_pipe.comfy import compat
 from lowbit_pipe.comfy.install import PACK, PREVIOUS_SHIMS, SHIM, install, main, registry_pyproject
 from lowbit_pipe.errors import LowbitError
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 # ---- the version table --------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The stock-LoRA conversion (lowbit_pipe.comfy.stock_lora) without ComfyUI: a stand-in ModelPatcher whose
 add_patches / set_injections / inject / eject behave as ComfyUI 0.29.0's (comfy/model_patcher.py), around a
 small diffusion model with quantized (QuantLinear) and float layers. The same against the real ComfyUI, for every
-export kind: tests/test_comfy_stock_lora_comfyui.py (slow)."""
+export kind: tests/comfy/test_comfy_stock_lora_comfyui.py (slow)."""
 
 from __future__ import annotations
 

@@ -18,12 +18,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import ROOT
 from xdist_plan import children_threads
 
-ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-import comfyui_server as cs  # noqa: E402
+import comfyui_server as cs
 
 pytestmark = [pytest.mark.slow, pytest.mark.comfyui]
 
@@ -470,7 +470,7 @@ def test_a_stock_lora_on_a_quantized_model_samples_what_the_lora_residual_node_s
 
 # ---------------------------------------------------------------------------------------------- hostile prompts
 def test_hostile_prompts_are_refused_and_leak_nothing(comfy):
-    """What anyone who can reach the server may send (tests/test_hostile_inputs.py has every case against the node
+    """What anyone who can reach the server may send (tests/comfy/test_hostile_inputs.py has every case against the node
     functions): each is refused, no file appears outside models/, and neither a planted secret, a system file's
     content nor an environment value reaches the error, /history or the server's log."""
     import json

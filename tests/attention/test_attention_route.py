@@ -1,7 +1,7 @@
 """The attention router (lowbit_pipe.attention.crossover) with simulated tables and clocks, the per-tensor fp8
 quantization of q, k, v for cuDNN (lowbit_pipe.kernels.qkv_fp8: its Triton kernels under TRITON_INTERPRET in a
 child process, against their torch forms) and the torch model of cuDNN's FP8 attention. No GPU, no cuDNN:
-tests/test_gpu_cudnn_attention.py runs the kernel itself."""
+tests/attention/test_gpu_cudnn_attention.py runs the kernel itself."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (not conftest's: this file also runs as a script)
 
 pytest.importorskip("triton")
 
@@ -336,7 +336,7 @@ def _fp8_mismatch(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _child() -> None:
     """Under TRITON_INTERPRET=1: the statistics, codes, key order, scales and output of lowbit_pipe.kernels.qkv_fp8
-    against their torch forms. The interpreter mis-rounds ~2 % of fp32 -> e4m3 casts (tests/test_kernels.py): codes
+    against their torch forms. The interpreter mis-rounds ~2 % of fp32 -> e4m3 casts (tests/kernels/test_kernels.py): codes
     are held to a 5 % mismatch budget, everything else tightly."""
     from lowbit_pipe.kernels import qkv_fp8 as Q
 

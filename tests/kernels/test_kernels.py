@@ -1,6 +1,6 @@
 """Triton kernels vs the torch reference, on the CPU under TRITON_INTERPRET=1.
 
-The interpreted cases run in ONE child process (`python tests/test_kernels.py CASE...`, started
+The interpreted cases run in ONE child process (`python tests/kernels/test_kernels.py CASE...`, started
 once per module for the selected cases), so the interpreter variable is set before triton and the
 kernel modules are imported and never leaks into the other tests, and torch is imported once
 rather than once per case. The child reports each case's result and time; each parametrization
@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (not conftest's: this file also runs as a script)
 CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "nvfp4_rows", "decode", "svdquant",
          "mxfp8", "formats", "compile", "attention8", "norm_rope")
 CHILD_TIMEOUT_S = 600
@@ -729,7 +729,7 @@ def case_attention8() -> None:
     """8-bit attention: the quantization kernels' codes and scales against the torch rules (int8 bit-exact, e4m3
     within the interpreter's cast budget), the attention kernel against reference_attention8 and exact_attention
     (head dims 64 and 128, a ragged token count that masks the last key block, both QK formats). The interpreter
-    mis-rounds the P -> e4m3 cast, so the kernel-vs-reference bound here is loose; tests/test_gpu_kernels.py
+    mis-rounds the P -> e4m3 cast, so the kernel-vs-reference bound here is loose; tests/kernels/test_gpu_kernels.py
     holds the real kernel to the reference tightly."""
     from lowbit_pipe.kernels.attention8 import (
         FP8_MAX,
@@ -880,7 +880,7 @@ def case_norm_rope() -> None:
         _close(rope(xf, cos, sin, seq_dim), apply_rotary_emb(xf, (cos, sin), sequence_dim=seq_dim), 1e-6,
                f"rope fp32 sequence_dim={seq_dim}")
 
-    # ComfyUI's forms (lowbit_pipe.attention.comfy_fused; against ComfyUI's own code in tests/test_comfy_fused.py): the norm
+    # ComfyUI's forms (lowbit_pipe.attention.comfy_fused; against ComfyUI's own code in tests/comfy/test_comfy_fused.py): the norm
     # reading a strided view (q sliced out of a packed qkv; a permuted [B, L, H, D]) into a contiguous result, and
     # RoPE as 2x2 matrices [B, 1, L', D/2, 2, 2] (fp32 freqs; bf16 freqs computed in bf16), trimmed to L tokens
     from lowbit_pipe.kernels.norm_rope import reference_rope_pairs, rope_pairs, row_layout

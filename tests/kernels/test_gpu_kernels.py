@@ -1,5 +1,5 @@
 """The GPU kernels on a real GPU (skipped without CUDA; run on the device machine:
-`python3 -m pytest -q tests/test_gpu_kernels.py`). The interpreter tests check the same kernels'
+`python3 -m pytest -q tests/kernels/test_gpu_kernels.py`). The interpreter tests check the same kernels'
 logic on the CPU; these check what only the hardware does: TMA loads with zero padding, fp8 wgmma
 with fast accumulation, the branch as the initial accumulator, short calls (M=1), and the tensor-core
 rotation matmul ahead of every rotated format's quantization."""
@@ -245,7 +245,7 @@ def test_nvfp4_auto_computes_weight_only_on_a_gpu_without_fp4():
                                       ("w4a8", {})])
 @pytest.mark.parametrize("tokens", [40, 300])
 def test_a_sample_on_the_gpu_does_not_depend_on_its_batch_mates(fmt, opts, tokens):
-    """tests/test_batch_invariance.py on the GPU paths (nvfp4 with NVFP4 activations; 40 tokens: its register-decode
+    """tests/formats/test_batch_invariance.py on the GPU paths (nvfp4 with NVFP4 activations; 40 tokens: its register-decode
     GEMM, 300: decode + cuBLAS): a sample beside zero vs 100x louder batch-mates is bit-exact (same shapes, same
     kernels and configs); alone vs in the batch within one bf16 ulp (another row count may take
     another tile config or path: the sums' order changes, never a statistic)."""

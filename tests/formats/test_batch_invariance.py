@@ -19,7 +19,7 @@ sample x [1, T, K]:
   convrot_w4a4, w4a8, w6a8) sum exactly, whatever the order: bit-exact here too.
 
 The Triton act kernel with per-row scales is checked against the torch reference under TRITON_INTERPRET=1 in
-tests/test_kernels.py (case `nvfp4_rows`, with the per-tensor scalar form); the probe over wider layers and every
+tests/kernels/test_kernels.py (case `nvfp4_rows`, with the per-tensor scalar form); the probe over wider layers and every
 rotation is bench/batch_invariance.py.
 """
 

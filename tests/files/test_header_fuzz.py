@@ -1,4 +1,4 @@
-"""read_header against hostile and damaged safetensors files (made by tests/hostile_files.py): every one ends in CheckpointError naming the file
+"""read_header against hostile and damaged safetensors files (made by tests/files/hostile_files.py): every one ends in CheckpointError naming the file
 (never a raw exception, never an allocation by the size a header claims), and whatever it accepts safetensors'
 own reader accepts and loads with the same dtypes and shapes."""
 

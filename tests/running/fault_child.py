@@ -1,10 +1,10 @@
 """A child process for the fault tests: a run of lowbit_pipe stopped at a chosen point.
 
-    python tests/fault_child.py kill POINT RUN_DIR OVERRIDE...      SIGKILL itself at POINT of the run's writes
+    python tests/running/fault_child.py kill POINT RUN_DIR OVERRIDE...      SIGKILL itself at POINT of the run's writes
                                                                      (`recipe=NAME` among them: that recipe)
-    python tests/fault_child.py signal SIG STAGE ARG...              send itself SIG (INT/TERM) as STAGE starts,
+    python tests/running/fault_child.py signal SIG STAGE ARG...              send itself SIG (INT/TERM) as STAGE starts,
                                                                      then run the command line with ARG...
-    python tests/fault_child.py diskfull TARGET                      write onto a (small, full) filesystem
+    python tests/running/fault_child.py diskfull TARGET                      write onto a (small, full) filesystem
 
 POINT: `bytes:N` (once the output's writer has written N data bytes), `publish` (the output complete and synced,
 just before its rename), `published` (just after the rename: the new file is whole). The hooks wrap the package's

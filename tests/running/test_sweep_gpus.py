@@ -13,15 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, has_module
+from conftest import ROOT, cli, has_module
 from omegaconf import OmegaConf
 
 import lowbit_pipe
 from lowbit_pipe import report
 from lowbit_pipe.running.device_record import device_record, physical_index
 
-ROOT = Path(__file__).resolve().parents[1]
-APP = ROOT / "tests" / "gpus_app.py"
+APP = Path(__file__).with_name("gpus_app.py")
 FAKE = ["GPU-aaaa-0000", "GPU-bbbb-1111"]  # simulated GPUs: only their names reach the jobs
 QUICK = ["evaluate.samples=1", "evaluate.trajectory_seeds=0"]
 

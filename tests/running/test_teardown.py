@@ -29,7 +29,7 @@ from lowbit_pipe.running.runner import Runner
 from lowbit_pipe.stages import STAGES
 from lowbit_pipe.stages.compile import DYNAMO_CAVEAT
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (not conftest's: a child process imports this file)
 CAVEAT = f"torch.compile (dynamo caches, process-wide reset): {DYNAMO_CAVEAT}"
 HAS_LORA = "lora" in STAGES
 
@@ -106,7 +106,7 @@ def test_twelve_cycles_free_everything_with_zero_growth(tmp_path, tiny_model):
     rec = _recipe("krea2", stages, ("model.tiny_config.num_layers=1",))  # one block: the cycle cost is compile
     if HAS_LORA:
         rec.lora.files = [LoraFile(path=str(_lora_file(tmp_path / "lora.safetensors", tiny_model("krea2"))))]
-    cycles, warmup, trace_from = 12, 2, 8  # 200 cycles without compile and export: tests/test_soak.py
+    cycles, warmup, trace_from = 12, 2, 8  # 200 cycles without compile and export: tests/running/test_soak.py
     counts, reports, snapshots = [], [], {}
     start = time.perf_counter()
     for i in range(cycles):
@@ -178,7 +178,7 @@ def test_no_cross_model_contamination(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     procs = {}
     for arch in ("krea2", "flux1"):
-        code = _FRESH.format(tests=str(ROOT / "tests"), arch=arch, run_dir=str(tmp_path / f"fresh_{arch}"),
+        code = _FRESH.format(tests=str(Path(__file__).resolve().parent), arch=arch, run_dir=str(tmp_path / f"fresh_{arch}"),
                              out=str(tmp_path / f"{arch}.pt"))
         procs[arch] = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True)

@@ -1,4 +1,4 @@
-"""Every reader of the project against hostile and damaged files (tests/hostile_files.py makes them): read_header,
+"""Every reader of the project against hostile and damaged files (tests/files/hostile_files.py makes them): read_header,
 the lazy reader streaming uses, shard indexes and diffusers folders, the load stage, arch detection, the formats'
 record and tensor readers (the loading path's and the ComfyUI pack's), the LoRA reader. Each file either loads
 or ends in the project's named error (LowbitError, naming the file or layer), never a raw exception, never a
@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from hostile_files import (
     HOSTILE_HEADERS,
     HOSTILE_RECORDS,
@@ -37,8 +38,6 @@ from lowbit_pipe.files.lazy import SafetensorsFiles
 from lowbit_pipe.files.stream import diffusers_dir_files
 from lowbit_pipe.formats import FORMATS, FormatSpec, decode_record, format_for_record
 from lowbit_pipe.stages.load import load_single_file
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def refused(fn, *names: str) -> LowbitError | None:
@@ -176,7 +175,7 @@ def test_hostile_records_are_refused_by_every_format():
 
 
 def test_the_comfyui_pack_loader_refuses_hostile_layers_naming_them():
-    """The node pack's `_load_quantized_module` (stand-ins of ComfyUI's modules, tests/test_comfy_layout.py): a
+    """The node pack's `_load_quantized_module` (stand-ins of ComfyUI's modules, tests/comfy/test_comfy_layout.py): a
     lowbit layer with a hostile record or wrong tensors loads or is refused naming the ComfyUI layer; a record it
     cannot read at all goes to ComfyUI's own loader untouched."""
     pytest.importorskip("comfy_kitchen")
@@ -410,7 +409,7 @@ print("GROWTH", rss() - base)
 def test_a_gibibyte_claim_costs_no_memory(exports, tmp_path):
     """Sparse files whose headers claim a 1 GiB tensor (no disk): every reader refuses or reads lazily without the
     process's peak resident memory growing by the claim (bound: 128 MiB over the warm baseline)."""
-    proc = subprocess.run([sys.executable, "-c", _CLAIM_SCRIPT, str(exports["float"]), str(ROOT / "tests"),
+    proc = subprocess.run([sys.executable, "-c", _CLAIM_SCRIPT, str(exports["float"]), str(Path(__file__).resolve().parent),
                            str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for what in ("model key", "stray key", "lora factor"):  # the load stage and the LoRA reader refuse each

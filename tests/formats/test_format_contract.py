@@ -3,7 +3,7 @@ backend. The cases come from the registry (`lowbit_pipe.formats.FORMATS`): each 
 store, the weight granularities and activation modes that change what it stores, its per-tensor activation
 statistic where it has one, and a shape that needs padding where the format pads. Every case keeps five promises:
 
-1. quantize -> dequantize stays within the format's documented error (tests/test_formats.py's bound), and equals an
+1. quantize -> dequantize stays within the format's documented error (tests/formats/test_formats.py's bound), and equals an
    independent oracle where one exists: comfy-kitchen's eager quantizer on the weight rotated by this file's own
    Hadamard matrices; the documented grid's half step where comfy-kitchen has no quantizer (awq_w4a16, svdquant_w4a4);
 2. `linear(x, q, bias)` equals `x @ dequantize(q).T + bias` within the bound its activation quantization allows,
@@ -194,11 +194,11 @@ def _quantized(case: Case) -> QuantizedWeight:
 
 
 def _documented_bound(name: str) -> float:
-    """The relative Frobenius error tests/test_formats.py documents for the format (its loosest case)."""
+    """The relative Frobenius error tests/formats/test_formats.py documents for the format (its loosest case)."""
     from test_formats import CASES as DOCUMENTED
 
     bounds = [b for n, _, b in DOCUMENTED if n == name]
-    assert bounds, f"tests/test_formats.py documents no error bound for {name}"
+    assert bounds, f"tests/formats/test_formats.py documents no error bound for {name}"
     return max(bounds)
 
 

@@ -1,9 +1,9 @@
 """The recipe's `attention:` on a GPU (Hopper or newer; skipped elsewhere): the tiny models in bf16 on CUDA run the
 Triton 8-bit attention kernel through their diffusers processors (route="triton": the kernel wherever it serves),
 eager and compiled (regional, Inductor), and teardown gives back the stock attention bit for bit. The default
-route picks per call shape (lowbit_pipe.attention.crossover); cuDNN's FP8 path: tests/test_gpu_cudnn_attention.py.
+route picks per call shape (lowbit_pipe.attention.crossover); cuDNN's FP8 path: tests/attention/test_gpu_cudnn_attention.py.
 
-    python3 -m pytest -q tests/test_gpu_attention_recipe.py
+    python3 -m pytest -q tests/attention/test_gpu_attention_recipe.py
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import ROOT
 from test_comfy_nodes import _layer, krea2  # noqa: F401 - krea2 is a fixture used here
 
 from lowbit_pipe.comfy.nodes import LowbitExport, LowbitLoRA, LowbitQuantize, node_recipe
@@ -26,7 +27,6 @@ from lowbit_pipe.config.compose import compose_recipe, recipe_file_args
 from lowbit_pipe.errors import LowbitError, RecipeError, WriteError
 from lowbit_pipe.files.tempfiles import publish, temp_path
 
-ROOT = Path(__file__).resolve().parents[1]
 CANARY = "canary-" + secrets.token_hex(8)
 
 
