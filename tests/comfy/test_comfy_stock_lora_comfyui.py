@@ -5,7 +5,8 @@ For every kind lowbit_pipe exports (bench/comfy_check.py's CASES, the list the s
 architectures: the quantized file loaded by ComfyUI's loader, a peft LoRA on the block linears (diffusers names:
 FLUX.1's fused qkv / linear1 get row offsets) put on by ComfyUI's own `load_lora_for_models` (what
 LoraLoaderModelOnly runs) and sampled by `comfy.sample.sample`, equals the pack's "LoRA residual (lowbit_pipe)"
-node on the same file to 1e-4 (relative); the layers that became branches are exactly the quantized ones the LoRA
+node on the same file to 1e-4 (relative; on the LoRA cut to the file's quantized layers, 1e-3 on the whole one:
+FLOAT_MERGE_BOUND); the layers that became branches are exactly the quantized ones the LoRA
 names; patches on float layers (FLUX.1's block modulations) stay ComfyUI's and it applies them (W + delta); nothing
 is left hooked after ComfyUI unloads. The same after the Quantize node (recipe auto, a kohya LoRA: alpha != rank),
 where Purge then leaves nothing hooked. On Krea 2 a plain LoRA on a float layer beside a quantized one: ComfyUI
@@ -40,6 +41,12 @@ CHILD = Path(__file__).with_name("comfyui_stock_lora_child.py")
 ARCHS = ("krea2", "flux1")
 STRENGTH = 0.8
 TOLERANCE = 1e-4
+# A LoRA naming float layers too (FLUX.1's block modulations): ComfyUI merges it there, the node keeps a float branch;
+# both exact, rounding differently in fp32's last bit (~1e-7 of the latent), which an 8-bit or 4-bit activation
+# downstream turns into a whole rounding step now and then (1.01e-4 seen on flux1 fp8+convrot with one torch
+# thread, 9e-8 with two). TOLERANCE holds on the LoRA cut to the quantized layers (the conversion alone), this on
+# the whole LoRA.
+FLOAT_MERGE_BOUND = 1e-3
 LORA = {"rank": 4, "seed": 5, "rel": 0.3}  # block linears only (module doc); FLUX.1's modulations there are float
 
 
@@ -112,12 +119,18 @@ def test_stock_lora_on_every_exported_kind_equals_the_residual_node(result):
     for case in files:
         for style, row in case["styles"].items():
             name = f"{case['name']} ({style})"
-            lines.append(f"{name:32s} stock+pack vs residual {row['stock_vs_residual']:.1e}  LoRA effect "
+            lines.append(f"{name:32s} stock+pack vs residual {row['stock_vs_residual']:.1e} (with float layers "
+                         f"{row['stock_vs_residual_with_float']:.1e})  LoRA effect "
                          f"{row['lora_effect']:.1e}  branches {len(row['converted_layers'])}"
                          + (f"  no pack: vs residual {row['no_pack_vs_residual']:.1e}, effect x"
                             f"{row['no_pack_effect_ratio']:.2f}" if "no_pack_vs_residual" in row else ""))
             if not row["stock_vs_residual"] <= TOLERANCE:
                 problems.append(f"{name}: stock LoRA + pack vs the residual node {row['stock_vs_residual']:.2e}")
+            if not row["stock_vs_residual_with_float"] <= FLOAT_MERGE_BOUND:
+                problems.append(f"{name}: with the LoRA's float layers, stock LoRA + pack vs the residual node "
+                                f"{row['stock_vs_residual_with_float']:.2e}")
+            if row["float_layers_in_lora"] != case["name"].startswith("flux1"):
+                problems.append(f"{name}: the LoRA's float layers are not where the test expects them")
             if not row["lora_effect"] > 10 * TOLERANCE:
                 problems.append(f"{name}: the LoRA does too little to tell ({row['lora_effect']:.2e})")
             if not row["converted_layers"] or not row["converted_are_quantized"] or row["kept_on_quantized"]:
@@ -164,6 +177,7 @@ def test_without_the_packs_conversion_the_stock_loader_drifts(result):
 def test_stock_lora_after_quantize_equals_the_residual_node_and_purge_takes_it_off(result):
     for case in result["quantize"]:
         assert case["stock_vs_residual"] <= TOLERANCE and case["lora_effect"] > 10 * TOLERANCE, case
+        assert case["stock_vs_residual_with_float"] <= FLOAT_MERGE_BOUND, case
         assert case["converted_layers"] > 0, case
         assert case["no_pack"].startswith("UnsupportedPatchError") and "did not become residual" in case["no_pack"]
         assert '"proven": true' in case["purge_report"] and case["hooks_left_after_purge"] == 0, case
