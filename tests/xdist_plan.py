@@ -5,15 +5,16 @@
   more on 2 busy cores, longest first) are collected first and xdist keeps that order (its default re-sorts files by
   their number of tests, `--loadscope-reorder`, which this turns off for loadfile runs); every other file follows
   in pytest's own order.
-- One torch thread per core and worker. torch starts as many intra-op threads as there are cores in each worker:
-  two workers on two cores then run four busy threads that wait on each other at every parallel region. Each worker
-  sets its own torch to cores // workers threads (test_export_load: 206 / 164 s on one thread against 330 / 265 s
-  on two, twice each, on this 2-core machine under load). The child processes tests start (CLI runs, ComfyUI servers
-  and children) keep torch's default: they mostly run while their worker waits, and some checks' figures move with
-  the thread count (the stock-LoRA check's flux1 fp8+convrot case is 6.7e-5 of its 1e-4 bound on two threads, 1.01e-4
-  on one). A test that compares what its worker computes with what a child computes runs that part at the
-  children's count (`children_threads`): the server's every-kind check exports svdquant_w4a4 files whose SVD must
-  match the one the server's Quantize node runs (1.19e-3 of a 1e-3 bound when the worker's SVD ran on one thread).
+- One torch thread per core and worker, children included. torch starts as many intra-op threads as there are cores
+  in each process: two workers on two cores then run four busy threads that wait on each other at every parallel
+  region, more with a child running. Each worker sets its own torch to cores // workers threads and OMP_NUM_THREADS
+  to the same for the processes it starts (CLI runs, ComfyUI servers and children; a value the user set stays).
+  The whole suite on a quiet 2-core machine: 864 s with the children on torch's default, 796 s with them on one
+  thread (1692 / 1531 s of worker time); test_export_load alone 206 / 164 s on one thread against 330 / 265 s on
+  two. A figure a worker computes and compares with a child's is computed at the children's count
+  (`children_threads`): the server's every-kind check exports svdquant_w4a4 files whose SVD must match the one the
+  server's Quantize node runs (1.19e-3 of a 1e-3 bound when the worker's SVD ran on one thread and the server's on
+  two).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ LONGEST_FIRST = (
 )
 
 
-CHILDREN_THREADS = pytest.StashKey[int]()  # torch's default thread count, what the child processes start with
+CHILDREN_THREADS = pytest.StashKey[int]()  # the thread count the child processes start with
 
 
 def _worker_count(config: pytest.Config) -> int | None:
@@ -68,15 +69,16 @@ def pytest_configure(config: pytest.Config) -> None:
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // workers)
-    config.stash[CHILDREN_THREADS] = torch.get_num_threads()
     if threads < torch.get_num_threads():
-        torch.set_num_threads(threads)  # this process only: children start with torch's default
+        torch.set_num_threads(threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the children's torch too (a user's setting stays)
+    config.stash[CHILDREN_THREADS] = int(os.environ["OMP_NUM_THREADS"])
 
 
 @contextlib.contextmanager
 def children_threads(config: pytest.Config) -> Iterator[None]:
-    """torch at the thread count a child process starts with (this worker's before it went down to its share) for
-    the duration, then as before: for work whose figures are compared with a child's. Outside xdist: no change."""
+    """torch at the thread count the worker's child processes start with (OMP_NUM_THREADS, above) for the duration,
+    then as before: for work whose figures are compared with a child's. Outside xdist: no change."""
     import torch
 
     before = torch.get_num_threads()
