@@ -584,15 +584,15 @@ def test_byte_floor_is_a_lower_bound_of_the_solvers_smallest_plan(tmp_path):
     from lowbit_pipe.ledger import tensor_bytes
     from lowbit_pipe.plan.candidates import Candidate
     from lowbit_pipe.plan.error_model import quantized_bytes
-    from lowbit_pipe.plan.policy import _spec, plan_layers
+    from lowbit_pipe.plan.policy import plan_layers, spec_of
     from lowbit_pipe.plan.target_plan import byte_floor, free_layers
     from lowbit_pipe.stages.detect import linear_shapes
 
     ctx = lowbit_pipe.run("krea2_auto_speed_tiny", ["pipeline=[load,detect]"], run_dir=tmp_path / "run").context
     cfg, model = ctx.recipe.quantize, ctx.transformer
     names = free_layers(plan_layers(linear_shapes(model), cfg, ctx.policy, ctx.policy_name))
-    for candidates in ([Candidate(_spec(c)) for c in cfg.target.candidates],
-                       [Candidate(_spec(c)) for c in cfg.target.candidates] + [Candidate(None)]):
+    for candidates in ([Candidate(spec_of(c)) for c in cfg.target.candidates],
+                       [Candidate(spec_of(c)) for c in cfg.target.candidates] + [Candidate(None)]):
         smallest = tensor_bytes(model)
         for name in names:
             lin = model.get_submodule(name)
@@ -668,11 +668,11 @@ def test_the_readmes_comfyui_promise_matches_what_each_recipe_exports(recipe, st
     it names is judged by the `.comfy_quant` records its formats write (lowbit_pipe.plan.loadable, what the export's
     warning uses)."""
     from lowbit_pipe.plan.loadable import loadable
-    from lowbit_pipe.plan.policy import _spec
+    from lowbit_pipe.plan.policy import spec_of
 
     q = compose_recipe(recipe).quantize
-    specs = [_spec(q.default), *([_spec(q.sensitive)] if q.sensitive is not None else []),
-             *(_spec(q.default, r) for r in q.rules if not r.keep)]
+    specs = [spec_of(q.default), *([spec_of(q.sensitive)] if q.sensitive is not None else []),
+             *(spec_of(q.default, r) for r in q.rules if not r.keep)]
     assert all(loadable(spec, "comfyui") for spec in specs) == stock
     text = _readme()
     first_screen = text[: text.index("## Set up")]

@@ -56,8 +56,9 @@ def check_counts(recipe: Recipe) -> None:
 
 
 def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
-    from lowbit_pipe.formats import FORMATS, FormatSpec
+    from lowbit_pipe.formats import FORMATS
     from lowbit_pipe.formats.base import ACT_GRANULARITIES, ACTIVATION_MODES, GRANULARITIES, ROTATIONS
+    from lowbit_pipe.plan.policy import spec_of
 
     if choice.format is not None and choice.format not in FORMATS:
         raise RecipeError(f"{path}.format", f"unknown format '{choice.format}' (known: {', '.join(sorted(FORMATS))})")
@@ -85,9 +86,7 @@ def check_choice(path: str, choice: FormatChoice | LayerRule) -> None:
                                                     f"with tensor-core dots of 16+ columns), got {group}")
     if isinstance(choice, FormatChoice):
         try:
-            FORMATS[choice.format].check_spec(FormatSpec(choice.format, choice.rotation, choice.rotation_group,
-                                                          choice.granularity, choice.activations, choice.rank,
-                                                          choice.act_granularity))
+            FORMATS[choice.format].check_spec(spec_of(choice))
         except ValueError as err:
             raise RecipeError(path, str(err)) from None
 
@@ -242,7 +241,7 @@ def _check_stream(recipe: Recipe) -> None:
 def _check_target(q: QuantizeConfig) -> None:
     """quantize.target: one target, in range; candidates valid and loadable by quantize.target.loads_in."""
     from lowbit_pipe.plan.loadable import LOADERS, loadable
-    from lowbit_pipe.plan.policy import _spec
+    from lowbit_pipe.plan.policy import spec_of
     from lowbit_pipe.plan.targets import resolve_target
 
     t = q.target
@@ -262,7 +261,7 @@ def _check_target(q: QuantizeConfig) -> None:
     for i, choice in enumerate(t.candidates):
         path = f"quantize.target.candidates[{i}]"
         check_choice(path, choice)
-        if not loadable(_spec(choice), t.loads_in):
+        if not loadable(spec_of(choice), t.loads_in):
             raise RecipeError(path, f"{choice.format} (rotation {choice.rotation}) writes a kind stock ComfyUI does not "
                                     "load: drop it, or set quantize.target.loads_in to comfyui_pack (ComfyUI with "
                                     "lowbit_pipe's node pack) or lowbit_pipe")

@@ -13,7 +13,7 @@ from typing import Any
 from lowbit_pipe.ledger import tensor_bytes
 from lowbit_pipe.plan.calibration_inputs import example_runner
 from lowbit_pipe.plan.plan import AttentionChoice, Plan, recipe_attention
-from lowbit_pipe.plan.policy import LayerPlan, _spec, linear_shapes, plan_layers
+from lowbit_pipe.plan.policy import LayerPlan, linear_shapes, plan_layers, spec_of
 from lowbit_pipe.plan.target_plan import AttentionProbe
 from lowbit_pipe.quant.swap import LayerSwapper
 from lowbit_pipe.recipe import STOCK_ATTENTION
@@ -26,7 +26,7 @@ def _budget_plans(ctx: Any, plans: list[LayerPlan]) -> tuple[list[LayerPlan], di
     cfg = ctx.recipe.quantize
     model = ctx.transformer
     budget = cfg.budget_bytes if cfg.budget_bytes is not None else int(cfg.budget_ratio * tensor_bytes(model))
-    candidates = [_spec(c) for c in cfg.budget_candidates]
+    candidates = [spec_of(c) for c in cfg.budget_candidates]
     result = plan_budget(model, plans, candidates, budget, example_runner(ctx, "quantize.budget_*"),
                          seed=cfg.calibration_seed, allow_float=cfg.budget_allow_float)
     return result.plans, result.as_dict()

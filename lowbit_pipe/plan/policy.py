@@ -35,7 +35,9 @@ class LayerPlan:
         return self.spec is not None
 
 
-def _spec(choice: FormatChoice, rule: LayerRule | None = None) -> FormatSpec:
+def spec_of(choice: FormatChoice, rule: LayerRule | None = None) -> FormatSpec:
+    """The FormatSpec a recipe's choice asks for; a rule's keys override the choice's where the rule sets them."""
+
     def pick(key: str):
         value = getattr(rule, key) if rule is not None else None
         return value if value is not None else getattr(choice, key)
@@ -76,7 +78,7 @@ def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy
         spec, reason = None, ""
         for i, rule in enumerate(cfg.rules):
             if any(matches(rule.match, n) for n in names):
-                spec, reason = (None, f"rule {i} keep") if rule.keep else (_spec(cfg.default, rule), f"rule {i}")
+                spec, reason = (None, f"rule {i} keep") if rule.keep else (spec_of(cfg.default, rule), f"rule {i}")
                 break
         else:
             if any(matches(p, n) for p in cfg.keep for n in names):
@@ -84,12 +86,12 @@ def plan_layers(linears: dict[str, tuple[int, int]], cfg: QuantizeConfig, policy
             elif cfg.arch_keep_float and any(matches(p, known) for p in policy.keep_float):
                 reason = "arch keep-float"
             elif cfg.sensitive is not None and any(matches(p, known) for p in policy.sensitive):
-                spec, reason = _spec(cfg.sensitive), "arch sensitive"
+                spec, reason = spec_of(cfg.sensitive), "arch sensitive"
             else:
-                spec, reason = _spec(cfg.default), "default"
+                spec, reason = spec_of(cfg.default), "default"
         problem = get_format(spec.format).shape_problem(*shape) if spec is not None else None
         if problem is not None:
-            fallback = _spec(cfg.fallback) if cfg.fallback is not None else None
+            fallback = spec_of(cfg.fallback) if cfg.fallback is not None else None
             if fallback is not None and get_format(fallback.format).supports_shape(*shape):
                 spec, reason = fallback, f"quantize.fallback: {spec.format} cannot store it ({problem})"
             else:

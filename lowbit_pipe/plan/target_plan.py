@@ -42,7 +42,7 @@ from lowbit_pipe.plan import speed_table
 from lowbit_pipe.plan.candidates import Candidate
 from lowbit_pipe.plan.error_model import LayerOption, layer_calls, measure_options, quantized_bytes
 from lowbit_pipe.plan.forward_timing import ExampleForward, ForwardCheck, time_forward
-from lowbit_pipe.plan.policy import LayerPlan, _spec
+from lowbit_pipe.plan.policy import LayerPlan, spec_of
 from lowbit_pipe.plan.solver import (
     LayerCosts,
     Prediction,
@@ -318,7 +318,7 @@ def _measure_layers(ctx, plans: list[LayerPlan], target: Target, run_calibration
     t = cfg.target
     model = ctx.transformer
     names = free_layers(plans)
-    candidates = [Candidate(_spec(c)) for c in t.candidates] + ([Candidate(None)] if t.allow_float else [])
+    candidates = [Candidate(spec_of(c)) for c in t.candidates] + ([Candidate(None)] if t.allow_float else [])
     fixed_specs = {p.name: p.spec for p in plans if p.spec is not None and p.name not in set(names)}  # rules' layers
     _refuse_below_floor(model, names, fixed_specs, candidates, target)
     per_layer = {**{n: candidates for n in names}, **{n: [Candidate(s)] for n, s in fixed_specs.items()}}
