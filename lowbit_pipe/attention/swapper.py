@@ -43,10 +43,9 @@ class AttentionSwapper:
 
     def probe(self, model: nn.Module, attention_format: str, ledger: Ledger) -> Mapping[str, int]:
         """`attention_format` on `model` for one timed forward of the solver: the live count of attention calls per
-        path, as the dispatch counts them (read it after the forward). The route and speed cache stay the defaults
-        (the probe times the forward whole)."""
-        applied = apply_attention(model, attention_format, ledger, list(self.layers), keep=self.keep,
-                                  fold_qk=self.fold_qk)
+        path, as the dispatch counts them (read it after the forward). The recipe's route and speed cache as `apply`
+        uses them: the probe times the attention the run will have."""
+        applied = self.apply(model, attention_format, ledger)
         return applied.calls if applied is not None else {}
 
 

@@ -188,3 +188,21 @@ def test_one_attention_format_check_names_each_key(overrides, path):
     assert err.value.path == path and err.value.problem == format_problem("int4")
     assert format_problem("int4") == "must be one of bf16, int8, fp8, got 'int4'"
     assert format_problem("bf16") is None and format_problem("bf16", stock=False) is not None
+
+
+def test_the_solvers_attention_probe_applies_what_the_attention_step_applies(monkeypatch):
+    """The probe that times an attention format for quantize.target gets the recipe's route, speed cache, keep list
+    and fold_qk, as the attention step's `apply` does (it once took the default route and no cache: a recipe with
+    route=triton was timed on another kernel than the one it ran)."""
+    from lowbit_pipe.attention import swapper as swapper_module
+    from lowbit_pipe.attention.swapper import AttentionSwapper
+
+    seen = []
+    monkeypatch.setattr(swapper_module, "apply_attention", lambda *args, **kwargs: seen.append((args[1:], kwargs)))
+    swapper = AttentionSwapper(layers=("blocks.*",), keep=("blocks.0.attn",), route="triton", fold_qk=True,
+                               speed_cache="/tmp/speed.json")
+    model, ledger = nn.Linear(2, 2), Ledger()
+    assert swapper.probe(model, "fp8", ledger) == {}
+    swapper.apply(model, "fp8", ledger)
+    assert len(seen) == 2 and seen[0] == seen[1]
+    assert seen[0][1] == {"keep": ("blocks.0.attn",), "route": "triton", "speed_cache": "/tmp/speed.json", "fold_qk": True}
