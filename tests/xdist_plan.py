@@ -5,24 +5,21 @@
   more on 2 busy cores, longest first) are collected first and xdist keeps that order (its default re-sorts files by
   their number of tests, `--loadscope-reorder`, which this turns off for loadfile runs); every other file follows
   in pytest's own order.
-- One torch thread per core and worker, children included. torch starts as many intra-op threads as there are cores
-  in each process: two workers on two cores then run four busy threads that wait on each other at every parallel
-  region, more with a child running. Each worker sets its own torch to cores // workers threads and OMP_NUM_THREADS
-  to the same for the processes it starts (CLI runs, ComfyUI servers and children; a value the user set stays).
-  The whole suite on a quiet 2-core machine: 864 s with the children on torch's default, 796 s with them on one
-  thread (1692 / 1531 s of worker time); test_export_load alone 206 / 164 s on one thread against 330 / 265 s on
-  two. A figure a worker computes and compares with a child's is computed at the children's count
-  (`children_threads`): the server's every-kind check exports svdquant_w4a4 files whose SVD must match the one the
-  server's Quantize node runs (1.19e-3 of a 1e-3 bound when the worker's SVD ran on one thread and the server's on
-  two).
+- One torch thread count per worker and its children. torch starts as many intra-op threads as there are cores in
+  each process: two workers on two cores then run four busy threads that wait on each other at every parallel
+  region, more with a child running. Each worker sets OMP_NUM_THREADS to cores // workers, unless the user set it,
+  and takes that count itself; the processes it starts (CLI runs, ComfyUI servers and children) inherit it. The
+  whole suite on a quiet 2-core machine: 864 s with the children on torch's default, 796 s with them on one thread
+  (1692 / 1531 s of worker time); test_export_load alone 206 / 164 s on one thread against 330 / 265 s on two.
+  One count for both matters beyond speed: figures a worker computes are compared with a child's, such as the
+  server's every-kind check, whose svdquant_w4a4 files (exported in the worker) must match the SVD the server's
+  Quantize node runs (1.19e-3 of a 1e-3 bound when the worker's SVD ran on one thread and the server's on two).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
@@ -50,9 +47,6 @@ LONGEST_FIRST = (
 )
 
 
-CHILDREN_THREADS = pytest.StashKey[int]()  # the thread count the child processes start with
-
-
 def _worker_count(config: pytest.Config) -> int | None:
     """The number of workers when this process is a pytest-xdist worker, else None."""
     workerinput = getattr(config, "workerinput", None)
@@ -63,30 +57,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "dist", "no") == "loadfile":
         config.option.loadscopereorder = False  # the controller schedules in collection order: ours, below
     workers = _worker_count(config)
-    if workers is None:
-        return
+    if workers is None or "OMP_NUM_THREADS" in os.environ:
+        return  # a plain run, or the user's count (torch takes it, and the children inherit it)
     import torch
 
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     threads = max(1, cores // workers)
-    if threads < torch.get_num_threads():
-        torch.set_num_threads(threads)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))  # the children's torch too (a user's setting stays)
-    config.stash[CHILDREN_THREADS] = int(os.environ["OMP_NUM_THREADS"])
-
-
-@contextlib.contextmanager
-def children_threads(config: pytest.Config) -> Iterator[None]:
-    """torch at the thread count the worker's child processes start with (OMP_NUM_THREADS, above) for the duration,
-    then as before: for work whose figures are compared with a child's. Outside xdist: no change."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(config.stash.get(CHILDREN_THREADS, before))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # the children's torch
+    torch.set_num_threads(threads)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

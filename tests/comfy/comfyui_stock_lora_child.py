@@ -74,17 +74,26 @@ def _stock(model: Any, sd: dict, strength: float) -> Any:
     return comfy.sd.load_lora_for_models(model, None, sd, strength, 0)[0]
 
 
-def _quantized_only(job: dict[str, Any], model: Any, name: str, quantized: list[str]) -> str | None:
-    """The LoRA file `name` cut to the keys ComfyUI maps onto `quantized` layers, written beside it; None when it
-    names no other layer. ComfyUI's key map (`model_lora_keys_unet`, what its loader uses) decides where a key lands."""
+def _conversion_alone(job: dict[str, Any], model: Any, name: str, sd: dict, strength: float,
+                      sample: Any) -> float | None:
+    """Stock loader + pack vs the residual node on the LoRA `name` (its tensors `sd`) cut to the keys ComfyUI maps
+    onto `model`'s quantized layers; None when it names no other layer (the whole LoRA's figure is that one).
+
+    Where a LoRA names float layers too, ComfyUI merges those into the weight (W + delta) and the node keeps a float
+    branch (W x + delta x): equal in exact arithmetic, not in fp32's last bit, which a quantized activation
+    downstream can turn into a whole rounding step. On the cut LoRA both sides run the same arithmetic. ComfyUI's key
+    map (`model_lora_keys_unet`, what its loader uses) decides where a key lands; the cut is written beside it."""
     import os
 
     import comfy.lora
     from safetensors.torch import save_file
 
-    sd = _lora(job, name)
+    from lowbit_pipe.comfy import stock_lora
+    from lowbit_pipe.comfy.nodes import LowbitLoRA
+
+    quantized = {n for n, m in model.get_model_object("diffusion_model").named_modules() if stock_lora.is_quantized(m)}
     key_map = comfy.lora.model_lora_keys_unet(model.model, {})
-    keep, dropped = {}, 0
+    keep = {}
     for key, value in sd.items():
         prefix = key.rsplit(".", 2 if key.endswith(".weight") else 1)[0]
         if prefix not in key_map:
@@ -92,13 +101,12 @@ def _quantized_only(job: dict[str, Any], model: Any, name: str, quantized: list[
         target = key_map[prefix][0] if isinstance(key_map[prefix], tuple) else key_map[prefix]
         if target[len("diffusion_model."):-len(".weight")] in quantized:
             keep[key] = value
-        else:
-            dropped += 1
-    if not dropped:
+    if len(keep) == len(sd):
         return None
     cut = f"{os.path.splitext(name)[0]}_quantized_only.safetensors"
     save_file(keep, os.path.join(job["loras"], cut))
-    return cut
+    (residual,) = LowbitLoRA().attach(model, cut, strength)
+    return _rel(sample(_stock(model, keep, strength)), sample(residual))
 
 
 def _hooks(tree: Any) -> int:
@@ -148,21 +156,10 @@ def check_file(job: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
         float_rows = _float_patch_errors(stock, floats)
         (residual,) = LowbitLoRA().attach(model, name, strength)
         want = sample(residual)
-        # Where the LoRA names float layers too, ComfyUI merges those into the weight (W + delta) and the node keeps
-        # a float branch (W x + delta x): equal in exact arithmetic, not in fp32's last bit, which a quantized
-        # activation downstream can turn into a whole rounding step. The conversion itself is compared on the LoRA
-        # cut to the quantized layers, where both sides run the same arithmetic.
-        cut = _quantized_only(job, model, name, quantized)
-        with_float = _rel(got, want)
-        if cut is not None:
-            got_cut = sample(_stock(model, _lora(job, cut), strength))
-            (residual_cut,) = LowbitLoRA().attach(model, cut, strength)
-            stock_vs_residual = _rel(got_cut, sample(residual_cut))
-            del residual_cut
-        else:
-            stock_vs_residual = with_float
-        row = {"stock_vs_residual": stock_vs_residual, "stock_vs_residual_with_float": with_float,
-               "float_layers_in_lora": cut is not None, "lora_effect": _rel(want, plain), "converted_layers": converted,
+        whole, alone = _rel(got, want), _conversion_alone(job, model, name, sd, strength, sample)
+        row = {"stock_vs_residual": whole if alone is None else alone, "stock_vs_residual_with_float": whole,
+               "float_layers_in_lora": alone is not None,
+               "lora_effect": _rel(want, plain), "converted_layers": converted,
                "converted_are_quantized": set(converted) <= set(quantized),
                "kept_patches": sorted(stock.patches), "float_patch_rows": float_rows,
                "kept_on_quantized": [k for k in stock.patches if k[len("diffusion_model."):-len(".weight")] in quantized]}
@@ -198,16 +195,9 @@ def check_quantize(job: dict[str, Any], case: dict[str, Any]) -> dict[str, Any]:
     stock = _stock(quantized, sd, strength)
     (residual,) = LowbitLoRA().attach(quantized, case["lora"], strength, unique_id="r")
     got, want, plain = sample(stock), sample(residual), sample(quantized)
-    layers = sorted(n for n, m in quantized.get_model_object("diffusion_model").named_modules()
-                    if stock_lora.is_quantized(m))
-    cut = _quantized_only(job, quantized, case["lora"], layers)  # as in check_file
-    stock_vs_residual = _rel(got, want)
-    if cut is not None:
-        (residual_cut,) = LowbitLoRA().attach(quantized, cut, strength, unique_id="rc")
-        stock_vs_residual = _rel(sample(_stock(quantized, _lora(job, cut), strength)), sample(residual_cut))
-        del residual_cut
-    out = {"name": case["name"], "stock_vs_residual": stock_vs_residual, "stock_vs_residual_with_float": _rel(got, want),
-           "float_layers_in_lora": cut is not None, "lora_effect": _rel(want, plain),
+    whole, alone = _rel(got, want), _conversion_alone(job, quantized, case["lora"], sd, strength, sample)
+    out = {"name": case["name"], "stock_vs_residual": whole if alone is None else alone,
+           "stock_vs_residual_with_float": whole, "float_layers_in_lora": alone is not None, "lora_effect": _rel(want, plain),
            "converted_layers": len({layer for i in stock_lora.injections_of(stock) for layer in i.stacks})}
     with without_the_pack_conversion():
         bare = _stock(quantized, sd, strength)

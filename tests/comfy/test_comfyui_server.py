@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from conftest import ROOT
-from xdist_plan import children_threads
 
 sys.path.insert(0, str(ROOT / "bench"))
 
@@ -299,7 +298,7 @@ def stock_server(comfy):
     yield from _server(comfy, "stock_server")
 
 
-def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stock_server, tmp_path, request):
+def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stock_server, tmp_path):
     """Each kind lowbit_pipe exports, per arch: stock ComfyUI samples it as the pack does, or refuses it at its
     format lookup; with the pack it samples what the Quantize node's own layers sample, and never the float
     result."""
@@ -316,10 +315,10 @@ def test_every_export_kind_loads_and_samples_stock_and_with_the_pack(comfy, stoc
             # One unpadded calibration kind for the static-scale cases: the node and the CLI then calibrate on the same
             # inputs (ComfyUI's conditioning has no text mask; the CLI's padded kinds differ from it by design).
             overrides = [f"quantize.default.{k}={v}" for k, v in spec.items()] + ["quantize.calibration.kinds=[{}]"]
-            with children_threads(request.config):  # the server's thread count: svdquant's SVD as its node runs it
-                result = lowbit_pipe.run("default", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,quantize,export]",
-                                                     f"export.path={folder / f'{name}.safetensors'}", *overrides],
-                                         run_dir=tmp_path / name)
+            # exported at the server's torch thread count (xdist_plan): svdquant's SVD as the server's node runs it
+            result = lowbit_pipe.run("default", [f"model=tiny_{arch}_comfy", "pipeline=[load,detect,quantize,export]",
+                                                 f"export.path={folder / f'{name}.safetensors'}", *overrides],
+                                     run_dir=tmp_path / name)
             lowbit_kinds = bool(result.report["export"]["not_stock_comfy"])
             del result
             file_model = loader(arch, f"kinds/{name}.safetensors")
