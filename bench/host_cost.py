@@ -128,7 +128,11 @@ def layers(device: str, dtype: torch.dtype, x: torch.Tensor, w: torch.Tensor, b:
            ) -> list[tuple[str, Callable[[], Any]]]:
     """(label, call) per case, the float baseline first: the quantized layers built by the tree imported."""
     from lowbit_pipe.formats import FormatSpec, get_format
-    from lowbit_pipe.quant.nn import QuantLinear
+
+    try:
+        from lowbit_pipe.quant.nn import QuantLinear
+    except ImportError:  # a tree from before the package was laid out in folders (--tree before=...)
+        from lowbit_pipe.nn import QuantLinear
 
     w_lp = w.to(device, dtype)
     cases = [("bf16" if dtype == torch.bfloat16 else "fp32", lambda: F.linear(x, w_lp, b))]

@@ -248,7 +248,7 @@ def folded_attention(cudnn: Any, q8: torch.Tensor, k8: torch.Tensor, qk_scale: t
                      sm_scale: float | None, key_mask: torch.Tensor | None) -> torch.Tensor:
     """cuDNN's FP8 attention on q8, k8 [B, N, H, D] e4m3 written with `qk_scale` [2] (k8's keys in key order for a
     masked call) and value [B, N, H, D]: v's passes (qkv_fp8.quantize_folded), the kernel, the output conversion.
-    [B, N, H, D] contiguous in v's dtype. `cudnn`: a CudnnFP8Attention whose graph for the form is built."""
+    [B, N, H, D] contiguous in v's dtype. `cudnn`: a CudnnFP8Attention (it builds the form's graph once)."""
     from lowbit_pipe.kernels import qkv_fp8 as Q
 
     b, n, h, d = q8.shape

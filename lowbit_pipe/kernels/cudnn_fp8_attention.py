@@ -193,10 +193,12 @@ class CudnnFP8Attention:
 
     # ----------------------------------------------------------------------------------------------- calls
     def execute(self, key: PlanKey, qkv: Q.QKVFP8, o8: torch.Tensor) -> torch.Tensor:
-        """cuDNN's kernel alone: o8 [B, N, H, D] e4m3 from quantized operands (the form's graph must be built)."""
-        plan = self._plans.get(key)
-        if plan is None:
-            raise RuntimeError(f"cuDNN FP8 attention: no graph for {key} ({self.why_not(key) or 'built now: retry'})")
+        """cuDNN's kernel alone: o8 [B, N, H, D] e4m3 from quantized operands (the form's graph built the first
+        time; a form cuDNN refuses raises, naming it and why)."""
+        why = self.why_not(key)
+        if why is not None:
+            raise RuntimeError(f"cuDNN FP8 attention cannot run {key}: {why}")
+        plan = self._plans[key]
         base, row = qkv.scales.data_ptr(), qkv.scales.stride(0) * qkv.scales.element_size()
         pack = {UID_Q: qkv.q8.data_ptr(), UID_K: qkv.k8.data_ptr(), UID_V: qkv.v8.data_ptr(), UID_O: o8.data_ptr()}
         pack.update({uid: base + r * row for uid, r in SCALE_UIDS.items()})
@@ -212,9 +214,6 @@ class CudnnFP8Attention:
                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
         """softmax(q kᵀ * sm_scale) v for [B, H, N, D] q, k, v (any strides), in q's dtype and layout."""
         key = self.plan_key(q, key_mask is not None, sm_scale)
-        why = self.why_not(key)
-        if why is not None:
-            raise RuntimeError(f"cuDNN FP8 attention cannot run {key}: {why}")
         qkv = Q.quantize_qkv_fp8(q, k, v, key_mask)
         b, h, n, d = q.shape
         o8 = self.execute(key, qkv, torch.empty(b, n, h, d, dtype=torch.float8_e4m3fn, device=q.device))
