@@ -20,6 +20,7 @@ Outputs are the diffusion model's on the architecture's seeded example inputs. R
 from __future__ import annotations
 
 import sys
+import uuid
 from typing import Any
 
 from comfyui_child import lora_name, run_child
@@ -48,6 +49,8 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
 
     from lowbit_pipe.comfy.node_runs import PurgedModelError
     from lowbit_pipe.comfy.nodes import LowbitLoRA, LowbitPurge, LowbitQuantize
+    from lowbit_pipe.comfy.patchers import model_with_tree
+    from lowbit_pipe.comfy.tree import structural_copy
     from lowbit_pipe.quant.nn import QuantLinear
 
     out: dict[str, Any] = {}
@@ -67,6 +70,19 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
     out["quantized_layers"] = sum(isinstance(m, QuantLinear) for m in tree.modules())
     lora_out = _forward(tree)
     out["lora_vs_float_rel"] = _rel(lora_out, float_out)
+
+    # A dynamic-VRAM upstream MODEL (ModelPatcherDynamic needs CUDA: a ModelPatcher that says it is dynamic, which
+    # ComfyUI's clone() treats the same way): a node's MODEL around QuantLinears is a plain ModelPatcher all the
+    # same, one around ComfyUI's own layers stays dynamic.
+    class DynamicLike(ModelPatcher):
+        def is_dynamic(self) -> bool:
+            return True
+
+    dynamic = float_model.clone()
+    dynamic.__class__ = DynamicLike
+    for name, made in (("quantized", tree), ("float", float_tree)):
+        from_dynamic = model_with_tree(dynamic, structural_copy(made), uuid.uuid4())
+        out[f"{name}_from_dynamic_patcher"] = [type(from_dynamic).__name__, from_dynamic.is_dynamic()]
 
     # Load as ComfyUI does, then unload in dynamic VRAM's order.
     mm.load_models_gpu([with_lora], force_full_load=True)

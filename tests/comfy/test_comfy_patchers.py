@@ -48,6 +48,14 @@ def test_each_node_model_has_its_own_base_model_and_one_clone_id_per_run(result)
     assert result["quantized_layers"] > 0 and result["lora_vs_float_rel"] > 0
 
 
+def test_a_quantized_node_model_is_a_plain_patcher_even_from_a_dynamic_vram_one(result):
+    """Dynamic VRAM copies every tensor that is not a ComfyUI layer's weight from host memory at each load (each
+    queue: 1.2 s for the full-size Krea 2 in fp8 on an H100): a MODEL around QuantLinears is a plain ModelPatcher;
+    one around ComfyUI's own layers keeps dynamic VRAM."""
+    assert result["quantized_from_dynamic_patcher"] == ["ModelPatcher", False]
+    assert result["float_from_dynamic_patcher"] == ["DynamicLike", True]
+
+
 def test_unloading_in_dynamic_vrams_order_restores_into_the_nodes_tree(result):
     assert result["buffers_recorded"] > 0
     assert result["dynamic_unload"] == "ok"
