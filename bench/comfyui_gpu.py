@@ -148,8 +148,12 @@ def lora_file(base: Path, source: Path, rank: int = 16) -> str:
     return name
 
 
-def export_kind(source: Path, base: Path, kind: str, device: str) -> tuple[Path, float]:
+def export_kind(source: Path, base: Path, kind: str, device: str) -> tuple[Path, float | None]:
+    """The CLI's export of `kind` from `source` into ComfyUI's models folder, and its seconds; (path, None) where
+    an earlier call in this scratch folder exported it (an export appears only whole: temp file + rename)."""
     out = base / "models" / "diffusion_models" / f"krea2_{kind.replace('+', '_')}.safetensors"
+    if out.is_file():
+        return out, None
     overrides = KINDS[kind]
     recipe = [o for o in overrides if o.startswith("recipe=")] or ["recipe=default"]
     cmd = [sys.executable, "-m", "lowbit_pipe", *recipe, f"model.path={source}", "model.stream=true",

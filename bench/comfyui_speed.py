@@ -191,16 +191,19 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
              "of this run. 'first queue': the 1-step warm-up (file load, or Quantize + the first step's compile). "
              "Memory: the device's used memory after the timed queue (the pack's rows also hold the bf16 source MODEL "
              "unless ComfyUI offloaded it).", "",
-             "| row | s/step | x stock bf16 | first queue s | device in use GB | note |", "|---|---|---|---|---|---|"]
+             "'1-step queue': a later queue of one step, the per-queue cost beside one step's.", "",
+             "| row | s/step | x stock bf16 | first queue s | 1-step queue s | device in use GB | note |",
+             "|---|---|---|---|---|---|---|"]
     base = next((r for r in rows if r["row"] == "stock_bf16" and "s_per_step" in r), None)
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['row']} | error | | | | {r['error'][:160]} |")
+            lines.append(f"| {r['row']} | error | | | | | {r['error'][:160]} |")
             continue
         ratio = f"{base['s_per_step'] / r['s_per_step']:.2f}x" if base else "-"
         used = f"{r['device_used_bytes'] / 1e9:.1f}" if r.get("device_used_bytes") else "-"
         note = "" if r.get("finite") else "non-finite latent"
-        lines.append(f"| {r['row']} | {r['s_per_step']:.4f} | {ratio} | {r['first_queue_s']:.1f} | {used} | {note} |")
+        lines.append(f"| {r['row']} | {r['s_per_step']:.4f} | {ratio} | {r['first_queue_s']:.1f} | "
+                     f"{r['queue_1_step_s']:.3f} | {used} | {note} |")
     for r in rows:
         if r.get("profile"):
             key = "device_us" if meta["device"] != "CPU" else "cpu_us"
