@@ -227,7 +227,7 @@ def arch_keep(arch: Any, enabled: bool) -> tuple[str, ...]:
 
 def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, layers: list[str] | tuple[str, ...] = ("*",),
                     path: str = "attention", keep: tuple[str, ...] = (), route: str = "auto",
-                    speed_cache: str | None = None, measure: bool = True, fold_qk: bool = False
+                    speed_cache: str | None = None, measure: bool = True, fold_qk: bool = True
                     ) -> AppliedAttention | None:
     """Give every attention module of `root` whose name matches `layers` (globs, or `re:` regexes) and not `keep`
     (the arch's attention_keep) an 8-bit processor, each swap recorded in `ledger`. "bf16" changes nothing (None).

@@ -26,7 +26,7 @@ class AttentionSwapper:
     layers: tuple[str, ...] = ("*",)
     keep: tuple[str, ...] = ()
     route: str = "auto"
-    fold_qk: bool = False
+    fold_qk: bool = True
     speed_cache: str | None = None
 
     @classmethod
