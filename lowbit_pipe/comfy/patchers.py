@@ -16,8 +16,9 @@ plain ModelPatcher, never a dynamic-VRAM one: dynamic VRAM streams ComfyUI's own
 through its cache on the GPU and copies every other tensor (QuantLinear's buffers) again from its host backup at
 each load, that is at each queue: 1.1-1.2 s a queue for the full-size Krea 2 in fp8 or int8 on the H100 (840
 pageable host-to-device copies, ~12 GB), 0.8 s in krea2_nvfp4, against ~0.05 s for stock ComfyUI's own fp8 file.
-A plain patcher moves the tree to the GPU once and keeps it there until ComfyUI needs the memory back. A tree of
-ComfyUI's own layers (a quantized file, LoRA branches on it) keeps the upstream patcher's kind.
+A plain patcher moves the tree to the GPU once and keeps it there until ComfyUI needs the memory back (short of
+memory, a layer it leaves in host memory computes from copies: QuantLinear._streamed). A tree of ComfyUI's own
+layers (a quantized file, LoRA branches on it) keeps the upstream patcher's kind.
 
 Every MODEL of one node run carries the run's id as ComfyUI's `clone_base_uuid`, so "unload a model and its
 clones" before a Purge lets go of all of them and of nothing else. A MODEL's `cached_patcher_init` (how ComfyUI

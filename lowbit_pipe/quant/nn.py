@@ -11,6 +11,7 @@ uncompiled model makes hundreds of these calls per step, each paying its Python 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 
 from lowbit_pipe.formats import Format, FormatSpec, QuantizedWeight, encode_record, get_format
 from lowbit_pipe.formats.base import LinearPlan
+from lowbit_pipe.kernels import reference
 
 # Attributes the plan is resolved from besides the record and the buffers: setting or deleting one (the runtime
 # settings do it through the ledger, whose undo sets or deletes it again) resolves the plan again.
@@ -127,6 +129,8 @@ class QuantLinear(nn.Module):
         # unquantized, on the unrotated input; skipped entirely when empty (bit-exact removal).
         # On CUDA, int8 / fp8 take the stack's concatenated pair into their GPU path (GEMM
         # epilogue / in-place addmm_); everything else (CPU reference included) adds it after.
+        if self._buffers["weight"].device != x.device:
+            return self._streamed(x)
         fmt, q, plan, bias = self.format, self.qweight, self._plan, self._parameters["bias"]
         lora = self._modules.get("lora")
         if lora is not None and lora.branches:
@@ -134,6 +138,20 @@ class QuantLinear(nn.Module):
                 return fmt.linear(x, q, bias, lora=(lora.down, lora.up), plan=plan)
             return fmt.linear(x, q, bias, plan=plan) + lora(x)
         return fmt.linear(x, q, bias, plan=plan)
+
+    def _streamed(self, x: torch.Tensor) -> torch.Tensor:
+        """One call with this layer's tensors copied to x's device; the layer stays where it is. ComfyUI's partial
+        load (a plain ModelPatcher short of memory: lowbit_pipe.comfy.patchers) moves only the layers it has room
+        for and leaves the rest in host memory, as it does its own offloaded layers, whose weights it casts per call."""
+        device, q = x.device, self.qweight
+        moved = dataclasses.replace(q, tensors={k: t.to(device) for k, t in q.tensors.items()},
+                                    runtime={k: t.to(device) for k, t in q.runtime.items()})
+        bias = self.bias.to(device) if self.bias is not None else None
+        out = self.format.linear(x, moved, bias, plan=self.format.linear_plan(moved, device))
+        lora = self._modules.get("lora")
+        if lora is not None and lora.branches:
+            out = out + reference.low_rank_delta(x, lora.down.to(device), lora.up.to(device))
+        return out
 
     def _apply(self, fn, recurse=True):
         # Quantized tensors follow device moves but never dtype casts:

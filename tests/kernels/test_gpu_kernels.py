@@ -586,3 +586,23 @@ def test_attention8_key_mask_matches_its_reference_and_the_oracle(fmt):
     assert torch.equal(sdpa8(q, k2, v2, fmt, key_mask=mask), out)
     compiled = torch.compile(lambda a, b, c, m: sdpa8(a, b, c, fmt, key_mask=m), fullgraph=True)(q, k, v, mask)
     assert torch.equal(compiled, out)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "nvfp4"])
+def test_a_layer_left_in_host_memory_gives_the_resident_layers_result(fmt):
+    """ComfyUI's partial load can leave a QuantLinear in host memory under a CUDA input: the forward copies its
+    tensors for the call and runs the same GPU path as the layer moved to the GPU."""
+    from lowbit_pipe.formats import FormatSpec
+    from lowbit_pipe.quant.nn import QuantLinear
+
+    gen = torch.Generator().manual_seed(3)
+    linear = nn.Linear(512, 256, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(256, 512, generator=gen) * 0.02)
+    host = QuantLinear.from_linear(linear, FormatSpec(fmt))
+    resident = copy.deepcopy(host).to("cuda")
+    x = torch.randn(64, 512, generator=gen).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        got, want = host(x), resident(x)
+    assert got.device == x.device and host.weight.device == torch.device("cpu")
+    assert torch.equal(got, want)

@@ -141,3 +141,25 @@ def test_compiled_forward_is_one_graph_equal_to_eager(name, compute):
         compiled = torch.compile(layer, backend="eager", fullgraph=True)(x)
         assert torch.equal(compiled, layer(x))
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_a_layer_left_on_another_device_computes_from_copies(name):
+    """ComfyUI's partial load leaves layers it has no room for in host memory: the forward then copies the layer's
+    tensors (and its LoRA factors) to the input's device for the call, and gives what the layer gives there."""
+    from lowbit_pipe.lora.branches import LoraBranch, LoraStack
+
+    layer, x = _layer(SPECS[name]), _x()
+    gen = torch.Generator().manual_seed(9)
+    layer.lora = LoraStack(256, 64)
+    layer.lora.branches = (LoraBranch("style", torch.randn(4, 256, generator=gen) * 0.05,
+                                      torch.randn(64, 4, generator=gen) * 0.05, alpha=4.0),)
+    with torch.no_grad():
+        assert torch.equal(layer._streamed(x), layer(x))
+
+
+def test_the_forward_streams_only_a_layer_on_another_device(monkeypatch):
+    monkeypatch.setattr(QuantLinear, "_streamed", lambda self, x: "streamed")
+    layer, x = _layer(SPECS["int8"]), _x()
+    assert isinstance(layer(x), torch.Tensor)
+    assert copy.deepcopy(layer).to("meta")(x) == "streamed"
