@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import signal
 import sys
 from pathlib import Path
 
@@ -23,6 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 for _folder in sorted(p for p in Path(__file__).resolve().parent.iterdir() if p.is_dir() and p.name[0] not in "._"):
     if str(_folder) not in sys.path:
         sys.path.insert(1, str(_folder))
+
+# A shell's background job (`pytest ... &`) starts with SIGINT ignored, and a process inherits an ignored signal
+# through exec: the tests that stop runs with Ctrl-C (tests/running/test_signals.py, the sweeps') would send it to
+# children that ignore it. Python's own handler is put back here (each xdist worker loads this file too), so the
+# processes the tests start get the default at exec.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # How a pytest-xdist run spreads the files over its workers, and torch's threads in each (tests/xdist_plan.py).
 pytest_plugins = ["xdist_plan"]
