@@ -21,7 +21,8 @@ instrumentation node and full-size synthetic Krea 2, bf16, 25.6 GB). Rows (any s
 Per row: a 1-step warm-up queue (file load / quantize / compile: its time is the "first queue"), a 1-step and an
 N-step queue with new seeds (s/step = their difference / (N - 1), ComfyUI's execution timestamps), the device
 memory in use after the timed queue, and (`--profile`) one profiled 2-step queue whose kernel table (device time by
-kernel name, top 15) goes into the JSON. Each row is then dropped (Purge for the pack's, /free for stock) so the next
+kernel name, top 15) goes into the JSON, with the device's busy time (every kernel's own time) beside the sampler's
+wall time: how much of a step the device waited on the host. Each row is then dropped (Purge for the pack's, /free for stock) so the next
 starts from the float model alone. Writes <out>.json / <out>.md after every row.
 """
 
@@ -47,6 +48,8 @@ PROFILE_NODES = "lowbit_bench_profile"
 # "stop" and writes the kernel table (device time per kernel name) to `path`. The profiler lives on the class
 # between the two calls of one queue.
 PROFILE_NODE = '''import json
+import time
+
 import torch
 
 
@@ -74,22 +77,27 @@ class LowbitBenchProfile:
         cuda = torch.cuda.is_available()
         if action == "start":
             acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-            type(self).active = torch.profiler.profile(activities=acts)
-            type(self).active.__enter__()
+            if cuda:
+                torch.cuda.synchronize()
+            type(self).active = (torch.profiler.profile(activities=acts), time.perf_counter())
+            type(self).active[0].__enter__()
             return {"ui": {"text": ["started"]}, "result": (value,)}
-        prof, type(self).active = type(self).active, None
+        (prof, t0), type(self).active = type(self).active, None
         if cuda:
             torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - t0) * 1e6
         prof.__exit__(None, None, None)
-        rows = []
+        rows, busy_us = [], 0.0
         for e in prof.key_averages():
             dev = getattr(e, "device_time_total", None)
             if dev is None:
                 dev = getattr(e, "cuda_time_total", 0)
+            own = getattr(e, "self_device_time_total", None)
+            busy_us += float(own if own is not None else getattr(e, "self_cuda_time_total", 0))
             rows.append({"name": e.key, "calls": e.count, "device_us": float(dev), "cpu_us": float(e.cpu_time_total)})
         rows.sort(key=lambda r: r["device_us"] if cuda else r["cpu_us"], reverse=True)
         with open(path, "w") as f:
-            json.dump(rows[:40], f)
+            json.dump({"kernels": rows[:40], "device_busy_us": busy_us, "wall_us": wall_us}, f)
         return {"ui": {"text": ["stopped"]}, "result": (value,)}
 
 
@@ -167,7 +175,11 @@ def time_row(server: cs.ComfyUIServer, row: str, unet: str, args: argparse.Names
     if args.profile:
         path = work / f"profile_{row}.json"
         server.run(row_graph(row, unet, 2, 3, args, f"{row}_prof", profile=str(path)))
-        out["profile"] = json.loads(path.read_text())[:15]
+        profiled = json.loads(path.read_text())
+        out["profile"] = profiled["kernels"][:15]
+        # every kernel's own time over the profiled window's: below 1, the device waited on the host in between
+        out["profile_device_busy_ms"] = profiled["device_busy_us"] / 1e3
+        out["profile_wall_ms"] = profiled["wall_us"] / 1e3
     return out
 
 
@@ -207,7 +219,12 @@ def table(rows: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     for r in rows:
         if r.get("profile"):
             key = "device_us" if meta["device"] != "CPU" else "cpu_us"
-            lines += ["", f"## {r['row']}: top kernels of a profiled 2-step queue", "", "| kernel | calls | ms |", "|---|---|---|"]
+            lines += ["", f"## {r['row']}: top kernels of a profiled 2-step queue", ""]
+            if r.get("profile_wall_ms") and meta["device"] != "CPU":
+                busy, wall = r["profile_device_busy_ms"], r["profile_wall_ms"]
+                lines += [f"Device busy {busy:.1f} ms of the sampler's {wall:.1f} ms ({busy / wall:.0%}; the rest the "
+                          "device waited on the host).", ""]
+            lines += ["| kernel | calls | ms |", "|---|---|---|"]
             lines += [f"| {p['name'][:90]} | {p['calls']} | {p[key] / 1e3:.2f} |" for p in r["profile"][:10]]
     return "\n".join(lines) + "\n"
 
