@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import cProfile
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -82,6 +83,7 @@ class Tree:
     name: str
     path: Path
     commit: str = field(default="")
+    content: str = field(default="")  # package_digest: names the measured code where a copy's .git is stale
 
 
 def host_ms(fn: Callable[[], Any], calls: int, repeats: int, sync: Callable[[], None]) -> float:
@@ -227,6 +229,15 @@ def measure_shape(device: str, shape: tuple[int, int, int], calls: int, repeats:
     return results
 
 
+def package_digest(root: Path) -> str:
+    """sha256 (12 hex digits) of lowbit_pipe/**/*.py under `root`, paths and contents: the same code gives the same
+    digest in any copy (the GPU machine's copy of a checkout keeps an older .git: its commit label can be stale)."""
+    digest = hashlib.sha256()
+    for path in sorted((root / "lowbit_pipe").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def git_commit(path: Path) -> str:
     proc = subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", str(path), "status", "--porcelain", "--untracked-files=no"],
@@ -241,7 +252,7 @@ def parse_tree(text: str) -> Tree:
     root = Path(path).expanduser().resolve()
     if not (root / "lowbit_pipe" / "__init__.py").is_file():
         raise argparse.ArgumentTypeError(f"--tree {name}: no lowbit_pipe package under {root}")
-    return Tree(name, root, git_commit(root))
+    return Tree(name, root, git_commit(root), package_digest(root))
 
 
 def measure_tree(tree: Tree, args: argparse.Namespace) -> dict[str, Any]:
@@ -273,7 +284,7 @@ def compare(trees: list[Tree], args: argparse.Namespace) -> dict[str, Any]:
                         old[key] = new[key]
     first = best[trees[0].name]
     return {"command": args.command, "env": {k: v for k, v in first["env"].items() if k != "lowbit_pipe"},
-            "trees": [{"name": t.name, "path": str(t.path), "commit": t.commit} for t in trees],
+            "trees": [{"name": t.name, "path": str(t.path), "commit": t.commit, "content": t.content} for t in trees],
             "rounds": args.rounds, "results": {t.name: best[t.name]["results"] for t in trees}}
 
 
@@ -303,7 +314,7 @@ def markdown_trees(report: dict[str, Any]) -> str:
     gpu = env["device"] == "cuda"
     lines = [f"`{report['command']}`", "", f"device: {env['device_name']} | torch {env['torch']} | "
              f"least of {report['rounds']} round(s) per tree", "",
-             *[f"- {t['name']}: `{t['path']}` {t['commit']}" for t in trees], "",
+             *[f"- {t['name']}: `{t['path']}` {t['commit']} (package digest {t.get('content') or '-'})" for t in trees], "",
              f"host ms per uncompiled call (calls back to back, no sync); last / first: {names[-1]} / {names[0]}.", ""]
     head = ["M", "K", "N", "format", *[f"host ms {n}" for n in names], "last / first"]
     head += [f"gpu ms {n}" for n in names] if gpu else []
