@@ -21,6 +21,7 @@
 #   bash bench/gpu_suite.sh comfyui_a "$OUT" / comfyui_b "$OUT"  # issue 47: the running-server table, in two calls
 #   bash bench/gpu_suite.sh comfyui_c "$OUT"  # the uncompiled pack rows again (plain patchers: no per-queue re-upload)
 #   bash bench/gpu_suite.sh comfyui_d "$OUT"  # the file row beside Quantize's (dynamic VRAM kept for ComfyUI's layers)
+#   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
 #   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
 #   and the wheels as .whl_comfy/ = hydra-core, omegaconf, antlr4, diffusers, comfy-kitchen (43 MB): with the tree
@@ -33,7 +34,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c or comfyui_d}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -150,5 +151,11 @@ case "$part" in
       --out "$out/comfyui_speed_${card}_${part#comfyui_}" --rows $rows --profile --deadline-s 430 \
       > "$out/comfyui_speed_${part}.log" 2>&1
     tail -30 "$out/comfyui_speed_${card}_${part#comfyui_}.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d)"; exit 2 ;;
+  comfyui_all)
+    # every row of bench/comfyui_speed.py in one server and one call: no profiled queues (a/b/c/d have them); rows
+    # ~25-35 s each, the float file and two exports ~150 s
+    timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
+      --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
+    tail -24 "$out/comfyui_speed_${card}_all.md" ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_all)"; exit 2 ;;
 esac
