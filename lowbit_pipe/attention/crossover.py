@@ -267,14 +267,17 @@ class AttentionRouter:
                              allow_measure=not capturing)
         return choice.path, choice.why
 
+    def runner(self, path: str) -> Callable[..., torch.Tensor]:
+        """The call of the 8-bit path named `path` (a name `pick` returned): (q, k, v, sm_scale, key_mask)."""
+        return next(p.run for p in self.paths if p.name == path)
+
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None,
             key_mask: torch.Tensor | None) -> torch.Tensor:
         """Pick, count and run the path of a [B, H, N, D] call (the custom op's body): the output in q's layout,
         the model's own attention as torch SDPA."""
         path, why = self.pick(q, key_mask is not None)
         self.calls[path if why is None else f"stock: {why}"] += 1
-        run = stock_attention if path == STOCK else next(p.run for p in self.paths if p.name == path)
-        out = run(q, k, v, sm_scale, key_mask)
+        out = (stock_attention if path == STOCK else self.runner(path))(q, k, v, sm_scale, key_mask)
         if out.stride() != q.stride():  # the fake impl promised q's layout
             out = torch.empty_like(q).copy_(out)
         return out

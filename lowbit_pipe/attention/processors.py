@@ -252,9 +252,8 @@ def apply_attention(root: nn.Module, attention_format: str, ledger: Ledger, laye
     device = next((t.device for t in root.parameters()), torch.device("cpu"))
     head_dims = kernel_head_dims(device) if device.type == "cuda" else None
     if device.type == "cuda":
-        applied.cudnn = _cudnn_runner(attention_format, device, route, path, applied.notes)
-        applied.router = _router(attention_format, device, head_dims, applied.cudnn, route, speed_cache, measure,
-                                 applied.notes, applied.calls)
+        applied.router, applied.cudnn = device_router(attention_format, device, route, speed_cache, measure, path,
+                                                      applied.notes, applied.calls)
         if applied.cudnn is not None and fold_qk:
             applied.fold = QKFold(applied.router, applied.cudnn, applied.calls, traced_counting(applied.calls))
     classes: dict[type, type] = {}
@@ -292,6 +291,18 @@ def _forget(applied: AppliedAttention) -> None:
         applied.fold.bounds.clear()
     if applied.cudnn is not None:
         applied.cudnn.close()
+
+
+def device_router(attention_format: str, device: torch.device, route: str = "auto", speed_cache: str | None = None,
+                  measure: bool = True, path: str = "attention", notes: list[str] | None = None,
+                  calls: Counter | None = None) -> tuple[AttentionRouter, Any]:
+    """The per-shape router of one CUDA device and cuDNN's FP8 runner it holds (None where cuDNN does not serve:
+    why in `notes`); `path`: the recipe key, in errors. apply_attention's, and the ComfyUI override's."""
+    notes = notes if notes is not None else []
+    cudnn = _cudnn_runner(attention_format, device, route, path, notes)
+    router = _router(attention_format, device, kernel_head_dims(device), cudnn, route, speed_cache, measure, notes,
+                     calls if calls is not None else Counter())
+    return router, cudnn
 
 
 def _cudnn_runner(attention_format: str, device: torch.device, route: str, path: str, notes: list[str]) -> Any:

@@ -15,7 +15,14 @@ and (`blocks_only`, the recipe's attention.arch_keep) calls outside the model's 
 diffusers side keeps by module name, calls without it.
 Purge drops it: off the MODEL it is given, and marked purged, so any other MODEL still carrying it (ComfyUI's
 cache) refuses to sample, naming the node, rather than silently compute in 16 bits; the node re-runs on the
-next queue (its purge count moves).
+next queue (its purge count moves); cuDNN's runner is closed.
+
+On a CUDA MODEL a call it serves goes through the same per-shape router as the diffusers side
+(lowbit_pipe.attention.crossover: cuDNN's FP8 kernel for fp8, the Triton kernel, or ComfyUI's own function
+where that is faster, measured once per shape and cached): the Triton kernel alone was slower than ComfyUI's
+attention at Krea 2's 1024² on an H100 (fp8 attention 1.42x of bf16 against 1.43x without it) and runs
+0.22x of bf16 at 512². Eager calls take ComfyUI's own function where the router picks the model's attention;
+under torch.compile a routed call is the router's custom op, whose model's attention is torch SDPA.
 """
 
 from __future__ import annotations
@@ -25,8 +32,10 @@ from typing import Any, Callable
 
 import torch
 
+from lowbit_pipe.attention.crossover import routed_attention_op
 from lowbit_pipe.attention.route import STOCK, attend8, count_call, format_problem, route_call, traced_counting
 from lowbit_pipe.comfy.node_runs import PURGES, PurgedModelError
+from lowbit_pipe.kernels.dispatch import compiling
 
 OVERRIDE_KEY = "optimized_attention_override"
 
@@ -34,7 +43,11 @@ OVERRIDE_KEY = "optimized_attention_override"
 class Attention8Override:
     """ComfyUI's `optimized_attention_override` callable: sdpa8 in `qk_format`, or ComfyUI's function."""
 
-    def __init__(self, qk_format: str, made_by: str, node_id: str | None = None, blocks_only: bool = True) -> None:
+    def __init__(self, qk_format: str, made_by: str, node_id: str | None = None, blocks_only: bool = True,
+                 device: torch.device | None = None, route: str = "auto", speed_cache: str | None = None,
+                 router: Any = None) -> None:
+        """`device`: the MODEL's load device; on CUDA the calls are routed (`route`, `speed_cache`: the recipe's
+        attention.route and quantize.speed_cache). `router`: one made by the caller instead (tests)."""
         problem = format_problem(qk_format, stock=False)
         if problem is not None:
             raise ValueError(f"{made_by}: 8-bit attention's format {problem}")
@@ -45,6 +58,13 @@ class Attention8Override:
         self.calls: Counter = Counter()
         self.purged: str | None = None
         self.count_key = traced_counting(self.calls)
+        self.notes: list[str] = []
+        self.router, self.cudnn = router, None
+        if router is None and device is not None and device.type == "cuda":
+            from lowbit_pipe.attention.processors import device_router
+
+            self.router, self.cudnn = device_router(qk_format, device, route, speed_cache, path=made_by,
+                                                    notes=self.notes, calls=self.calls)
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  heads: int, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -52,11 +72,22 @@ class Attention8Override:
             raise PurgedModelError(f"this MODEL carries the 8-bit attention of {self.made_by}, {self.purged}. Queue "
                                    "the workflow again: that node re-runs by itself")
         why, qkv, key_mask = self._route(q, k, v, heads, args, kwargs)
-        if why is not None:
-            count_call(self.calls, f"stock: {why}", self.count_key)
-            return func(q, k, v, heads, *args, **kwargs)
-        count_call(self.calls, self.qk_format, self.count_key)
-        out = attend8(*qkv, self.qk_format, kwargs.get("scale"), key_mask)  # [B, H, N, D]
+        router = self.router if why is None and self.router is not None and qkv[0].device == self.router.device \
+            else None
+        if router is not None and compiling():  # picked, counted and run when the graph runs
+            out = routed_attention_op(*qkv, kwargs.get("scale"), key_mask, router.key)
+        else:
+            path = self.qk_format
+            if router is not None:
+                path, why = router.pick(qkv[0], key_mask is not None)
+            if why is not None:
+                count_call(self.calls, f"stock: {why}", self.count_key)
+                return func(q, k, v, heads, *args, **kwargs)
+            count_call(self.calls, path, self.count_key)
+            if router is not None:
+                out = router.runner(path)(*qkv, kwargs.get("scale"), key_mask)
+            else:
+                out = attend8(*qkv, self.qk_format, kwargs.get("scale"), key_mask)  # [B, H, N, D]
         if kwargs.get("skip_output_reshape", False):
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
@@ -86,6 +117,8 @@ class Attention8Override:
 
     def purge(self, when: str) -> None:
         self.purged = f"purged by Purge (lowbit_pipe) at {when}"
+        if self.cudnn is not None:  # its graphs, workspaces and handles
+            self.cudnn.close()
         PURGES.bump(self.node_id)
 
 
@@ -96,10 +129,11 @@ def override_of(model: Any) -> Attention8Override | None:
 
 
 def with_attention8(model: Any, qk_format: str, made_by: str, node_id: str | None = None,
-                    blocks_only: bool = True) -> Any:
+                    blocks_only: bool = True, route: str = "auto", speed_cache: str | None = None) -> Any:
     """A clone of `model` carrying 8-bit attention ("bf16": a plain clone, without ours). The MODEL given is
     untouched; another attention override already on it (a pack's) is refused rather than silently replaced.
-    `blocks_only`: calls outside the model's repeated blocks keep ComfyUI's attention (Attention8Override)."""
+    `blocks_only`: calls outside the model's repeated blocks keep ComfyUI's attention; `route`, `speed_cache`: the
+    per-shape router's settings on a CUDA MODEL (Attention8Override)."""
     current = getattr(model, "model_options", {}).get("transformer_options", {}).get(OVERRIDE_KEY)
     if current is not None and not isinstance(current, Attention8Override):
         raise ValueError(f"{made_by}: this MODEL already carries an attention override ({current!r}, another node "
@@ -108,7 +142,10 @@ def with_attention8(model: Any, qk_format: str, made_by: str, node_id: str | Non
     options = out.model_options.setdefault("transformer_options", {})
     options.pop(OVERRIDE_KEY, None)
     if qk_format != STOCK:
-        options[OVERRIDE_KEY] = Attention8Override(qk_format, made_by, node_id, blocks_only)
+        device = getattr(model, "load_device", None)
+        options[OVERRIDE_KEY] = Attention8Override(qk_format, made_by, node_id, blocks_only,
+                                                   device if isinstance(device, torch.device) else None, route,
+                                                   speed_cache)
     return out
 
 

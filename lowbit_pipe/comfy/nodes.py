@@ -259,7 +259,8 @@ def _planned_attention(out: Any, result: Any, run: NodeRun, made_by: str, unique
 
     cfg = result.context.recipe.attention
     attention = plan.attention.format
-    out = with_attention8(out, attention, made_by, unique_id, cfg.arch_keep)
+    out = with_attention8(out, attention, made_by, unique_id, cfg.arch_keep, cfg.route,
+                          result.context.recipe.quantize.speed_cache)
     run.ledger.record("comfy_attention", f"8-bit attention ({attention}) override on the MODEL",
                       lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
     summary += (f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override "
@@ -542,7 +543,9 @@ class LowbitAttention8:
     DESCRIPTION = ("Runs the model's attention in 8 bits (lowbit_pipe's attention kernel: Q·Kᵀ in INT8 or FP8 with "
                    "per-block scales and K smoothing, P·V in FP8) through ComfyUI's attention override, on a clone: "
                    "the MODEL given is unchanged. Calls it cannot serve (a mask, cross-attention, a GPU without the "
-                   "kernel: before Hopper, head dims other than 64 / 128) keep ComfyUI's attention. Purge drops it.")
+                   "kernel: before Hopper, head dims other than 64 / 128) keep ComfyUI's attention, and so do call "
+                   "shapes where ComfyUI's attention is the faster (timed once per shape on the GPU; fp8 also tries "
+                   "cuDNN's FP8 kernel). Purge drops it.")
     CATEGORY = CATEGORY
     RETURN_TYPES = ("MODEL",)
     OUTPUT_TOOLTIPS = ("the model with 8-bit attention (a new MODEL; the input one is unchanged)",)

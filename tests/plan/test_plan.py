@@ -87,8 +87,8 @@ class _Recorded:
     def __init__(self):
         self.calls = []
 
-    def with_attention8(self, model, fmt, made_by, node_id=None, blocks_only=True):
-        self.calls.append((fmt, blocks_only))
+    def with_attention8(self, model, fmt, made_by, node_id=None, blocks_only=True, route="auto", speed_cache=None):
+        self.calls.append((fmt, blocks_only, route, speed_cache))
         return {"model": model, "attention": fmt}
 
     def drop_attention8(self, model, when):
@@ -96,16 +96,17 @@ class _Recorded:
 
 
 def _result(plan_format: str | None, recipe_format: str):
-    attention = types.SimpleNamespace(format=recipe_format, arch_keep=True, layers=["*"])
+    attention = types.SimpleNamespace(format=recipe_format, arch_keep=True, layers=["*"], route="cudnn")
     plan = None if plan_format is None else Plan((), AttentionChoice(plan_format, f"picked {plan_format}",
                                                                      "quantize.target"))
     return types.SimpleNamespace(context=types.SimpleNamespace(plan=plan, recipe=types.SimpleNamespace(
-        attention=attention)))
+        attention=attention, quantize=types.SimpleNamespace(speed_cache="/tmp/speed"))))
 
 
 def test_the_quantize_node_sets_the_plans_attention_not_the_recipes(monkeypatch):
     """The node reads the Plan: an attention format quantize.target chose (the recipe's attention.format left bf16)
-    becomes ComfyUI's override; a stock plan or no plan (no quantize stage) sets none."""
+    becomes ComfyUI's override, routed with the recipe's attention.route and speed cache; a stock plan or no plan
+    (no quantize stage) sets none."""
     from lowbit_pipe.comfy import attention as comfy_attention
     from lowbit_pipe.comfy.node_runs import NodeRun
     from lowbit_pipe.comfy.nodes import _planned_attention
@@ -115,7 +116,7 @@ def test_the_quantize_node_sets_the_plans_attention_not_the_recipes(monkeypatch)
     monkeypatch.setattr(comfy_attention, "drop_attention8", recorded.drop_attention8)
     run = NodeRun(Ledger(), "Quantize (lowbit_pipe) node 3", "3")
     out, summary = _planned_attention("MODEL", _result("int8", "bf16"), run, run.made_by, "3", "summary")
-    assert out == {"model": "MODEL", "attention": "int8"} and recorded.calls == [("int8", True)]
+    assert out == {"model": "MODEL", "attention": "int8"} and recorded.calls == [("int8", True, "cudnn", "/tmp/speed")]
     assert "8-bit attention (int8 Q·Kᵀ" in summary and "(picked int8)" in summary
     run.ledger.unwind()  # Purge's undo drops the override it set
     assert recorded.calls[-1] == ("dropped", "int8")
