@@ -24,9 +24,9 @@ The choice, per shape, once (then remembered):
    gained 4 % on the whole Krea 2 forward with the text mask and lost 2 % without it, so masked calls take 8-bit
    paths from fewer tokens. bench/attention_route_gpu.py says where this rule's choice would be slower.
    The folded cuDNN path ("cudnn_fp8_folded", lowbit_pipe.attention.fold: q and k in e4m3 from their RoPE, only
-   v's two passes left) is taken from 4096 tokens: an estimate (the kernel at 1.23x and v's passes plus the
-   output conversion at ~0.1 of bf16's time at 4608 tokens), to be replaced by bench/attention_fold_gpu.py's
-   figures. It serves only calls whose RoPE can fold (CallShape.folded), and is measured without the producer
+   v's two passes left) is taken from 4096 tokens: with its norms and RoPE it ran 1.05x of bf16's at 4608
+   tokens (48 heads), 1.02x at 4608 (24 heads), 1.50x at 16896 and 0.39x at 1280 on an H100
+   (bench/results/attention_fold_h100.md). It serves only calls whose RoPE can fold (CallShape.folded), and is measured without the producer
    (its RoPE writes half the bytes the bf16 RoPE writes: the measured time is an upper bound of its cost).
 
 Under torch.compile a routed call is one custom op (`lowbit_pipe::routed_attention`, a fake impl giving q's
