@@ -19,9 +19,9 @@ next queue (its purge count moves); cuDNN's runner is closed.
 
 On a CUDA MODEL a call it serves goes through the same per-shape router as the diffusers side
 (lowbit_pipe.attention.crossover: cuDNN's FP8 kernel for fp8, the Triton kernel, or ComfyUI's own function
-where that is faster, measured once per shape and cached): the Triton kernel alone was slower than ComfyUI's
-attention at Krea 2's 1024² on an H100 (fp8 attention 1.42x of bf16 against 1.43x without it) and runs
-0.22x of bf16 at 512². Eager calls take ComfyUI's own function where the router picks the model's attention;
+where that is faster, measured once per shape and cached): the Triton kernel alone gained nothing over
+ComfyUI's attention at Krea 2's 1024² on an H100 (a whole step, within noise either way) and runs 0.22x of bf16
+attention at 512². Eager calls take ComfyUI's own function where the router picks the model's attention;
 under torch.compile a routed call is the router's custom op, whose model's attention is torch SDPA.
 """
 
