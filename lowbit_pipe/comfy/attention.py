@@ -63,7 +63,7 @@ class Attention8Override:
         if router is None and device is not None and device.type == "cuda":
             from lowbit_pipe.attention.processors import device_router
 
-            self.router, self.cudnn = device_router(qk_format, device, route, speed_cache, path=made_by,
+            self.router, self.cudnn = device_router(qk_format, device, route, speed_cache, path=f"{made_by}: attention",
                                                     notes=self.notes, calls=self.calls)
 
     def __call__(self, func: Callable[..., torch.Tensor], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

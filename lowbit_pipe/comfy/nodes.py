@@ -255,7 +255,7 @@ def _planned_attention(out: Any, result: Any, run: NodeRun, made_by: str, unique
     plan = result.context.plan
     if plan is None or plan.attention.stock:
         return out, summary
-    from lowbit_pipe.comfy.attention import drop_attention8, with_attention8
+    from lowbit_pipe.comfy.attention import drop_attention8, override_of, with_attention8
 
     cfg = result.context.recipe.attention
     attention = plan.attention.format
@@ -265,6 +265,10 @@ def _planned_attention(out: Any, result: Any, run: NodeRun, made_by: str, unique
                       lambda: drop_attention8(out, time.strftime("%H:%M:%S")))
     summary += (f"\n8-bit attention ({attention} Q·Kᵀ, fp8 P·V) through ComfyUI's attention override "
                 f"({plan.attention.reason})")
+    override = override_of(out)
+    if override is not None and override.router is not None:
+        summary += f"; routed per call shape (attention.route {cfg.route})"
+        summary += "".join(f"; {note}" for note in override.notes)
     if list(cfg.layers) != ["*"]:  # diffusers module names: none here
         summary += (f"; attention.layers {list(cfg.layers)} names diffusers modules and is not applied in ComfyUI: "
                     "every attention call of the MODEL gets it")
