@@ -63,6 +63,8 @@ class Attention8Override:
         if router is None and device is not None and device.type == "cuda":
             from lowbit_pipe.attention.processors import device_router
 
+            if device.index is None:  # compared with the calls' tensors' devices, which carry an index
+                device = torch.device("cuda", torch.cuda.current_device())
             self.router, self.cudnn = device_router(qk_format, device, route, speed_cache, path=f"{made_by}: attention",
                                                     notes=self.notes, calls=self.calls)
 
