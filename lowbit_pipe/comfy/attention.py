@@ -41,7 +41,8 @@ OVERRIDE_KEY = "optimized_attention_override"
 
 
 class Attention8Override:
-    """ComfyUI's `optimized_attention_override` callable: sdpa8 in `qk_format`, or ComfyUI's function."""
+    """ComfyUI's `optimized_attention_override` callable: on a CUDA MODEL the 8-bit path its router picks per call
+    shape, elsewhere sdpa8 in `qk_format`; ComfyUI's own function where neither serves or is faster."""
 
     def __init__(self, qk_format: str, made_by: str, node_id: str | None = None, blocks_only: bool = True,
                  device: torch.device | None = None, route: str = "auto", speed_cache: str | None = None,
