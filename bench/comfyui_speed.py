@@ -22,8 +22,8 @@ Per row: a 1-step warm-up queue (file load / quantize / compile: its time is the
 N-step queue with new seeds (s/step = their difference / (N - 1), ComfyUI's execution timestamps), the device
 memory in use after the timed queue, and (`--profile`) one profiled 2-step queue whose kernel table (device time by
 kernel name, top 15) goes into the JSON, with the device's busy time (every kernel's own time) beside the sampler's
-wall time: how much of a step the device waited on the host. Each row is then dropped (Purge for the pack's, /free for stock) so the next
-starts from the float model alone. Writes <out>.json / <out>.md after every row.
+wall time: how much of a step the device waited on the host. Each row is then dropped (Purge for the pack's,
+/free for stock) so the next starts from the float model alone. Writes <out>.json / <out>.md after every row.
 """
 
 from __future__ import annotations

@@ -206,4 +206,5 @@ def test_the_solvers_attention_probe_applies_what_the_attention_step_applies(mon
     assert swapper.probe(model, "fp8", ledger) == {}
     swapper.apply(model, "fp8", ledger)
     assert len(seen) == 2 and seen[0] == seen[1]
-    assert seen[0][1] == {"keep": ("blocks.0.attn",), "route": "triton", "speed_cache": "/tmp/speed.json", "fold_qk": True}
+    assert seen[0][1] == {"keep": ("blocks.0.attn",), "route": "triton", "speed_cache": "/tmp/speed.json",
+                          "fold_qk": True}
