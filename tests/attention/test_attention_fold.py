@@ -151,7 +151,8 @@ def _child_kernels() -> None:
     from lowbit_pipe.kernels import qkv_fp8 as Q
 
     gen = torch.Generator().manual_seed(0)
-    for b, s, h, d, masked in ((2, 70, 3, 32, True), (1, 130, 2, 64, False), (2, 40, 1, 16, "empty")):
+    for b, s, h, d, masked in ((2, 70, 3, 32, True), (1, 130, 2, 64, False), (2, 40, 1, 16, "empty"),
+                                (2, 20, 16, 32, True)):
         x = torch.randn(b, s, h, d, generator=gen).bfloat16()
         w = torch.randn(d, generator=gen) * 0.3
         y = R.reference_rms_norm(x, w, 1e-5, 1.0)

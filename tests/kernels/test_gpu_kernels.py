@@ -606,3 +606,31 @@ def test_a_layer_left_in_host_memory_gives_the_resident_layers_result(fmt):
         got, want = host(x), resident(x)
     assert got.device == x.device and host.weight.device == torch.device("cpu")
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("b,s,h,d", [(1, 4608, 48, 128), (2, 333, 12, 128), (1, 70, 16, 96), (3, 5, 1, 64)])
+def test_the_rope_kernels_match_their_torch_forms(b, s, h, d):
+    """The token-major RoPE kernels (several token blocks and head groups, a head dim whose half is not a power of
+    two, one head) against their torch forms: bf16 outputs within one ulp of the fp32 result, e4m3 codes equal but
+    for rounding ties, the amax exact."""
+    from lowbit_pipe.kernels import norm_rope as R
+
+    gen = torch.Generator(device="cuda").manual_seed(s + h + d)
+    angles = torch.rand(s, d // 2, device="cuda", generator=gen, dtype=torch.float64) * 6
+    cos, sin = (f(angles).repeat_interleave(2, 1).float().contiguous() for f in (torch.cos, torch.sin))
+    for seq_dim, shape in ((1, (b, s, h, d)), (2, (b, h, s, d))):
+        x = torch.randn(*shape, device="cuda", generator=gen).bfloat16()
+        got, want = R.rope(x, cos, sin, seq_dim).float(), R.reference_rope(x, cos, sin, seq_dim).float()
+        assert (got - want).abs().max() <= 2 ** -7 * want.abs().max(), (seq_dim, shape)
+    x = torch.randn(b, s, h, d, device="cuda", generator=gen).bfloat16()
+    scale, amax = torch.full((1,), 40.0, device="cuda"), torch.zeros(1, device="cuda")
+    codes = R.rope_e4m3(x, cos, sin, scale, amax)
+    ref = R.reference_rope_e4m3(x, cos, sin, 40.0)
+    assert (codes.float() != ref.float()).float().mean() < 1e-3
+    exact = R.reference_rope(x.float(), cos, sin, 1).abs().max()
+    torch.testing.assert_close(amax[0], exact, rtol=1e-6, atol=0)
+    freqs = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).float().view(1, 1, s, d // 2, 2, 2)
+    x = torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16()
+    for f, tol in ((freqs, 2 ** -7), (freqs.bfloat16(), 2 ** -6)):
+        got, want = R.rope_pairs(x, f).float(), R.reference_rope_pairs(x, f).float()
+        assert (got - want).abs().max() <= tol * want.abs().max(), (f.dtype, x.shape)

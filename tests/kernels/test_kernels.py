@@ -867,18 +867,20 @@ def case_norm_rope() -> None:
                                                           out_dtype=want.dtype), want, rtol=0, atol=0)
     finally:
         norm_rope.kernel_serves = saved
-    for seq_dim in (1, 2):
-        shape = (2, 9, 3, 64) if seq_dim == 1 else (2, 3, 9, 64)
+    # token-major programs: (tokens, heads, D) of one block and one head group, then several token blocks, two
+    # groups of 8 heads and a head dim whose half is not a power of two (masked pair columns)
+    for seq_dim, (s_len, h, d) in ((1, (9, 3, 64)), (2, (9, 3, 64)), (1, (70, 16, 96)), (2, (70, 16, 96))):
+        shape = (2, s_len, h, d) if seq_dim == 1 else (2, h, s_len, d)
         x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
-        angles = torch.rand(9, 32, generator=gen, dtype=torch.float64) * 6
+        angles = torch.rand(s_len, d // 2, generator=gen, dtype=torch.float64) * 6
         cos = angles.cos().repeat_interleave(2, dim=1).float()
         sin = angles.sin().repeat_interleave(2, dim=1).float()
         stock = apply_rotary_emb(x, (cos, sin), sequence_dim=seq_dim)
         torch.testing.assert_close(reference_rope(x, cos, sin, seq_dim), stock, rtol=0, atol=0)
-        _close(rope(x, cos, sin, seq_dim), stock, 5e-3, f"rope sequence_dim={seq_dim}")
+        _close(rope(x, cos, sin, seq_dim), stock, 5e-3, f"rope sequence_dim={seq_dim} {tuple(shape)}")
         xf = x.float()  # fp32: no store rounding to hide a wrong pair, sign or token
         _close(rope(xf, cos, sin, seq_dim), apply_rotary_emb(xf, (cos, sin), sequence_dim=seq_dim), 1e-6,
-               f"rope fp32 sequence_dim={seq_dim}")
+               f"rope fp32 sequence_dim={seq_dim} {tuple(shape)}")
 
     # ComfyUI's forms (lowbit_pipe.attention.comfy_fused; against ComfyUI's own code in tests/comfy/test_comfy_fused.py): the norm
     # reading a strided view (q sliced out of a packed qkv; a permuted [B, L, H, D]) into a contiguous result, and
@@ -904,6 +906,11 @@ def case_norm_rope() -> None:
                    f"rope_pairs x {dtype} freqs {fdtype}")
         _close(rope_pairs(x, freqs[:1, :, :1]), reference_rope_pairs(x, freqs[:1, :, :1]), tol,
                f"rope_pairs one batch, one token of freqs (broadcast) {dtype}")
+        # several token blocks, two groups of 8 heads, D / 2 = 48 (masked pair columns), freqs per batch row
+        angles = torch.rand(2, 1, 70, 48, generator=gen) * 6
+        big_f = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).view(2, 1, 70, 48, 2, 2)
+        big_x = torch.randn(2, 16, 70, 96, generator=gen).to(dtype)
+        _close(rope_pairs(big_x, big_f), reference_rope_pairs(big_x, big_f), tol, f"rope_pairs [2, 16, 70, 96] {dtype}")
 
     # The whole tiny Krea 2 with both applied: the kernels on CPU tensors here (the interpreter), equal to the
     # stock forward but for rounding; teardown puts every forward and processor back.
