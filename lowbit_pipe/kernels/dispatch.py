@@ -174,6 +174,30 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, group: int | Non
 
 FUSED_DOWN_MAX_R = 128
 
+# An input several layers read (a DiT block's q / k / v / gate projections, SwiGLU's gate and up) is rotated and
+# quantized once per mode: the Activations ride on the input tensor object itself, keyed by its version counter
+# (any in-place change since, through any view, misses), so they live exactly as long as that tensor and nothing
+# outlives a forward. Identity, not the address: a freed input's storage reused by the next block's input is a new
+# object without the attribute. Not under torch.compile (Inductor fuses the quantization into x's producer) nor
+# with a static scale or a LoRA down factor fused into the pass (both belong to one layer).
+SHARED_ACTIVATIONS_ATTR = "_lowbit_activations"
+
+
+def shared_activations(x: torch.Tensor, x2: torch.Tensor, mode: str, rot: str, group: int | None,
+                       static: torch.Tensor | None, down: torch.Tensor | None) -> Activations:
+    """`quantize_activations(x2, ...)` for x2 = x.reshape(-1, K), reusing what an earlier layer computed from the
+    same, unchanged x with the same mode and rotation."""
+    if (down is not None or static is not None or type(x) is not torch.Tensor or compiling()
+            or (x.requires_grad and torch.is_grad_enabled())):
+        return quantize_activations(x2, mode, rot, group, static, down)
+    key = (mode, rot, group, x._version, tuple(x2.shape))
+    memo = x.__dict__.get(SHARED_ACTIVATIONS_ATTR)
+    if memo is not None and memo[0] == key:
+        return memo[1]
+    a = quantize_activations(x2, mode, rot, group, None)
+    x.__dict__[SHARED_ACTIVATIONS_ATTR] = (key, a)
+    return a
+
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
                 rot: str = "none", group: int | None = None, int4: bool = False,
@@ -191,7 +215,7 @@ def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: t
 
     x2 = x.reshape(-1, x.shape[-1])
     pair = _lora_pair(x, lora_down, lora_up)
-    a = quantize_activations(x2, "int4" if int4 else "int8", rot, group, input_scale, pair[0] if pair else None)
+    a = shared_activations(x, x2, "int4" if int4 else "int8", rot, group, input_scale, pair[0] if pair else None)
     lora = {"xa": a.xa, "up_t": pair[1].t()} if pair is not None else {}
     w_mode = 1 if (int4 if packed_weight is None else packed_weight) else 0
     y = launcher(int8_gemm_op, int8_gemm)(a.codes, w, a.scale, w_scale, bias, x.dtype, w_mode, **lora)
@@ -356,7 +380,7 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, input_sc
     n = w.shape[0]
     x2 = x.reshape(-1, k)
     pair = _lora_pair(x, lora_down, lora_up)
-    a = quantize_activations(x2, "fp8", rot, group, input_scale, pair[0] if pair else None)
+    a = shared_activations(x, x2, "fp8", rot, group, input_scale, pair[0] if pair else None)
     q, s, xa = a.codes, a.scale, a.xa
     if fp8_triton_gemm(x, facts):
         y = launcher(fp8_gemm_op, fp8_gemm)(q, w, s, w_scale, bias, x.dtype,

@@ -29,7 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (not conftest's: this file also runs as a script)
 CASES = ("int8_gemm", "int8_lora", "quantize_down", "fp8_gemm", "quantize_act", "nvfp4", "nvfp4_rows", "decode", "svdquant",
-         "mxfp8", "formats", "compile", "attention8", "norm_rope")
+         "mxfp8", "formats", "compile", "attention8", "norm_rope", "shared_activations")
 CHILD_TIMEOUT_S = 600
 
 
@@ -244,6 +244,63 @@ def case_int8_lora() -> None:
         base = dispatch.int8_linear(x, t["weight"], t["weight_scale"], bias, kind, group)
         _close(y, base + F.linear(F.linear(x, down), upf), 1e-6, f"int8 {spec.rotation} fused lora vs base + branch")
         _close(y, ref, _tol(kind), f"int8 {spec.rotation} fused lora")
+
+
+def case_shared_activations() -> None:
+    """Layers reading one input quantize it once (dispatch.shared_activations): each layer's output equal to its
+    own quantization's, one pass per (input version, mode, rotation), a new one after an in-place change of the
+    input through a view, none shared by a layer with a LoRA branch, and none between equal but distinct tensors."""
+    from torch.nn import functional as F
+
+    from lowbit_pipe.kernels import dispatch
+    from lowbit_pipe.kernels import quantize_act as qa
+
+    gen = torch.Generator().manual_seed(11)
+    n, k = 48, 96
+    x = torch.randn(2, 20, k, generator=gen)
+    layers = [(torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen),
+               torch.rand(n, 1, generator=gen) * 1e-2 + 1e-3) for _ in range(3)]
+    calls = []
+    real = qa.quantize_act
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    def run(inp, rot="none", group=None):
+        return [dispatch.int8_linear(inp, w, s, None, rot, group) for w, s in layers]
+
+    qa.quantize_act = counted
+    try:
+        own = [dispatch.int8_linear(x.clone(), w, s, None) for w, s in layers]  # equal, distinct tensors
+        assert len(calls) == 3, calls
+        calls.clear()
+        shared = run(x)
+        assert len(calls) == 1, calls
+        for got, want in zip(shared, own):
+            assert torch.equal(got, want)
+        calls.clear()
+        rotated = run(x, "convrot", 16)  # another rotation: its own pass, then shared
+        assert len(calls) == 1 and not torch.equal(rotated[0], shared[0]), calls
+        for got, (w, s) in zip(rotated, layers):
+            assert torch.equal(got, dispatch.int8_linear(x.clone(), w, s, None, "convrot", 16))
+        calls.clear()
+        run(x)
+        assert len(calls) == 1, calls  # one entry per tensor, the last: back to no rotation is a new pass
+        calls.clear()
+        x.view(-1)[0] += 1.0  # in place, through a view: the version counter moves
+        changed = run(x)
+        assert len(calls) == 1, calls
+        for got, (w, s) in zip(changed, layers):
+            assert torch.equal(got, dispatch.int8_linear(x.clone(), w, s, None))
+        calls.clear()
+        down, up = torch.randn(8, k, generator=gen) * 0.1, torch.randn(n, 8, generator=gen) * 0.1
+        w, s = layers[0]
+        y = dispatch.int8_linear(x, w, s, None, lora_down=down, lora_up=up)
+        assert len(calls) == 1, calls  # a LoRA branch's pass reads its own down factor: never shared
+        _close(y, changed[0] + F.linear(F.linear(x, down), up), 1e-5, "shared input + LoRA branch")
+    finally:
+        qa.quantize_act = real
 
 
 def case_quantize_down() -> None:
