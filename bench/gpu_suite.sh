@@ -21,6 +21,7 @@
 #   bash bench/gpu_suite.sh comfyui_a "$OUT" / comfyui_b "$OUT"  # issue 47: the running-server table, in two calls
 #   bash bench/gpu_suite.sh comfyui_c "$OUT"  # the uncompiled pack rows again (plain patchers: no per-queue re-upload)
 #   bash bench/gpu_suite.sh comfyui_d "$OUT"  # the file row beside Quantize's (dynamic VRAM kept for ComfyUI's layers)
+#   bash bench/gpu_suite.sh comfyui_e "$OUT"  # the uncompiled rows after the token-major RoPE and shared activations
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
 #   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
@@ -34,7 +35,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d or comfyui_all}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -136,7 +137,7 @@ case "$part" in
     tail -30 "$out/attention_fold.log"
     timeout 250 python3 -m pytest -q -p no:cacheprovider tests/attention/test_gpu_cudnn_attention.py tests/attention/test_gpu_attention_recipe.py \
       2>&1 | tail -20 > "$out/pytest_attention_fold.log"; tail -3 "$out/pytest_attention_fold.log" ;;
-  comfyui_a|comfyui_b|comfyui_c|comfyui_d)
+  comfyui_a|comfyui_b|comfyui_c|comfyui_d|comfyui_e)
     # one warm machine: part b reuses part a's unpacked ComfyUI, float file and fp8 export under /tmp/cspeed
     if [ "$part" = comfyui_a ]; then
       rows="stock_bf16 pack_fp8 stock_fp8 pack_krea2_nvfp4 pack_fp8_compile pack_fp8_attn pack_file_nvfp4_fp8"
@@ -144,8 +145,10 @@ case "$part" in
       rows="stock_bf16 stock_bf16_tc stock_fp8_tc pack_int8 pack_fp8_attn_compile pack_krea2_nvfp4_compile pack_int8_compile"
     elif [ "$part" = comfyui_c ]; then
       rows="stock_bf16 pack_fp8 pack_int8 pack_krea2_nvfp4 pack_fp8_attn stock_fp8 stock_fp8_tc pack_file_nvfp4_fp8"
-    else
+    elif [ "$part" = comfyui_d ]; then
       rows="stock_bf16 pack_file_nvfp4_fp8 pack_krea2_nvfp4 pack_fp8"
+    else
+      rows="stock_bf16 pack_fp8 pack_krea2_nvfp4 stock_fp8 pack_int8 pack_fp8_attn pack_fp8_compile"
     fi
     timeout 570 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_${part#comfyui_}" --rows $rows --profile --deadline-s 430 \
@@ -157,5 +160,5 @@ case "$part" in
     timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
     tail -24 "$out/comfyui_speed_${card}_all.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_all)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_all)"; exit 2 ;;
 esac
