@@ -178,8 +178,10 @@ FUSED_DOWN_MAX_R = 128
 # quantized once per mode: the Activations ride on the input tensor object itself, keyed by its version counter
 # (any in-place change since, through any view, misses), so they live exactly as long as that tensor and nothing
 # outlives a forward. Identity, not the address: a freed input's storage reused by the next block's input is a new
-# object without the attribute. Not under torch.compile (Inductor fuses the quantization into x's producer) nor
-# with a static scale or a LoRA down factor fused into the pass (both belong to one layer).
+# object without the attribute. Not under torch.compile (Inductor fuses the quantization into x's producer), nor
+# with a static scale or a LoRA down factor fused into the pass (both belong to one layer), nor for an inference
+# tensor (made under torch.inference_mode, as ComfyUI runs every node): it has no version counter, so an in-place
+# change between two layers could not be told.
 SHARED_ACTIVATIONS_ATTR = "_lowbit_activations"
 
 
@@ -187,7 +189,7 @@ def shared_activations(x: torch.Tensor, x2: torch.Tensor, mode: str, rot: str, g
                        static: torch.Tensor | None, down: torch.Tensor | None) -> Activations:
     """`quantize_activations(x2, ...)` for x2 = x.reshape(-1, K), reusing what an earlier layer computed from the
     same, unchanged x with the same mode and rotation."""
-    if (down is not None or static is not None or type(x) is not torch.Tensor or compiling()
+    if (down is not None or static is not None or type(x) is not torch.Tensor or compiling() or x.is_inference()
             or (x.requires_grad and torch.is_grad_enabled())):
         return quantize_activations(x2, mode, rot, group, static, down)
     key = (mode, rot, group, x._version, tuple(x2.shape))

@@ -299,6 +299,12 @@ def case_shared_activations() -> None:
         y = dispatch.int8_linear(x, w, s, None, lora_down=down, lora_up=up)
         assert len(calls) == 1, calls  # a LoRA branch's pass reads its own down factor: never shared
         _close(y, changed[0] + F.linear(F.linear(x, down), up), 1e-5, "shared input + LoRA branch")
+        with torch.inference_mode():  # no version counter: every layer quantizes for itself
+            xi = x.clone()
+            calls.clear()
+            for got, want in zip(run(xi), changed):
+                assert torch.equal(got, want)
+            assert len(calls) == 3, calls
     finally:
         qa.quantize_act = real
 
