@@ -92,7 +92,9 @@ def attention_lines(att: dict[str, Any]) -> list[str]:
         lines.append(f"fused norm / RoPE kernels (eager, CUDA): {fused.get('norm_modules', 0)} norm modules, "
                      f"{fused.get('rope_modules', fused.get('rope_processors', 0))} attention "
                      f"{'modules' if 'rope_modules' in fused else 'processors'}"
-                     + (f" of {fused['code']}" if fused.get("code") else ""))
+                     + (f" of {fused['code']}" if fused.get("code") else "")
+                     + (f"; {fused['shared_input_modules']} modules quantize an input once for all its layers"
+                        if fused.get("shared_input_modules") else ""))
     return lines
 
 

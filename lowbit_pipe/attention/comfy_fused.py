@@ -20,6 +20,13 @@ node runs that stage on its own structural copy of the tree):
   (global `attention`, comfy.ldm.flux.math.attention, whose global `apply_rope` is rebound in a copy of it),
   Qwen-Image's `Attention.forward` (global `apply_rope1`).
 
+- Shared inputs. ComfyUI runs nodes under torch.inference_mode, whose tensors have no version counter, so the
+  quantized layers' one-quantization-per-input memo (lowbit_pipe.kernels.dispatch.shared_activations) is off there
+  unless a scope vouches that an input stays unchanged while its layers read it. Krea 2's `Attention` (x -> wq,
+  wk, wv, gate) and `SwiGLU` (x -> gate, up) and Qwen-Image's `Attention` (each stream -> its q, k, v) open such a
+  scope around their stock forward (`dispatch.shared_inputs`), read off ComfyUI 0.29.0's code; it closes with
+  the forward, taking the activations off the inputs. FLUX.1's blocks project through one packed layer.
+
 How: each such module's class is swapped, on that module object only, for a subclass of its own class: the norms'
 `forward` runs the kernel where it serves and the class's own forward elsewhere; the attention modules' `forward`
 is the class's own code object run against a copy of its module's globals with the one function rebound
@@ -47,6 +54,7 @@ after a copy: little to gain there). Not timed on a GPU yet.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import weakref
 from collections import Counter
@@ -58,7 +66,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.attention.processors import rebound_function
-from lowbit_pipe.kernels.dispatch import compiling
+from lowbit_pipe.kernels.dispatch import compiling, shared_inputs
 from lowbit_pipe.ledger import Ledger
 
 _FP32_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's eps when None, for fp16 / bf16 / fp32 inputs
@@ -188,43 +196,49 @@ class ComfyFusion:
     fusion: Fusion
     norms: dict[str, str] = field(default_factory=dict)  # module name -> stock class name
     ropes: dict[str, str] = field(default_factory=dict)
+    shares: dict[str, str] = field(default_factory=dict)  # modules whose layers quantize a shared input once
 
     def as_dict(self) -> dict[str, Any]:
         """report.json's attention.fused_norm_rope for a ComfyUI model."""
         return {"code": "ComfyUI's (comfy/ldm)", "norm_modules": len(self.norms), "rope_modules": len(self.ropes),
-                "classes": dict(Counter([*self.norms.values(), *self.ropes.values()])),
+                "shared_input_modules": len(self.shares),
+                "classes": dict(Counter({**self.norms, **self.ropes, **self.shares}.values())),
                 "norm_kernel_calls": self.fusion.norm_calls, "rope_kernel_calls": self.fusion.rope_calls}
 
 
-def _stock_classes() -> tuple[dict[type, tuple[str, Any]], type | None]:
+def _stock_classes() -> tuple[dict[type, tuple[str, Any, tuple[str, ...]]], type | None]:
     """ComfyUI's classes this module fuses, from the ComfyUI modules already imported (none outside ComfyUI):
-    ({class: (kind, what its fused class needs)}, comfy.ops' base RMSNorm class or None)."""
-    found: dict[type, tuple[str, Any]] = {}
+    ({class: (kind, what its fused class needs, the forward's arguments it passes unchanged to several quantized
+    layers)}, comfy.ops' base RMSNorm class or None). The shared arguments are read off ComfyUI 0.29.0's code: each
+    goes to its projections before anything could change it (tests/comfy/test_comfy_fused.py runs that code)."""
+    found: dict[type, tuple[str, Any, tuple[str, ...]]] = {}
     krea2, layers, qwen, ops = (sys.modules.get(m) for m in (KREA2_MODULE, FLUX_LAYERS, QWEN_MODULE, "comfy.ops"))
     if krea2 is not None:
-        found[krea2.RMSNorm] = ("krea2_norm", None)
+        found[krea2.RMSNorm] = ("krea2_norm", None, ())
         stock = krea2.Attention.forward.__globals__.get("apply_rope")
         if _comfy_function(stock, FLUX_MATH, "apply_rope"):
-            found[krea2.Attention] = ("rope", {"apply_rope": (stock, True)})
+            found[krea2.Attention] = ("rope", {"apply_rope": (stock, True)}, ("x",))  # x -> wq, wk, wv, gate
+        found[krea2.SwiGLU] = ("share", None, ("x",))  # x -> gate, up
     if layers is not None:
         attention = layers.DoubleStreamBlock.forward.__globals__.get("attention")
         stock = getattr(attention, "__globals__", {}).get("apply_rope")
         if _comfy_function(attention, FLUX_MATH, "attention") and _comfy_function(stock, FLUX_MATH, "apply_rope"):
-            for cls in (layers.DoubleStreamBlock, layers.SingleStreamBlock):
-                found[cls] = ("rope", {"attention": (attention, {"apply_rope": (stock, True)})})
+            for cls in (layers.DoubleStreamBlock, layers.SingleStreamBlock):  # one packed qkv layer: nothing to share
+                found[cls] = ("rope", {"attention": (attention, {"apply_rope": (stock, True)})}, ())
     if qwen is not None:
         stock = qwen.Attention.forward.__globals__.get("apply_rope1")
-        if _comfy_function(stock, FLUX_MATH, "apply_rope1"):
-            found[qwen.Attention] = ("rope", {"apply_rope1": (stock, False)})
+        if _comfy_function(stock, FLUX_MATH, "apply_rope1"):  # each stream -> its q, k, v projections
+            found[qwen.Attention] = ("rope", {"apply_rope1": (stock, False)}, ("hidden_states", "encoder_hidden_states"))
     return found, (ops.disable_weight_init.RMSNorm if ops is not None else None)
 
 
-def _kind(cls: type, stock: dict[type, tuple[str, Any]], ops_norm: type | None) -> tuple[str, Any] | None:
+def _kind(cls: type, stock: dict[type, tuple[str, Any, tuple[str, ...]]],
+          ops_norm: type | None) -> tuple[str, Any, tuple[str, ...]] | None:
     if cls in stock:
         return stock[cls]
     if ops_norm is not None and issubclass(cls, ops_norm) and cls.forward is ops_norm.forward \
             and cls.forward_comfy_cast_weights is ops_norm.forward_comfy_cast_weights:
-        return "ops_norm", None  # a comfy.ops RMSNorm of any op set whose arithmetic is the base class's
+        return "ops_norm", None, ()  # a comfy.ops RMSNorm of any op set whose arithmetic is the base class's
     return None
 
 
@@ -238,14 +252,38 @@ def _rebinds(spec: dict[str, Any], fusion: Fusion) -> dict[str, Any]:
     return out
 
 
-def _fused_class(stock_cls: type, kind: str, spec: Any, fusion: Fusion) -> type:
+def _sharing_forward(forward: Callable[..., Any], shares: tuple[str, ...], fusion: Fusion,
+                     qualname: str) -> Callable[..., Any]:
+    """`forward` with its arguments named `shares` open to one activation quantization for all the quantized layers
+    that read them (dispatch.shared_inputs), in eager while the fusion is on."""
+    params = list(inspect.signature(forward).parameters)[1:]  # after self
+    where = {name: params.index(name) for name in shares}
+
+    def shared(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if not fusion.active or compiling():
+            return forward(self, *args, **kwargs)
+        inputs = [kwargs[n] if n in kwargs else args[i] if i < len(args) else None for n, i in where.items()]
+        with shared_inputs(*inputs):
+            return forward(self, *args, **kwargs)
+
+    shared.__qualname__ = shared.__name__ = qualname
+    shared.__wrapped__ = forward  # inspect.unwrap: the forward it runs (its rebound globals)
+    return shared
+
+
+def _fused_class(stock_cls: type, kind: str, spec: Any, shares: tuple[str, ...], fusion: Fusion) -> type:
     """The subclass a module of `stock_cls` becomes: rope, a forward of the stock code with its RoPE function
-    rebound; a norm, the kernel forward before the stock class in the MRO."""
+    rebound; share, the stock forward; a norm, the kernel forward before the stock class in the MRO. rope and share
+    open their `shares` arguments to one activation quantization (`_sharing_forward`)."""
     body: dict[str, Any] = {"_lowbit_fusion": fusion, "__module__": __name__}
-    if kind == "rope":
-        name = f"{stock_cls.__name__}FusedRope"
-        body["forward"] = rebound_function(stock_cls.forward, _rebinds(spec, fusion), f"{name}.forward")
-        body["__doc__"] = f"ComfyUI's {stock_cls.__name__} with its RoPE as one kernel in eager (lowbit_pipe)."
+    if kind in ("rope", "share"):
+        name = f"{stock_cls.__name__}{'FusedRope' if kind == 'rope' else 'SharedInput'}"
+        forward = (rebound_function(stock_cls.forward, _rebinds(spec, fusion), f"{name}.forward") if kind == "rope"
+                   else stock_cls.forward)
+        body["forward"] = _sharing_forward(forward, shares, fusion, f"{name}.forward") if shares else forward
+        body["__doc__"] = (f"ComfyUI's {stock_cls.__name__} with its RoPE as one kernel in eager (lowbit_pipe)."
+                           if kind == "rope" else f"ComfyUI's {stock_cls.__name__}, its input quantized once for "
+                           "its layers in eager (lowbit_pipe).")
         return type(name, (stock_cls,), body)
     mixin = _Krea2NormFused if kind == "krea2_norm" else _OpsNormFused
     body["__doc__"] = f"ComfyUI's {stock_cls.__name__} as one kernel in eager (lowbit_pipe)."
@@ -292,9 +330,12 @@ def apply_comfy_fused_norm_rope(root: nn.Module, ledger: Ledger, *, any_device: 
         if kind is None or "forward" in vars(module):  # not ComfyUI's, already fused, or another instance forward
             continue
         if cls not in made:
-            made[cls] = _fused_class(cls, kind[0], kind[1], fusion)
+            made[cls] = _fused_class(cls, *kind, fusion)
         _swap_class(ledger, module, made[cls], f"{name or '<root>'} ({cls.__name__} -> {made[cls].__name__})")
-        (applied.ropes if kind[0] == "rope" else applied.norms)[name] = cls.__name__
+        if kind[0] != "share":
+            (applied.ropes if kind[0] == "rope" else applied.norms)[name] = cls.__name__
+        if kind[2]:
+            applied.shares[name] = cls.__name__
 
     def off() -> None:
         fusion.active = False

@@ -61,8 +61,9 @@ Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.nn import functional as F
@@ -179,26 +180,53 @@ FUSED_DOWN_MAX_R = 128
 # (any in-place change since, through any view, misses), so they live exactly as long as that tensor and nothing
 # outlives a forward. Identity, not the address: a freed input's storage reused by the next block's input is a new
 # object without the attribute. Not under torch.compile (Inductor fuses the quantization into x's producer), nor
-# with a static scale or a LoRA down factor fused into the pass (both belong to one layer), nor for an inference
-# tensor (made under torch.inference_mode, as ComfyUI runs every node): it has no version counter, so an in-place
-# change between two layers could not be told.
+# with a static scale or a LoRA down factor fused into the pass (both belong to one layer). An inference tensor
+# (torch.inference_mode, as ComfyUI runs every node) has no version counter, so an in-place change between two
+# layers could not be told: it shares only inside a `shared_inputs` scope, opened by code that vouches for it.
 SHARED_ACTIVATIONS_ATTR = "_lowbit_activations"
+
+
+SHARED_INPUT_TAG = "_lowbit_shared_input"
 
 
 def shared_activations(x: torch.Tensor, x2: torch.Tensor, mode: str, rot: str, group: int | None,
                        static: torch.Tensor | None, down: torch.Tensor | None) -> Activations:
     """`quantize_activations(x2, ...)` for x2 = x.reshape(-1, K), reusing what an earlier layer computed from the
     same, unchanged x with the same mode and rotation."""
-    if (down is not None or static is not None or type(x) is not torch.Tensor or compiling() or x.is_inference()
+    if (down is not None or static is not None or type(x) is not torch.Tensor or compiling()
             or (x.requires_grad and torch.is_grad_enabled())):
         return quantize_activations(x2, mode, rot, group, static, down)
-    key = (mode, rot, group, x._version, tuple(x2.shape))
+    if x.is_inference():
+        if not x.__dict__.get(SHARED_INPUT_TAG):
+            return quantize_activations(x2, mode, rot, group, static, down)
+        version = -1  # no counter: the `shared_inputs` scope vouches that x does not change while it lasts
+    else:
+        version = x._version
+    key = (mode, rot, group, version, tuple(x2.shape))
     memo = x.__dict__.get(SHARED_ACTIVATIONS_ATTR)
     if memo is not None and memo[0] == key:
         return memo[1]
     a = quantize_activations(x2, mode, rot, group, None)
     x.__dict__[SHARED_ACTIVATIONS_ATTR] = (key, a)
     return a
+
+
+@contextmanager
+def shared_inputs(*tensors: Any) -> Iterator[None]:
+    """Inference tensors (torch.inference_mode: no version counter) whose layers may share one quantization while
+    the block lasts: for a caller whose code is known to pass each of `tensors` unchanged to several layers (a
+    ComfyUI attention's q / k / v projections: lowbit_pipe.attention.comfy_fused). On exit the tag and the
+    activations are taken off again, so nothing of the block outlives it. Other tensors are left alone (the
+    version counter covers them)."""
+    tagged = [t for t in tensors if type(t) is torch.Tensor and t.is_inference() and SHARED_INPUT_TAG not in t.__dict__]
+    for t in tagged:
+        t.__dict__[SHARED_INPUT_TAG] = True
+    try:
+        yield
+    finally:
+        for t in tagged:
+            t.__dict__.pop(SHARED_INPUT_TAG, None)
+            t.__dict__.pop(SHARED_ACTIVATIONS_ATTR, None)
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,

@@ -24,6 +24,7 @@ Results go to result.json; the parent asserts.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before Triton's import (lowbit_pipe.kernels, comfy-kitchen)
@@ -154,11 +155,11 @@ def _norm_cases(arch: str, model: Any, dtype: Any) -> dict[str, tuple[Any, Any]]
 
 def _rope_of(arch: str, model: Any) -> Any:
     """The FusedComfyRope the fused forward of the arch's attention calls."""
-    if arch == "krea2":
-        return type(model.blocks[0].attn).forward.__globals__["apply_rope"]
+    if arch == "krea2":  # under the wrapper that opens x to one quantization for wq, wk, wv, gate
+        return inspect.unwrap(type(model.blocks[0].attn).forward).__globals__["apply_rope"]
     if arch == "flux1":
         return type(model.double_blocks[0]).forward.__globals__["attention"].__globals__["apply_rope"]
-    return type(model.transformer_blocks[0].attn).forward.__globals__["apply_rope1"]
+    return inspect.unwrap(type(model.transformer_blocks[0].attn).forward).__globals__["apply_rope1"]
 
 
 def _freqs(model: Any, seq: int) -> Any:
@@ -274,6 +275,52 @@ def forward_fused_vs_unfused(arch: str, dtype: Any, ops_name: str = "disable_wei
             "after_undo_equal": bool(torch.equal(again, before))}
 
 
+# Layers whose input the fused forward opens to one shared quantization (True) and layers it must not (False)
+SHARED_PROBES = {"krea2": {"blocks.0.attn.wq": True, "blocks.0.attn.gate": True, "blocks.0.mlp.gate": True,
+                           "blocks.0.mlp.up": True, "blocks.0.attn.wo": False, "blocks.0.mlp.down": False},
+                 "flux1": {"double_blocks.0.img_attn.qkv": False, "single_blocks.0.linear1": False},
+                 "qwen_image": {"transformer_blocks.0.attn.to_q": True, "transformer_blocks.0.attn.to_v": True,
+                                "transformer_blocks.0.attn.add_k_proj": True,
+                                "transformer_blocks.0.attn.to_out.0": False}}
+
+
+def shared_inputs_opened(arch: str) -> dict[str, Any]:
+    """Under torch.inference_mode (as ComfyUI runs a node), which layers see their input opened to one shared
+    quantization (dispatch.shared_inputs' tag) while the fused forward runs, and whether any tag or activations
+    are left on those inputs afterwards."""
+    import torch
+
+    from lowbit_pipe.attention.comfy_fused import apply_comfy_fused_norm_rope
+    from lowbit_pipe.kernels import dispatch
+    from lowbit_pipe.ledger import Ledger
+
+    model, args, kwargs = build(arch, torch.bfloat16, seed=4)
+    ledger = Ledger()
+    applied = apply_comfy_fused_norm_rope(model, ledger, any_device=True)
+    modules = dict(model.named_modules())
+    seen: dict[str, list[bool]] = {}
+    inputs: list[Any] = []
+
+    def probe(name: str):
+        def hook(module: Any, hook_args: tuple) -> None:
+            seen.setdefault(name, []).append(bool(hook_args[0].__dict__.get(dispatch.SHARED_INPUT_TAG)))
+            inputs.append(hook_args[0])
+        return hook
+
+    handles = [modules[n].register_forward_pre_hook(probe(n)) for n in SHARED_PROBES[arch]]
+    try:
+        with torch.inference_mode():
+            model(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+        ledger.unwind()
+    left = [sorted(k for k in t.__dict__ if k.startswith("_lowbit")) for t in inputs]
+    return {"expected": SHARED_PROBES[arch], "seen": {n: all(v) if SHARED_PROBES[arch][n] else any(v) for n, v in seen.items()},
+            "calls": {n: len(v) for n, v in seen.items()}, "left": [x for x in left if x],
+            "shared_input_modules": applied.as_dict()["shared_input_modules"]}
+
+
 def compiled_vs_unfused(arch: str) -> dict[str, Any]:
     """torch.compile (the eager backend: Dynamo's graphs and guards, no Inductor build) of the fused model traces
     ComfyUI's own code: the same graphs and graph breaks as the unfused model, no kernel call, the same output."""
@@ -293,13 +340,15 @@ def compiled_vs_unfused(arch: str) -> dict[str, Any]:
         with torch.no_grad():
             out = torch.compile(model, backend="eager")(*args, **kwargs)
         seen[fused] = {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
-                       "out": out, "calls": applied.as_dict() if applied else None}
+                       "out": out, "calls": applied.as_dict() if applied else None,
+                       "reasons": sorted(counters["graph_break"])}
         torch._dynamo.reset()
         ledger.unwind()
     calls = seen[True]["calls"]
     return {"breaks": [seen[f]["breaks"] for f in (False, True)], "graphs": [seen[f]["graphs"] for f in (False, True)],
             "equal": bool(torch.equal(seen[False]["out"], seen[True]["out"])),
-            "kernel_calls": calls["norm_kernel_calls"] + calls["rope_kernel_calls"]}
+            "kernel_calls": calls["norm_kernel_calls"] + calls["rope_kernel_calls"],
+            "break_reasons": [seen[f]["reasons"] for f in (False, True)], "shared_modules": calls["shared_input_modules"]}
 
 
 # ---------------------------------------------------------------------------------------------- the Quantize node
@@ -346,6 +395,7 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
         for dtype in (torch.float32, torch.bfloat16):
             out[f"forward {arch} {str(dtype).split('.')[-1]}"] = forward_fused_vs_unfused(arch, dtype)
         out[f"compiled {arch}"] = compiled_vs_unfused(arch)
+        out[f"shared {arch}"] = shared_inputs_opened(arch)
     out["forward flux1 bfloat16 manual_cast"] = forward_fused_vs_unfused("flux1", torch.bfloat16, "manual_cast")
     out["forward flux1 float32 manual_cast weight patch"] = forward_fused_vs_unfused("flux1", torch.float32,
                                                                                       "manual_cast", weight_patch=True)

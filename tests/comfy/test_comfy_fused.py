@@ -98,9 +98,27 @@ def test_under_torch_compile_comfyuis_own_code_is_traced(result, arch):
     fuses it itself), with the unfused model's graphs and graph breaks and its output."""
     r = result[f"compiled {arch}"]
     # Dynamo's unique-graph count over ComfyUI's code moved by one between runs of the same model (30 / 31, 15 / 14
-    # seen, equal in others); the graph breaks, the output and the absence of kernel calls do not move.
-    assert r["breaks"][0] == r["breaks"][1] and abs(r["graphs"][0] - r["graphs"][1]) <= 1 and min(r["graphs"]) > 0, r
+    # seen, equal in others); the output and the absence of kernel calls do not move. The graph breaks are the
+    # unfused model's own kinds (this CPU build's: a builtin `open` in the code ComfyUI runs); a module whose
+    # forward opens its input to one quantization (Krea 2's Attention and SwiGLU, Qwen-Image's Attention) runs
+    # the stock forward one frame down, where a break inside is counted once more: at most one per such module.
+    assert r["break_reasons"][1] == r["break_reasons"][0], r["break_reasons"]
+    assert r["breaks"][0] <= r["breaks"][1] <= r["breaks"][0] + r["shared_modules"], r
+    assert abs(r["graphs"][0] - r["graphs"][1]) <= 1 and min(r["graphs"]) > 0, r
     assert r["equal"] and r["kernel_calls"] == 0, r
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_fused_forwards_open_their_inputs_to_one_quantization_and_close_them(result, arch):
+    """Under inference_mode (no version counters) layers share an input's quantization only inside a forward whose
+    code passes that input unchanged to them (Krea 2's q / k / v / gate and its MLP's gate / up, Qwen-Image's
+    projections of either stream); the output projections and FLUX.1's packed layers never; nothing is left on
+    the inputs after the forward."""
+    r = result[f"shared {arch}"]
+    assert r["seen"] == r["expected"], r  # True: tagged at every call; False: at none
+    assert all(n > 0 for n in r["calls"].values()) and set(r["calls"]) == set(r["expected"]), r
+    assert r["left"] == [], r
+    assert (r["shared_input_modules"] > 0) == any(r["expected"].values()), r
 
 
 @pytest.mark.parametrize("arch", NODE_ARCHS)

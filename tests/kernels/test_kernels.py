@@ -299,11 +299,20 @@ def case_shared_activations() -> None:
         y = dispatch.int8_linear(x, w, s, None, lora_down=down, lora_up=up)
         assert len(calls) == 1, calls  # a LoRA branch's pass reads its own down factor: never shared
         _close(y, changed[0] + F.linear(F.linear(x, down), up), 1e-5, "shared input + LoRA branch")
-        with torch.inference_mode():  # no version counter: every layer quantizes for itself
+        with torch.inference_mode():  # no version counter: every layer quantizes for itself ...
             xi = x.clone()
             calls.clear()
             for got, want in zip(run(xi), changed):
                 assert torch.equal(got, want)
+            assert len(calls) == 3, calls
+            calls.clear()
+            with dispatch.shared_inputs(xi, None, 3):  # ... but inside a scope that vouches for xi
+                for got, want in zip(run(xi), changed):
+                    assert torch.equal(got, want)
+                assert len(calls) == 1, calls
+            assert not [k for k in xi.__dict__ if k.startswith("_lowbit")], xi.__dict__  # closed: nothing left
+            calls.clear()
+            run(xi)
             assert len(calls) == 3, calls
     finally:
         qa.quantize_act = real
