@@ -92,8 +92,9 @@ class LowbitBenchProfile:
             dev = getattr(e, "device_time_total", None)
             if dev is None:
                 dev = getattr(e, "cuda_time_total", 0)
-            own = getattr(e, "self_device_time_total", None)
-            busy_us += float(own if own is not None else getattr(e, "self_cuda_time_total", 0))
+            if str(getattr(e, "device_type", "")).endswith("CUDA"):  # a kernel / copy; an op's row repeats its kernels
+                own = getattr(e, "self_device_time_total", None)
+                busy_us += float(own if own is not None else getattr(e, "self_cuda_time_total", 0))
             rows.append({"name": e.key, "calls": e.count, "device_us": float(dev), "cpu_us": float(e.cpu_time_total)})
         rows.sort(key=lambda r: r["device_us"] if cuda else r["cpu_us"], reverse=True)
         with open(path, "w") as f:

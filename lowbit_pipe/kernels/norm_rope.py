@@ -26,8 +26,6 @@ tests/comfy/test_comfy_fused.py against ComfyUI's own modules and functions).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 import triton
 import triton.language as tl
@@ -60,71 +58,59 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset, N1, N2, SX0, SX1,
     tl.store(out_ptr + offs, y.to(dt), mask=ok)
 
 
-# The RoPE kernels work token-major: a program takes BLOCK_T tokens of one batch row and HEADS heads, loads the
-# tokens' cos / sin (or 2x2 matrices) once, and loops over its heads. x is read as [BLOCK_T, D/2, 2] pairs, split
-# into the pair's two elements in registers: every load and store is a contiguous run of the row, and the fp32
-# tables (4-8x x's bytes per token) are read once per HEADS heads instead of once per row. x's rows are addressed as
-# b SB + t ST + h SH: [B, S, H, D] and [B, H, S, D] alike. The row-major first version (a row per thread group,
-# the partner element gathered, the table re-read for every head) ran at 0.3-0.8 TB/s on an H100
-# (bench/results/comfyui_speed_h100_d.md's `_rope_pairs_kernel`, attention_fold_h100.md's ropes). HEADS divides H
-# (`_rope_blocks`): a program's head steps are all in range.
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, T, H, SB, ST, SH, HALF,
-                 HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    pj = 2 * tl.arange(0, BLOCK_HALF)[None, :, None] + tl.arange(0, 2)[None, None, :]  # [1, D/2, 2]: column 2p + j
-    ok = (t < T)[:, None, None] & (pj < 2 * HALF)
-    t64 = t.to(tl.int64)
-    t_offs = t64[:, None, None] * (2 * HALF) + pj
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, S, ROW_DIV,
+                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < M)[:, None] & (cols < D)[None, :]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
+    rotated = tl.where((cols % 2 == 0)[None, :], -partner, partner)
+    token = (rows // ROW_DIV) % S  # the row's position in the sequence: [B, S, H, D] or [B, H, S, D] rows
+    t_offs = token[:, None].to(tl.int64) * D + cols[None, :]
     c = tl.load(cos_ptr + t_offs, mask=ok, other=0.0)
     s = tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
-    rows = tl.program_id(2).to(tl.int64) * SB + t64 * ST
-    for i in range(HEADS):
-        h = tl.program_id(1) * HEADS + i
-        offs = (rows + h.to(tl.int64) * SH)[:, None, None] + pj
-        x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-        x0, x1 = tl.split(x)
-        y = x * c + tl.join(-x1, x0) * s  # y[2p] = x0 c - x1 s, y[2p + 1] = x1 c + x0 s
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    y = x * c + rotated * s
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, T, H, HALF,
-                      MASK: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    # `_rope_kernel` on [B, S, H, D] x with an e4m3 epilogue: y * scale saturated at +-448, token (b, s) written to
-    # token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the largest |y| of the program
-    # into amax_ptr (atomic max: the bound's check).
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    b = tl.program_id(2).to(tl.int64)
-    inside = t < T
-    pj = 2 * tl.arange(0, BLOCK_HALF)[None, :, None] + tl.arange(0, 2)[None, None, :]
-    ok = inside[:, None, None] & (pj < 2 * HALF)
-    t64 = t.to(tl.int64)
-    t_offs = t64[:, None, None] * (2 * HALF) + pj
-    c = tl.load(cos_ptr + t_offs, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
-    row_stride = H * 2 * HALF
-    rows = (b * T + t64) * row_stride
-    out_rows = rows
+def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, D, S, H,
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # `_rope_kernel` on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
+    # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
+    # largest |y| of the program into amax_ptr (atomic max: the bound's check).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    inside = rows < M
+    ok = inside[:, None] & (cols < D)[None, :]
+    r64 = rows.to(tl.int64)
+    offs = r64[:, None] * D + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    partner = tl.load(x_ptr + r64[:, None] * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
+    rotated = tl.where((cols % 2 == 0)[None, :], -partner, partner)
+    token = (rows // H) % S
+    t_offs = token[:, None].to(tl.int64) * D + cols[None, :]
+    y = x * tl.load(cos_ptr + t_offs, mask=ok, other=0.0) + rotated * tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
+    code = tl.minimum(tl.maximum(y * tl.load(scale_ptr), -448.0), 448.0)
     if MASK:
-        bs = b * T + t64
-        keep = (tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None, None]
-        out_rows = (b * T + tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)) * row_stride
-    scale = tl.load(scale_ptr)
-    amax = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    for i in range(HEADS):
-        h = (tl.program_id(1) * HEADS + i).to(tl.int64)
-        x = tl.load(x_ptr + (rows + h * 2 * HALF)[:, None, None] + pj, mask=ok, other=0.0).to(tl.float32)
-        x0, x1 = tl.split(x)
-        y = x * c + tl.join(-x1, x0) * s
-        amax = tl.maximum(amax, tl.max(tl.max(tl.abs(y), axis=2), axis=1))
-        code = tl.minimum(tl.maximum(y * scale, -448.0), 448.0)
-        if MASK:
-            code = tl.where(keep, code, 0.0)
-        tl.store(out_ptr + (out_rows + h * 2 * HALF)[:, None, None] + pj, code.to(tl.float8e4nv), mask=ok)
-    tl.atomic_max(amax_ptr, tl.max(amax, axis=0))
+        bs = r64 // H  # b S + s
+        b = bs // S
+        code = tl.where((tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None], code, 0.0)
+        slot = tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)
+        offs = ((b * S + slot) * H + r64 % H)[:, None] * D + cols[None, :]
+    tl.store(out_ptr + offs, code.to(tl.float8e4nv), mask=ok)
 
 
+# ComfyUI's form works token-major: a program takes BLOCK_T tokens of one batch row and HEADS heads, loads the
+# tokens' 2x2 matrices once and loops over its heads, x read as [BLOCK_T, D/2, 2] pairs split in registers. x's
+# rows are addressed as b SB + t ST + h SH. HEADS divides H (`_rope_blocks`): every head step is in range. On an
+# H100 this is 1.04-1.26x the row-major first version at Krea 2 / FLUX.1 1024² and 2048² (0.88x at FLUX.1 512²;
+# bench/results/rope_kernels_h100.md); the same layout for the cos / sin forms was 2x slower than their row-major
+# kernels there, which stay.
 @triton.jit
 def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, T, H, SB, ST, SH, HALF, F_BATCH, F_TOKEN,
                        ROUND16: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr,
@@ -217,32 +203,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
 
 
 def _rope_blocks(d: int, heads: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_HALF, HEADS) for the token-major RoPE kernels: about 4096 elements of x per head step, and
+    """(BLOCK_T, BLOCK_HALF, HEADS) for the token-major RoPE kernel: about 4096 elements of x per head step, and
     the largest of 8, 6, 5, 4, 3, 2, 1 heads that divides the head count per program (no masked-out head steps)."""
     block_half = triton.next_power_of_2(d // 2)
     return max(1, 2048 // block_half), block_half, next(g for g in (8, 6, 5, 4, 3, 2, 1) if heads % g == 0)
 
 
-def _launch_rope(kernel: Any, x: torch.Tensor, t_len: int, heads: int, strides: tuple[int, int, int],
-                 pointers: tuple[torch.Tensor, ...], extra: tuple[int, ...] = (), **meta: Any) -> None:
-    """kernel(*pointers, T, H, SB, ST, SH, D / 2, *extra) over x's tokens, heads and batch rows (strides: x's row
-    address b SB + t ST + h SH)."""
-    block_t, block_half, per_program = _rope_blocks(x.shape[-1], heads)
-    grid = (triton.cdiv(t_len, block_t), heads // per_program, x.shape[0])
-    kernel[grid](*pointers, t_len, heads, *strides, x.shape[-1] // 2, *extra, HEADS=per_program,
-                 BLOCK_T=block_t, BLOCK_HALF=block_half, num_warps=4, **meta)
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
     """Interleaved-pair rotary embedding of x [B, S, H, D] (sequence_dim 1) or [B, H, S, D] (2), x contiguous;
     cos / sin [S, D] fp32, contiguous. The result in x's dtype."""
-    b, n1, n2, d = x.shape
+    d = x.shape[-1]
+    s_len = x.shape[sequence_dim]
+    row_div = x.shape[2] if sequence_dim == 1 else 1
     out = torch.empty_like(x)
-    if sequence_dim == 1:  # [B, S, H, D]
-        t_len, heads, strides = n1, n2, (n1 * n2 * d, n2 * d, d)
-    else:  # [B, H, S, D]
-        t_len, heads, strides = n2, n1, (n1 * n2 * d, d, n2 * d)
-    _launch_rope(_rope_kernel, x, t_len, heads, strides, (x, cos, sin, out))
+    m = x.numel() // d
+    block_m, block_d, warps = _blocks(d)
+    _rope_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, m, d, s_len, row_div,
+                                             BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     return out
 
 
@@ -253,14 +230,15 @@ def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torc
     (448 / a bound of |y|: `norm_bound`); `amax` [1] fp32, raised to the largest |y| seen (a check of the bound;
     zero it first). `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of
     batch b written to slot pos[b, s], masked ones as zero codes."""
-    _, s_len, h, d = x.shape
+    b, s_len, h, d = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    m = x.numel() // d
+    block_m, block_d, warps = _blocks(d)
     masked = key_mask is not None
     valid = key_mask.contiguous().view(torch.uint8) if masked else scale
-    block_t, block_half, per_program = _rope_blocks(d, h)
-    grid = (triton.cdiv(s_len, block_t), h // per_program, x.shape[0])
-    _rope_e4m3_kernel[grid](x, cos, sin, out, scale, amax, valid, pos if masked else scale, s_len, h, d // 2,
-                            MASK=masked, HEADS=per_program, BLOCK_T=block_t, BLOCK_HALF=block_half, num_warps=4)
+    _rope_e4m3_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d,
+                                                  s_len, h, MASK=masked, BLOCK_M=block_m, BLOCK_D=block_d,
+                                                  num_warps=warps)
     return out
 
 
@@ -285,8 +263,10 @@ def rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     f_batch = freqs.stride(0) if freqs.shape[0] > 1 else 0
     f_token = freqs.stride(2) if freqs.shape[2] > 1 else 0
-    _launch_rope(_rope_pairs_kernel, x, l_len, h, (h * l_len * d, d, l_len * d), (x, freqs, out), (f_batch, f_token),
-                 ROUND16=freqs.dtype != torch.float32)
+    block_t, block_half, per_program = _rope_blocks(d, h)
+    _rope_pairs_kernel[(triton.cdiv(l_len, block_t), h // per_program, b)](
+        x, freqs, out, l_len, h, h * l_len * d, d, l_len * d, d // 2, f_batch, f_token,
+        ROUND16=freqs.dtype != torch.float32, HEADS=per_program, BLOCK_T=block_t, BLOCK_HALF=block_half, num_warps=4)
     return out
 
 

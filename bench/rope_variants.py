@@ -1,0 +1,217 @@
+"""Candidate layouts for the RoPE kernels, timed beside lowbit_pipe.kernels.norm_rope's and another tree's, to pick
+the one the package keeps (the candidates live here, not in the package).
+
+    python3 bench/rope_variants.py --before .rope_before/norm_rope.py --out bench/results/rope_variants_h100.json
+    TRITON_INTERPRET=1 python bench/rope_variants.py --device cpu --small --out /tmp/rope_variants.json  # check
+
+Both forms: diffusers' interleaved pairs with cos / sin [S, D] fp32 on x [B, S, H, D] (`rope`), and ComfyUI's 2x2
+matrices freqs [1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). Candidates:
+- rows: a program takes BLOCK_M rows (row r's token from r), the pair's two elements as two stride-2 loads (no
+  gather of a partner, no split / join), the table per row (L1 serves the rows of one token);
+- tokens: a program takes BLOCK_T tokens and loops over a group of heads, the table loaded once per token block,
+  x as in rows.
+Every candidate's output is compared with the package's torch form; GB/s counts x in, out and the tables once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from outputs import save_outputs
+from rope_kernels import compare, inputs, load_tree_module, reference, traffic_bytes
+
+from lowbit_pipe.kernels import norm_rope
+from lowbit_pipe.measure.timing import TimingSettings, time_ms
+
+
+@triton.jit
+def _rows_cos_sin(x_ptr, cos_ptr, sin_ptr, out_ptr, M, HALF, S, ROW_DIV,
+                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_H)
+    ok = (rows < M)[:, None] & (p < HALF)[None, :]
+    base = rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    tb = ((rows // ROW_DIV) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    c0 = tl.load(cos_ptr + tb, mask=ok, other=0.0)
+    c1 = tl.load(cos_ptr + tb + 1, mask=ok, other=0.0)
+    s0 = tl.load(sin_ptr + tb, mask=ok, other=0.0)
+    s1 = tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
+    tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
+
+
+@triton.jit
+def _tokens_cos_sin(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF, SB, ST, SH,
+                    HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    p = tl.arange(0, BLOCK_H)
+    ok = (t < T)[:, None] & (p < HALF)[None, :]
+    t64 = t.to(tl.int64)
+    tb = t64[:, None] * (2 * HALF) + 2 * p[None, :]
+    c0 = tl.load(cos_ptr + tb, mask=ok, other=0.0)
+    c1 = tl.load(cos_ptr + tb + 1, mask=ok, other=0.0)
+    s0 = tl.load(sin_ptr + tb, mask=ok, other=0.0)
+    s1 = tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
+    rows = tl.program_id(2).to(tl.int64) * SB + t64 * ST
+    dt = out_ptr.dtype.element_ty
+    for i in range(HEADS):
+        h = (tl.program_id(1) * HEADS + i).to(tl.int64)
+        base = (rows + h * SH)[:, None] + 2 * p[None, :]
+        x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
+        tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
+
+
+@triton.jit
+def _rows_pairs(x_ptr, f_ptr, out_ptr, M, HALF, L, F_TOKEN, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # x [1, H, L, D]: token = row % L
+    p = tl.arange(0, BLOCK_H)
+    ok = (rows < M)[:, None] & (p < HALF)[None, :]
+    base = rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    fb = (rows % L).to(tl.int64)[:, None] * F_TOKEN + 4 * p[None, :]
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + base, (tl.load(f_ptr + fb, mask=ok, other=0.0) * x0
+                              + tl.load(f_ptr + fb + 1, mask=ok, other=0.0) * x1).to(dt), mask=ok)
+    tl.store(out_ptr + base + 1, (tl.load(f_ptr + fb + 2, mask=ok, other=0.0) * x0
+                                  + tl.load(f_ptr + fb + 3, mask=ok, other=0.0) * x1).to(dt), mask=ok)
+
+
+@triton.jit
+def _tokens_pairs(x_ptr, f_ptr, out_ptr, T, HALF, SB, ST, SH, F_TOKEN,
+                  HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    p = tl.arange(0, BLOCK_H)
+    ok = (t < T)[:, None] & (p < HALF)[None, :]
+    t64 = t.to(tl.int64)
+    fb = t64[:, None] * F_TOKEN + 4 * p[None, :]
+    f00 = tl.load(f_ptr + fb, mask=ok, other=0.0)
+    f01 = tl.load(f_ptr + fb + 1, mask=ok, other=0.0)
+    f10 = tl.load(f_ptr + fb + 2, mask=ok, other=0.0)
+    f11 = tl.load(f_ptr + fb + 3, mask=ok, other=0.0)
+    rows = tl.program_id(2).to(tl.int64) * SB + t64 * ST
+    dt = out_ptr.dtype.element_ty
+    for i in range(HEADS):
+        h = (tl.program_id(1) * HEADS + i).to(tl.int64)
+        base = (rows + h * SH)[:, None] + 2 * p[None, :]
+        x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + base, (f00 * x0 + f01 * x1).to(dt), mask=ok)
+        tl.store(out_ptr + base + 1, (f10 * x0 + f11 * x1).to(dt), mask=ok)
+
+
+def _heads(h: int) -> int:
+    return next(g for g in (8, 6, 5, 4, 3, 2, 1) if h % g == 0)
+
+
+def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Tensor]]:
+    x = t["x"]
+    b, n1, n2, d = x.shape
+    half, bh = d // 2, triton.next_power_of_2(d // 2)
+    m = x.numel() // d
+    out: dict[str, Callable[[], torch.Tensor]] = {}
+    if kind == "rope":  # [B, S, H, D]
+        for bm, warps in ((32, 4), (64, 8), (16, 4)):
+            def rows(bm=bm, warps=warps):
+                y = torch.empty_like(x)
+                _rows_cos_sin[(triton.cdiv(m, bm),)](x, t["cos"], t["sin"], y, m, half, n1, n2, BLOCK_M=bm,
+                                                     BLOCK_H=bh, num_warps=warps)
+                return y
+            out[f"rows {bm}x{half} w{warps}"] = rows
+        for bt, warps in ((32, 4), (16, 4)):
+            def tokens(bt=bt, warps=warps):
+                y = torch.empty_like(x)
+                g = _heads(n2)
+                _tokens_cos_sin[(triton.cdiv(n1, bt), n2 // g, b)](x, t["cos"], t["sin"], y, n1, half, n1 * n2 * d,
+                                                                   n2 * d, d, HEADS=g, BLOCK_T=bt, BLOCK_H=bh,
+                                                                   num_warps=warps)
+                return y
+            out[f"tokens {bt} w{warps}"] = tokens
+    elif kind == "rope_pairs":  # [B, H, L, D], freqs [1, 1, L, D/2, 2, 2]
+        f = t["freqs"]
+        for bm, warps in ((32, 4), (64, 8), (16, 4)):
+            def rows(bm=bm, warps=warps):
+                y = torch.empty_like(x)
+                _rows_pairs[(triton.cdiv(m, bm),)](x, f, y, m, half, n2, f.stride(2), BLOCK_M=bm, BLOCK_H=bh,
+                                                   num_warps=warps)
+                return y
+            out[f"rows {bm}x{half} w{warps}"] = rows
+        for bt, warps in ((32, 4), (16, 4)):
+            def tokens(bt=bt, warps=warps):
+                y = torch.empty_like(x)
+                g = _heads(n1)
+                _tokens_pairs[(triton.cdiv(n2, bt), n1 // g, b)](x, f, y, n2, half, n1 * n2 * d, d, n2 * d,
+                                                                 f.stride(2), HEADS=g, BLOCK_T=bt, BLOCK_H=bh,
+                                                                 num_warps=warps)
+                return y
+            out[f"tokens {bt} w{warps}"] = tokens
+    return out
+
+
+SHAPES = [("krea2 1024 q", "rope", 1, 4608, 48, 128), ("krea2 2048 q", "rope", 1, 16896, 48, 128),
+          ("flux1 1024 q", "rope", 1, 4608, 24, 128),
+          ("krea2 1024 q (ComfyUI)", "rope_pairs", 1, 4608, 48, 128),
+          ("krea2 1024 k (ComfyUI)", "rope_pairs", 1, 4608, 12, 128),
+          ("flux1 512 q (ComfyUI)", "rope_pairs", 1, 1536, 24, 128)]
+SMALL = [("small", "rope", 2, 40, 4, 64), ("small", "rope_pairs", 1, 40, 4, 64)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--before")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--small", action="store_true")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    device = torch.device(args.device)
+    before = load_tree_module(args.before) if args.before else None
+    settings = TimingSettings(warmup=3, reps=50) if device.type == "cuda" else TimingSettings(warmup=0, reps=1)
+    rows: list[dict[str, Any]] = []
+    for name, kind, b, s, h, d in SMALL if args.small else SHAPES:
+        t = inputs(kind, b, s, h, d, device)
+        ref = reference(kind, t)
+        moved = traffic_bytes(kind, t)
+        fns = {"package": (lambda: norm_rope.rope(t["x"], t["cos"], t["sin"], 1)) if kind == "rope"
+               else (lambda: norm_rope.rope_pairs(t["x"], t["freqs"]))}
+        if before is not None:
+            fns["before"] = ((lambda: before.rope(t["x"], t["cos"], t["sin"], 1)) if kind == "rope"
+                             else (lambda: before.rope_pairs(t["x"], t["freqs"])))
+        fns.update(candidates(kind, t))
+        for label, fn in fns.items():
+            diff = compare(fn(), ref)
+            ms = time_ms(fn, device, settings)
+            row = {"shape": name, "kernel": kind, "variant": label, "ms": ms, "gb_s": moved / ms / 1e6,
+                   "max_rel_diff": diff["max_rel_diff"]}
+            rows.append(row)
+            print(row, flush=True)
+        del t
+    lines = [f"`python3 {' '.join(sys.argv)}`", "", f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
+             "", "| shape | kernel | variant | ms | GB/s | max rel diff to the torch form |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['shape']} | {r['kernel']} | {r['variant']} | {r['ms']:.4f} | {r['gb_s']:.0f} | "
+                     f"{r['max_rel_diff']:.2e} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    save_outputs(args.out, table, {"command": " ".join(sys.argv), "rows": rows})
+    bad = [r for r in rows if not r["max_rel_diff"] < 1e-2]
+    if bad:
+        raise SystemExit(f"wrong outputs: {bad}")
+
+
+if __name__ == "__main__":
+    main()
