@@ -163,6 +163,12 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
     return out
 
 
+def module_call(module: Any, kind: str, t: dict[str, Any]) -> Callable[[], torch.Tensor]:
+    if kind == "rope":
+        return lambda: module.rope(t["x"], t["cos"], t["sin"], 1)
+    return lambda: module.rope_pairs(t["x"], t["freqs"])
+
+
 SHAPES = [("krea2 1024 q", "rope", 1, 4608, 48, 128), ("krea2 2048 q", "rope", 1, 16896, 48, 128),
           ("flux1 1024 q", "rope", 1, 4608, 24, 128),
           ("krea2 1024 q (ComfyUI)", "rope_pairs", 1, 4608, 48, 128),
@@ -186,11 +192,9 @@ def main() -> None:
         t = inputs(kind, b, s, h, d, device)
         ref = reference(kind, t)
         moved = traffic_bytes(kind, t)
-        fns = {"package": (lambda: norm_rope.rope(t["x"], t["cos"], t["sin"], 1)) if kind == "rope"
-               else (lambda: norm_rope.rope_pairs(t["x"], t["freqs"]))}
+        fns = {"package": module_call(norm_rope, kind, t)}
         if before is not None:
-            fns["before"] = ((lambda: before.rope(t["x"], t["cos"], t["sin"], 1)) if kind == "rope"
-                             else (lambda: before.rope_pairs(t["x"], t["freqs"])))
+            fns["before"] = module_call(before, kind, t)
         fns.update(candidates(kind, t))
         for label, fn in fns.items():
             diff = compare(fn(), ref)
