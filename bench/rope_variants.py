@@ -126,14 +126,14 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
     m = x.numel() // d
     out: dict[str, Callable[[], torch.Tensor]] = {}
     if kind == "rope":  # [B, S, H, D]
-        for bm, warps in ((32, 4), (64, 8), (16, 4)):
+        for bm, warps in ((4, 1), (2, 1), (1, 1), (4, 2)):
             def rows(bm=bm, warps=warps):
                 y = torch.empty_like(x)
                 _rows_cos_sin[(triton.cdiv(m, bm),)](x, t["cos"], t["sin"], y, m, half, n1, n2, BLOCK_M=bm,
                                                      BLOCK_H=bh, num_warps=warps)
                 return y
             out[f"rows {bm}x{half} w{warps}"] = rows
-        for bt, warps in ((32, 4), (16, 4)):
+        for bt, warps in ((4, 1), (2, 1), (4, 2)):
             def tokens(bt=bt, warps=warps):
                 y = torch.empty_like(x)
                 g = _heads(n2)
@@ -144,14 +144,14 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
             out[f"tokens {bt} w{warps}"] = tokens
     elif kind == "rope_pairs":  # [B, H, L, D], freqs [1, 1, L, D/2, 2, 2]
         f = t["freqs"]
-        for bm, warps in ((32, 4), (64, 8), (16, 4)):
+        for bm, warps in ((4, 1), (2, 1), (1, 1), (4, 2)):
             def rows(bm=bm, warps=warps):
                 y = torch.empty_like(x)
                 _rows_pairs[(triton.cdiv(m, bm),)](x, f, y, m, half, n2, f.stride(2), BLOCK_M=bm, BLOCK_H=bh,
                                                    num_warps=warps)
                 return y
             out[f"rows {bm}x{half} w{warps}"] = rows
-        for bt, warps in ((32, 4), (16, 4)):
+        for bt, warps in ((4, 1), (2, 1), (4, 2)):
             def tokens(bt=bt, warps=warps):
                 y = torch.empty_like(x)
                 g = _heads(n1)

@@ -58,88 +58,96 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset, N1, N2, SX0, SX1,
     tl.store(out_ptr + offs, y.to(dt), mask=ok)
 
 
+# The RoPE kernels read a pair's two elements as two stride-2 loads (no gather of a partner, no split / join) and
+# take few rows per program (ROPE_ROWS, one warp): on an H100 that reached 1.6-1.9 TB/s where 32-row programs of
+# the same code reached 0.2 TB/s and the first kernels (a row per thread group, the partner gathered, 4096
+# elements per program) 0.3-0.8 TB/s (bench/results/rope_variants*_h100.md). A row's table entries come from its
+# token; L1 serves the rows of one token.
+ROPE_ROWS = 4
+
+
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, D, S, ROW_DIV,
-                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, HALF, S, ROW_DIV,
+                 BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
-    ok = (rows < M)[:, None] & (cols < D)[None, :]
-    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + rows[:, None].to(tl.int64) * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
-    rotated = tl.where((cols % 2 == 0)[None, :], -partner, partner)
-    token = (rows // ROW_DIV) % S  # the row's position in the sequence: [B, S, H, D] or [B, H, S, D] rows
-    t_offs = token[:, None].to(tl.int64) * D + cols[None, :]
-    c = tl.load(cos_ptr + t_offs, mask=ok, other=0.0)
-    s = tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
-    y = x * c + rotated * s
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    p = tl.arange(0, BLOCK_H)
+    ok = (rows < M)[:, None] & (p < HALF)[None, :]
+    base = rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    # the row's position in the sequence: [B, S, H, D] (ROW_DIV = H) or [B, H, S, D] (ROW_DIV = 1) rows
+    tb = ((rows // ROW_DIV) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    c0 = tl.load(cos_ptr + tb, mask=ok, other=0.0)
+    c1 = tl.load(cos_ptr + tb + 1, mask=ok, other=0.0)
+    s0 = tl.load(sin_ptr + tb, mask=ok, other=0.0)
+    s1 = tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
+    dt = out_ptr.dtype.element_ty
+    tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
+    tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
 
 
 @triton.jit
-def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, D, S, H,
-                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, HALF, S, H,
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     # `_rope_kernel` on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
     # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
     # largest |y| of the program into amax_ptr (atomic max: the bound's check).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
+    p = tl.arange(0, BLOCK_H)
     inside = rows < M
-    ok = inside[:, None] & (cols < D)[None, :]
+    ok = inside[:, None] & (p < HALF)[None, :]
     r64 = rows.to(tl.int64)
-    offs = r64[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + r64[:, None] * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
-    rotated = tl.where((cols % 2 == 0)[None, :], -partner, partner)
-    token = (rows // H) % S
-    t_offs = token[:, None].to(tl.int64) * D + cols[None, :]
-    y = x * tl.load(cos_ptr + t_offs, mask=ok, other=0.0) + rotated * tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-    code = tl.minimum(tl.maximum(y * tl.load(scale_ptr), -448.0), 448.0)
+    base = r64[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    tb = ((rows // H) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    y0 = x0 * tl.load(cos_ptr + tb, mask=ok, other=0.0) - x1 * tl.load(sin_ptr + tb, mask=ok, other=0.0)
+    y1 = x1 * tl.load(cos_ptr + tb + 1, mask=ok, other=0.0) + x0 * tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1), axis=0))
+    scale = tl.load(scale_ptr)
+    code0 = tl.minimum(tl.maximum(y0 * scale, -448.0), 448.0)
+    code1 = tl.minimum(tl.maximum(y1 * scale, -448.0), 448.0)
     if MASK:
         bs = r64 // H  # b S + s
-        b = bs // S
-        code = tl.where((tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None], code, 0.0)
+        keep = (tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None]
+        code0 = tl.where(keep, code0, 0.0)
+        code1 = tl.where(keep, code1, 0.0)
         slot = tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)
-        offs = ((b * S + slot) * H + r64 % H)[:, None] * D + cols[None, :]
-    tl.store(out_ptr + offs, code.to(tl.float8e4nv), mask=ok)
+        base = (((bs // S) * S + slot) * H + r64 % H)[:, None] * (2 * HALF) + 2 * p[None, :]
+    tl.store(out_ptr + base, code0.to(tl.float8e4nv), mask=ok)
+    tl.store(out_ptr + base + 1, code1.to(tl.float8e4nv), mask=ok)
 
 
-# ComfyUI's form works token-major: a program takes BLOCK_T tokens of one batch row and HEADS heads, loads the
-# tokens' 2x2 matrices once and loops over its heads, x read as [BLOCK_T, D/2, 2] pairs split in registers. x's
-# rows are addressed as b SB + t ST + h SH. HEADS divides H (`_rope_blocks`): every head step is in range. On an
-# H100 this is 1.04-1.26x the row-major first version at Krea 2 / FLUX.1 1024² and 2048² (0.88x at FLUX.1 512²;
-# bench/results/rope_kernels_h100.md); the same layout for the cos / sin forms was 2x slower than their row-major
-# kernels there, which stay.
 @triton.jit
-def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, T, H, SB, ST, SH, HALF, F_BATCH, F_TOKEN,
-                       ROUND16: tl.constexpr, HEADS: tl.constexpr, BLOCK_T: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr):
-    # x [B, H, L, D]; the token's 2x2 matrices F[p, r, :] (freqs[b, 0, l, p, r, :]) loaded as [BLOCK_T, D/2, 2, 2]
-    # and split into F[.., 0] and F[.., 1] over r: y[2p + r] = F[p, r, 0] x[2p] + F[p, r, 1] x[2p + 1]
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    b = tl.program_id(2).to(tl.int64)
-    p = tl.arange(0, BLOCK_HALF)
-    pj = 2 * p[None, :, None] + tl.arange(0, 2)[None, None, :]
-    ok = (t < T)[:, None, None] & (pj < 2 * HALF)
-    t64 = t.to(tl.int64)
-    f_rows = b * F_BATCH + t64 * F_TOKEN
-    f_offs = f_rows[:, None, None, None] + 4 * p[None, :, None, None] + tl.arange(0, 4).reshape(2, 2)[None, None]
-    f_ok = (t < T)[:, None, None, None] & (p < HALF)[None, :, None, None]
-    f_first, f_second = tl.split(tl.load(f_ptr + f_offs, mask=f_ok, other=0.0).to(tl.float32))  # [BT, D/2, 2] over r
-    rows = b * SB + t64 * ST
-    for i in range(HEADS):
-        h = (tl.program_id(1) * HEADS + i).to(tl.int64)
-        offs = (rows + h * SH)[:, None, None] + pj
-        x0, x1 = tl.split(tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32))
-        if ROUND16:  # 16-bit freqs: the torch code computes in their dtype (x cast to it, the first product rounded)
-            cdt = f_ptr.dtype.element_ty
-            x0 = x0.to(cdt).to(tl.float32)
-            x1 = x1.to(cdt).to(tl.float32)
-            y = ((f_first * x0[:, :, None]).to(cdt).to(tl.float32) + f_second * x1[:, :, None]).to(cdt)
-        else:
-            y = f_first * x0[:, :, None] + f_second * x1[:, :, None]
-        tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, M, HALF, L, ROWS_PER_BATCH, F_BATCH, F_TOKEN,
+                       ROUND16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # rows of x [B, H, L, D]: token l = row % L, batch b = row // (H L); pair p's 2x2 matrix F[p, r, c] sits at
+    # freqs[b, 0, l, p, r, c], four floats from element 4 p of the token's block:
+    # y[2p + r] = F[p, r, 0] x[2p] + F[p, r, 1] x[2p + 1]
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_H)
+    ok = (rows < M)[:, None] & (p < HALF)[None, :]
+    r64 = rows.to(tl.int64)
+    base = r64[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    fb = ((r64 // ROWS_PER_BATCH) * F_BATCH + (r64 % L) * F_TOKEN)[:, None] + 4 * p[None, :]
+    f00 = tl.load(f_ptr + fb, mask=ok, other=0.0).to(tl.float32)
+    f01 = tl.load(f_ptr + fb + 1, mask=ok, other=0.0).to(tl.float32)
+    f10 = tl.load(f_ptr + fb + 2, mask=ok, other=0.0).to(tl.float32)
+    f11 = tl.load(f_ptr + fb + 3, mask=ok, other=0.0).to(tl.float32)
+    dt = out_ptr.dtype.element_ty
+    if ROUND16:  # 16-bit freqs: the torch code computes in their dtype (x cast to it, the first product rounded)
+        cdt = f_ptr.dtype.element_ty
+        x0 = x0.to(cdt).to(tl.float32)
+        x1 = x1.to(cdt).to(tl.float32)
+        y0 = ((f00 * x0).to(cdt).to(tl.float32) + f01 * x1).to(cdt)
+        y1 = ((f10 * x0).to(cdt).to(tl.float32) + f11 * x1).to(cdt)
+    else:
+        y0 = f00 * x0 + f01 * x1
+        y1 = f10 * x0 + f11 * x1
+    tl.store(out_ptr + base, y0.to(dt), mask=ok)
+    tl.store(out_ptr + base + 1, y1.to(dt), mask=ok)
 
 
 def _blocks(d: int) -> tuple[int, int, int]:
@@ -202,11 +210,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     return out
 
 
-def _rope_blocks(d: int, heads: int) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_HALF, HEADS) for the token-major RoPE kernel: about 4096 elements of x per head step, and
-    the largest of 8, 6, 5, 4, 3, 2, 1 heads that divides the head count per program (no masked-out head steps)."""
-    block_half = triton.next_power_of_2(d // 2)
-    return max(1, 2048 // block_half), block_half, next(g for g in (8, 6, 5, 4, 3, 2, 1) if heads % g == 0)
+def _rope_grid(m: int, d: int) -> tuple[tuple[int], dict[str, int]]:
+    """The RoPE kernels' grid over m rows of head dim d, and their block sizes (ROPE_ROWS rows, one warp)."""
+    return (triton.cdiv(m, ROPE_ROWS),), {"BLOCK_M": ROPE_ROWS, "BLOCK_H": triton.next_power_of_2(d // 2),
+                                          "num_warps": 1}
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
@@ -217,9 +224,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
     row_div = x.shape[2] if sequence_dim == 1 else 1
     out = torch.empty_like(x)
     m = x.numel() // d
-    block_m, block_d, warps = _blocks(d)
-    _rope_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, m, d, s_len, row_div,
-                                             BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    grid, meta = _rope_grid(m, d)
+    _rope_kernel[grid](x, cos, sin, out, m, d // 2, s_len, row_div, **meta)
     return out
 
 
@@ -230,15 +236,14 @@ def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torc
     (448 / a bound of |y|: `norm_bound`); `amax` [1] fp32, raised to the largest |y| seen (a check of the bound;
     zero it first). `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of
     batch b written to slot pos[b, s], masked ones as zero codes."""
-    b, s_len, h, d = x.shape
+    _, s_len, h, d = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     m = x.numel() // d
-    block_m, block_d, warps = _blocks(d)
     masked = key_mask is not None
     valid = key_mask.contiguous().view(torch.uint8) if masked else scale
-    _rope_e4m3_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d,
-                                                  s_len, h, MASK=masked, BLOCK_M=block_m, BLOCK_D=block_d,
-                                                  num_warps=warps)
+    grid, meta = _rope_grid(m, d)
+    _rope_e4m3_kernel[grid](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d // 2, s_len, h,
+                            MASK=masked, **meta)
     return out
 
 
@@ -261,12 +266,12 @@ def rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     it and the first product rounded to it, then the second added and rounded), the result in x's dtype."""
     b, h, l_len, d = x.shape
     out = torch.empty_like(x)
+    m = x.numel() // d
     f_batch = freqs.stride(0) if freqs.shape[0] > 1 else 0
     f_token = freqs.stride(2) if freqs.shape[2] > 1 else 0
-    block_t, block_half, per_program = _rope_blocks(d, h)
-    _rope_pairs_kernel[(triton.cdiv(l_len, block_t), h // per_program, b)](
-        x, freqs, out, l_len, h, h * l_len * d, d, l_len * d, d // 2, f_batch, f_token,
-        ROUND16=freqs.dtype != torch.float32, HEADS=per_program, BLOCK_T=block_t, BLOCK_HALF=block_half, num_warps=4)
+    grid, meta = _rope_grid(m, d)
+    _rope_pairs_kernel[grid](x, freqs, out, m, d // 2, l_len, h * l_len, f_batch, f_token,
+                             ROUND16=freqs.dtype != torch.float32, **meta)
     return out
 
 
