@@ -6,8 +6,8 @@ the one the package keeps (the candidates live here, not in the package).
 
 Both forms: diffusers' interleaved pairs with cos / sin [S, D] fp32 on x [B, S, H, D] (`rope`), and ComfyUI's 2x2
 matrices freqs [1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). Candidates:
-- rows: a program takes BLOCK_M rows (row r's token from r), the pair's two elements as two stride-2 loads (no
-  gather of a partner, no split / join), the table per row (L1 serves the rows of one token);
+- rows: the package's own kernels (a program takes BLOCK_M rows, the pair's two elements as two stride-2 loads,
+  the table per row) with other block sizes and warp counts: the sweep that chose norm_rope.ROPE_ROWS;
 - tokens: a program takes BLOCK_T tokens and loops over a group of heads, the table loaded once per token block,
   x as in rows.
 Every candidate's output is compared with the package's torch form; GB/s counts x in, out and the tables once.
@@ -28,29 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from outputs import save_outputs
-from rope_kernels import compare, inputs, load_tree_module, reference, traffic_bytes
+from rope_kernels import call, compare, inputs, load_tree_module, reference, traffic_bytes
 
 from lowbit_pipe.kernels import norm_rope
 from lowbit_pipe.measure.timing import TimingSettings, time_ms
-
-
-@triton.jit
-def _rows_cos_sin(x_ptr, cos_ptr, sin_ptr, out_ptr, M, HALF, S, ROW_DIV,
-                  BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = tl.arange(0, BLOCK_H)
-    ok = (rows < M)[:, None] & (p < HALF)[None, :]
-    base = rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
-    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
-    tb = ((rows // ROW_DIV) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
-    c0 = tl.load(cos_ptr + tb, mask=ok, other=0.0)
-    c1 = tl.load(cos_ptr + tb + 1, mask=ok, other=0.0)
-    s0 = tl.load(sin_ptr + tb, mask=ok, other=0.0)
-    s1 = tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
-    dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
-    tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
 
 
 @triton.jit
@@ -74,22 +55,6 @@ def _tokens_cos_sin(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF, SB, ST, SH,
         x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
         tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
-
-
-@triton.jit
-def _rows_pairs(x_ptr, f_ptr, out_ptr, M, HALF, L, F_TOKEN, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # x [1, H, L, D]: token = row % L
-    p = tl.arange(0, BLOCK_H)
-    ok = (rows < M)[:, None] & (p < HALF)[None, :]
-    base = rows.to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
-    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
-    fb = (rows % L).to(tl.int64)[:, None] * F_TOKEN + 4 * p[None, :]
-    dt = out_ptr.dtype.element_ty
-    tl.store(out_ptr + base, (tl.load(f_ptr + fb, mask=ok, other=0.0) * x0
-                              + tl.load(f_ptr + fb + 1, mask=ok, other=0.0) * x1).to(dt), mask=ok)
-    tl.store(out_ptr + base + 1, (tl.load(f_ptr + fb + 2, mask=ok, other=0.0) * x0
-                                  + tl.load(f_ptr + fb + 3, mask=ok, other=0.0) * x1).to(dt), mask=ok)
 
 
 @triton.jit
@@ -127,10 +92,10 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
     out: dict[str, Callable[[], torch.Tensor]] = {}
     if kind == "rope":  # [B, S, H, D]
         for bm, warps in ((4, 1), (2, 1), (1, 1), (4, 2)):
-            def rows(bm=bm, warps=warps):
+            def rows(bm=bm, warps=warps):  # the package's kernel with other block sizes
                 y = torch.empty_like(x)
-                _rows_cos_sin[(triton.cdiv(m, bm),)](x, t["cos"], t["sin"], y, m, half, n1, n2, BLOCK_M=bm,
-                                                     BLOCK_H=bh, num_warps=warps)
+                norm_rope._rope_kernel[(triton.cdiv(m, bm),)](x, t["cos"], t["sin"], y, m, half, n1, n2, BLOCK_M=bm,
+                                                              BLOCK_H=bh, num_warps=warps)
                 return y
             out[f"rows {bm}x{half} w{warps}"] = rows
         for bt, warps in ((4, 1), (2, 1), (4, 2)):
@@ -145,10 +110,11 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
     elif kind == "rope_pairs":  # [B, H, L, D], freqs [1, 1, L, D/2, 2, 2]
         f = t["freqs"]
         for bm, warps in ((4, 1), (2, 1), (1, 1), (4, 2)):
-            def rows(bm=bm, warps=warps):
+            def rows(bm=bm, warps=warps):  # the package's kernel with other block sizes
                 y = torch.empty_like(x)
-                _rows_pairs[(triton.cdiv(m, bm),)](x, f, y, m, half, n2, f.stride(2), BLOCK_M=bm, BLOCK_H=bh,
-                                                   num_warps=warps)
+                norm_rope._rope_pairs_kernel[(triton.cdiv(m, bm),)](x, f, y, m, half, n2, n1 * n2, 0, f.stride(2),
+                                                                    ROUND16=False, BLOCK_M=bm, BLOCK_H=bh,
+                                                                    num_warps=warps)
                 return y
             out[f"rows {bm}x{half} w{warps}"] = rows
         for bt, warps in ((4, 1), (2, 1), (4, 2)):
@@ -161,12 +127,6 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
                 return y
             out[f"tokens {bt} w{warps}"] = tokens
     return out
-
-
-def module_call(module: Any, kind: str, t: dict[str, Any]) -> Callable[[], torch.Tensor]:
-    if kind == "rope":
-        return lambda: module.rope(t["x"], t["cos"], t["sin"], 1)
-    return lambda: module.rope_pairs(t["x"], t["freqs"])
 
 
 SHAPES = [("krea2 1024 q", "rope", 1, 4608, 48, 128), ("krea2 2048 q", "rope", 1, 16896, 48, 128),
@@ -192,9 +152,9 @@ def main() -> None:
         t = inputs(kind, b, s, h, d, device)
         ref = reference(kind, t)
         moved = traffic_bytes(kind, t)
-        fns = {"package": module_call(norm_rope, kind, t)}
+        fns = {"package": call(norm_rope, kind, t)}
         if before is not None:
-            fns["before"] = module_call(before, kind, t)
+            fns["before"] = call(before, kind, t)
         fns.update(candidates(kind, t))
         for label, fn in fns.items():
             diff = compare(fn(), ref)
