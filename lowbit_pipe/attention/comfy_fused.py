@@ -20,12 +20,12 @@ node runs that stage on its own structural copy of the tree):
   (global `attention`, comfy.ldm.flux.math.attention, whose global `apply_rope` is rebound in a copy of it),
   Qwen-Image's `Attention.forward` (global `apply_rope1`).
 
-- Shared inputs. ComfyUI runs nodes under torch.inference_mode, whose tensors have no version counter, so the
-  quantized layers' one-quantization-per-input memo (lowbit_pipe.kernels.dispatch.shared_activations) is off there
-  unless a scope vouches that an input stays unchanged while its layers read it. Krea 2's `Attention` (x -> wq,
-  wk, wv, gate) and `SwiGLU` (x -> gate, up) and Qwen-Image's `Attention` (each stream -> its q, k, v) open such a
-  scope around their stock forward (`dispatch.shared_inputs`), read off ComfyUI 0.29.0's code; it closes with
-  the forward, taking the activations off the inputs. FLUX.1's blocks project through one packed layer.
+- Shared inputs. Quantized layers that read one input quantize it once inside a scope that vouches the input stays
+  unchanged while they read it (lowbit_pipe.kernels.dispatch.shared_inputs; ComfyUI's inference tensors have no
+  version counter to tell otherwise). Krea 2's `Attention` (x -> wq, wk, wv, gate) and `SwiGLU` (x -> gate, up)
+  and Qwen-Image's `Attention` (each stream -> its q, k, v) open one around their stock forward, read off ComfyUI
+  0.29.0's code; it closes with the forward, taking the activations off the inputs. FLUX.1's blocks project
+  through one packed layer.
 
 How: each such module's class is swapped, on that module object only, for a subclass of its own class: the norms'
 `forward` runs the kernel where it serves and the class's own forward elsewhere; the attention modules' `forward`

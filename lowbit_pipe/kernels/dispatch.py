@@ -176,33 +176,26 @@ def quantize_activations(x2: torch.Tensor, mode: str, rot: str, group: int | Non
 FUSED_DOWN_MAX_R = 128
 
 # An input several layers read (a DiT block's q / k / v / gate projections, SwiGLU's gate and up) is rotated and
-# quantized once per mode: the Activations ride on the input tensor object itself, keyed by its version counter
-# (any in-place change since, through any view, misses), so they live exactly as long as that tensor and nothing
-# outlives a forward. Identity, not the address: a freed input's storage reused by the next block's input is a new
-# object without the attribute. Not under torch.compile (Inductor fuses the quantization into x's producer), nor
-# with a static scale or a LoRA down factor fused into the pass (both belong to one layer). An inference tensor
-# (torch.inference_mode, as ComfyUI runs every node) has no version counter, so an in-place change between two
-# layers could not be told: it shares only inside a `shared_inputs` scope, opened by code that vouches for it.
+# quantized once per mode, inside a `shared_inputs` scope opened by code that passes that input unchanged to those
+# layers (lowbit_pipe.attention.comfy_fused: ComfyUI's Krea 2 and Qwen-Image blocks, read off their code). The
+# Activations ride on the input tensor object (identity, not the address: storage reused by a later tensor is a
+# new object) and the scope takes them off on exit, so nothing outlives the block, and nothing is ever left on a
+# tensor the caller holds. Inside the scope the version counter still catches an in-place change (an inference
+# tensor, as ComfyUI makes every one, has none: the scope's word stands). Never under torch.compile (Inductor
+# fuses the quantization into x's producer), nor with a static scale or a LoRA down factor fused into the pass
+# (both belong to one layer).
 SHARED_ACTIVATIONS_ATTR = "_lowbit_activations"
-
-
 SHARED_INPUT_TAG = "_lowbit_shared_input"
 
 
 def shared_activations(x: torch.Tensor, x2: torch.Tensor, mode: str, rot: str, group: int | None,
                        static: torch.Tensor | None, down: torch.Tensor | None) -> Activations:
-    """`quantize_activations(x2, ...)` for x2 = x.reshape(-1, K), reusing what an earlier layer computed from the
-    same, unchanged x with the same mode and rotation."""
+    """`quantize_activations(x2, ...)` for x2 = x.reshape(-1, K); inside a `shared_inputs` scope for x, reusing
+    what an earlier layer computed from the same, unchanged x with the same mode and rotation."""
     if (down is not None or static is not None or type(x) is not torch.Tensor or compiling()
-            or (x.requires_grad and torch.is_grad_enabled())):
+            or not x.__dict__.get(SHARED_INPUT_TAG)):
         return quantize_activations(x2, mode, rot, group, static, down)
-    if x.is_inference():
-        if not x.__dict__.get(SHARED_INPUT_TAG):
-            return quantize_activations(x2, mode, rot, group, static, down)
-        version = -1  # no counter: the `shared_inputs` scope vouches that x does not change while it lasts
-    else:
-        version = x._version
-    key = (mode, rot, group, version, tuple(x2.shape))
+    key = (mode, rot, group, -1 if x.is_inference() else x._version, tuple(x2.shape))
     memo = x.__dict__.get(SHARED_ACTIVATIONS_ATTR)
     if memo is not None and memo[0] == key:
         return memo[1]
@@ -213,12 +206,12 @@ def shared_activations(x: torch.Tensor, x2: torch.Tensor, mode: str, rot: str, g
 
 @contextmanager
 def shared_inputs(*tensors: Any) -> Iterator[None]:
-    """Inference tensors (torch.inference_mode: no version counter) whose layers may share one quantization while
-    the block lasts: for a caller whose code is known to pass each of `tensors` unchanged to several layers (a
-    ComfyUI attention's q / k / v projections: lowbit_pipe.attention.comfy_fused). On exit the tag and the
-    activations are taken off again, so nothing of the block outlives it. Other tensors are left alone (the
-    version counter covers them)."""
-    tagged = [t for t in tensors if type(t) is torch.Tensor and t.is_inference() and SHARED_INPUT_TAG not in t.__dict__]
+    """Open `tensors` (others in the list: None, non-tensors, tensor subclasses, tensors that need grad are left
+    alone) to one activation quantization for all the quantized layers that read them while the scope lasts: for
+    a caller whose code passes each unchanged to several layers. On exit the tag and the activations are taken off
+    again. A tensor an enclosing scope opened stays that scope's."""
+    tagged = [t for t in tensors if type(t) is torch.Tensor and not (t.requires_grad and torch.is_grad_enabled())
+              and SHARED_INPUT_TAG not in t.__dict__]
     for t in tagged:
         t.__dict__[SHARED_INPUT_TAG] = True
     try:

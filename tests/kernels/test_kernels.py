@@ -247,9 +247,10 @@ def case_int8_lora() -> None:
 
 
 def case_shared_activations() -> None:
-    """Layers reading one input quantize it once (dispatch.shared_activations): each layer's output equal to its
-    own quantization's, one pass per (input version, mode, rotation), a new one after an in-place change of the
-    input through a view, none shared by a layer with a LoRA branch, and none between equal but distinct tensors."""
+    """Layers reading one input quantize it once inside a `shared_inputs` scope (dispatch.shared_activations): each
+    layer's output equal to its own quantization's, one pass per (input version, mode, rotation), a new one after
+    an in-place change through a view, none for a LoRA layer, none outside a scope (an input the caller holds keeps
+    nothing), and nothing left on the input when the scope closes, inference tensors included."""
     from torch.nn import functional as F
 
     from lowbit_pipe.kernels import dispatch
@@ -270,50 +271,51 @@ def case_shared_activations() -> None:
     def run(inp, rot="none", group=None):
         return [dispatch.int8_linear(inp, w, s, None, rot, group) for w, s in layers]
 
+    def left(t):
+        return [key for key in t.__dict__ if key.startswith("_lowbit")]
+
     qa.quantize_act = counted
     try:
-        own = [dispatch.int8_linear(x.clone(), w, s, None) for w, s in layers]  # equal, distinct tensors
-        assert len(calls) == 3, calls
+        own = run(x)  # outside a scope: every layer for itself, nothing kept on x
+        assert len(calls) == 3 and not left(x), (calls, left(x))
         calls.clear()
-        shared = run(x)
-        assert len(calls) == 1, calls
-        for got, want in zip(shared, own):
-            assert torch.equal(got, want)
-        calls.clear()
-        rotated = run(x, "convrot", 16)  # another rotation: its own pass, then shared
-        assert len(calls) == 1 and not torch.equal(rotated[0], shared[0]), calls
-        for got, (w, s) in zip(rotated, layers):
-            assert torch.equal(got, dispatch.int8_linear(x.clone(), w, s, None, "convrot", 16))
-        calls.clear()
-        run(x)
-        assert len(calls) == 1, calls  # one entry per tensor, the last: back to no rotation is a new pass
-        calls.clear()
-        x.view(-1)[0] += 1.0  # in place, through a view: the version counter moves
-        changed = run(x)
-        assert len(calls) == 1, calls
-        for got, (w, s) in zip(changed, layers):
-            assert torch.equal(got, dispatch.int8_linear(x.clone(), w, s, None))
-        calls.clear()
-        down, up = torch.randn(8, k, generator=gen) * 0.1, torch.randn(n, 8, generator=gen) * 0.1
-        w, s = layers[0]
-        y = dispatch.int8_linear(x, w, s, None, lora_down=down, lora_up=up)
-        assert len(calls) == 1, calls  # a LoRA branch's pass reads its own down factor: never shared
-        _close(y, changed[0] + F.linear(F.linear(x, down), up), 1e-5, "shared input + LoRA branch")
-        with torch.inference_mode():  # no version counter: every layer quantizes for itself ...
-            xi = x.clone()
-            calls.clear()
-            for got, want in zip(run(xi), changed):
+        with dispatch.shared_inputs(x, None, 3):
+            shared = run(x)
+            assert len(calls) == 1, calls
+            for got, want in zip(shared, own):
                 assert torch.equal(got, want)
-            assert len(calls) == 3, calls
             calls.clear()
-            with dispatch.shared_inputs(xi, None, 3):  # ... but inside a scope that vouches for xi
-                for got, want in zip(run(xi), changed):
-                    assert torch.equal(got, want)
-                assert len(calls) == 1, calls
-            assert not [k for k in xi.__dict__ if k.startswith("_lowbit")], xi.__dict__  # closed: nothing left
+            rotated = run(x, "convrot", 16)  # another rotation: its own pass, then shared
+            assert len(calls) == 1 and not torch.equal(rotated[0], shared[0]), calls
+            for got, (w, s) in zip(rotated, layers):
+                assert torch.equal(got, dispatch.int8_linear(x.clone(), w, s, None, "convrot", 16))
+            calls.clear()
+            run(x)
+            assert len(calls) == 1, calls  # one entry per tensor, the last: back to no rotation is a new pass
+            calls.clear()
+            x.view(-1)[0] += 1.0  # in place, through a view: the version counter moves
+            changed = run(x)
+            assert len(calls) == 1, calls
+            for got, (w, s) in zip(changed, layers):
+                assert torch.equal(got, dispatch.int8_linear(x.clone(), w, s, None))
+            calls.clear()
+            down, up = torch.randn(8, k, generator=gen) * 0.1, torch.randn(n, 8, generator=gen) * 0.1
+            w, s = layers[0]
+            y = dispatch.int8_linear(x, w, s, None, lora_down=down, lora_up=up)
+            assert len(calls) == 1, calls  # a LoRA branch's pass reads its own down factor: never shared
+            _close(y, changed[0] + F.linear(F.linear(x, down), up), 1e-5, "shared input + LoRA branch")
+        assert not left(x), left(x)
+        with torch.inference_mode():  # ComfyUI's tensors: no version counter, the scope's word stands
+            xi = x.clone()
             calls.clear()
             run(xi)
             assert len(calls) == 3, calls
+            calls.clear()
+            with dispatch.shared_inputs(xi):
+                for got, want in zip(run(xi), changed):
+                    assert torch.equal(got, want)
+                assert len(calls) == 1, calls
+            assert not left(xi), left(xi)
     finally:
         qa.quantize_act = real
 
