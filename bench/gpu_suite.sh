@@ -21,6 +21,7 @@
 #   bash bench/gpu_suite.sh comfyui_a "$OUT" / comfyui_b "$OUT"  # issue 47: the running-server table, in two calls
 #   bash bench/gpu_suite.sh comfyui_c "$OUT"  # the uncompiled pack rows again (plain patchers: no per-queue re-upload)
 #   bash bench/gpu_suite.sh comfyui_d "$OUT"  # the file row beside Quantize's (dynamic VRAM kept for ComfyUI's layers)
+#   bash bench/gpu_suite.sh rope "$OUT"  # the RoPE kernels' GPU tests, against .rope_before/norm_rope.py if carried, the fold
 #   bash bench/gpu_suite.sh comfyui_e "$OUT"  # the uncompiled rows after the token-major RoPE and shared activations
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
@@ -35,7 +36,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e or comfyui_all}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -137,6 +138,16 @@ case "$part" in
     tail -30 "$out/attention_fold.log"
     timeout 250 python3 -m pytest -q -p no:cacheprovider tests/attention/test_gpu_cudnn_attention.py tests/attention/test_gpu_attention_recipe.py \
       2>&1 | tail -20 > "$out/pytest_attention_fold.log"; tail -3 "$out/pytest_attention_fold.log" ;;
+  rope)
+    # carry .whl (and .rope_before/, another tree's norm_rope.py, for the before / after columns)
+    timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py \
+      tests/attention/test_gpu_cudnn_attention.py -k "rope or folded" 2>&1 | tail -8 > "$out/pytest_rope.log"
+    tail -3 "$out/pytest_rope.log"
+    before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
+    timeout 90 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > "$out/rope_kernels.log" 2>&1
+    tail -12 "$out/rope_kernels_${card}.md"
+    timeout 200 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}" > "$out/attention_fold.log" 2>&1
+    head -16 "$out/attention_fold_${card}.md" ;;
   comfyui_a|comfyui_b|comfyui_c|comfyui_d|comfyui_e)
     # one warm machine: part b reuses part a's unpacked ComfyUI, float file and fp8 export under /tmp/cspeed
     if [ "$part" = comfyui_a ]; then
@@ -160,5 +171,5 @@ case "$part" in
     timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
     tail -24 "$out/comfyui_speed_${card}_all.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_all)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_all)"; exit 2 ;;
 esac
