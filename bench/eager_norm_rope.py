@@ -8,7 +8,10 @@ Builds `--layers` Krea2TransformerBlocks at the released width (hidden 6144 = 48
 bf16, on the device. Each variant runs the same blocks, one after the other, in one process:
 
 - bf16 and fp8 (every block Linear, per-token dynamic activations) without compile,
-- each with and without the fused norms and RoPE (lowbit_pipe.attention.fused, through a ledger, undone after).
+- each with and without the fused norms and RoPE (lowbit_pipe.attention.fused, through a ledger, undone after),
+- fp8 + fused once more with every layer quantizing its own input (dispatch.shared_activations off; with the
+  fusion, Krea 2's attention and SwiGLU open their input to one quantization for q / k / v / gate and gate / up),
+  its output bit-equal to the shared run's.
 
 Checks first, on the same shapes: each kernel against its torch form (share of output elements bit-equal, max
 error in output ulps), and each fused variant's block output against the stock one. Timing: CUDA events around
@@ -34,7 +37,7 @@ from outputs import save_outputs
 
 from lowbit_pipe.arch.base import LayerPolicy
 from lowbit_pipe.attention.fused import apply_fused_norm_rope
-from lowbit_pipe.kernels import norm_rope
+from lowbit_pipe.kernels import dispatch, norm_rope
 from lowbit_pipe.ledger import Ledger
 from lowbit_pipe.measure.timing import TimingSettings, time_ms
 from lowbit_pipe.plan.policy import plan_layers
@@ -110,6 +113,11 @@ def kernel_checks(dims: dict[str, int], device: torch.device) -> dict[str, Any]:
                                                                   apply_rotary_emb(q, (cos, sin), sequence_dim=1))}
 
 
+def unshared_activations(x, x2, mode, rot, group, static, down):
+    """dispatch.shared_activations' stand-in for the bench's unshared row: each layer's own pass."""
+    return dispatch.quantize_activations(x2, mode, rot, group, static, down)
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -139,16 +147,18 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     outputs: dict[str, torch.Tensor] = {}
 
-    def measure(fmt: str, fused: bool) -> None:
+    def measure(fmt: str, fused: bool, shared: bool = True) -> None:
         ledger = Ledger()
         applied = apply_fused_norm_rope(blocks, ledger) if fused else None
+        if not shared:  # the bench's own switch, undone below: every layer quantizes its input itself
+            ledger.patch_attr(dispatch, "shared_activations", unshared_activations)
         with torch.no_grad():
             out = blocks(*args_in)
         # lowbit_pipe.measure.timing: CUDA events around --iters calls (CPU: the fastest call); the median of --repeats
         ms = statistics.median(time_ms(lambda: blocks(*args_in), device, TimingSettings(warmup=3, reps=args.iters))
                                for _ in range(args.repeats))
-        name = f"{fmt}{' + fused norm/RoPE' if fused else ''}"
-        row = {"variant": name, "format": fmt, "fused": fused, "ms": ms}
+        name = f"{fmt}{' + fused norm/RoPE' if fused else ''}{'' if shared else ', unshared activations'}"
+        row = {"variant": name, "format": fmt, "fused": fused, "shared_activations": shared, "ms": ms}
         if fused:
             counted = applied.as_dict()
             with torch.no_grad():
@@ -158,6 +168,10 @@ def main() -> None:
             row["rel_err_vs_stock"] = rel(out, outputs[fmt])
         else:
             outputs[fmt] = out
+        if not shared:
+            outputs["unshared"] = out
+        elif fused and "unshared" in outputs:
+            row["bit_equal_to_unshared"] = bool(torch.equal(out, outputs["unshared"]))
         rows.append(row)
         report = ledger.unwind()
         assert not report.errors and not report.unfreed, report
@@ -170,6 +184,7 @@ def main() -> None:
                         LayerPolicy(block_paths=("transformer_blocks",)))
     quantize_module(blocks, plans, ledger, originals="drop")
     measure("fp8", False)
+    measure("fp8", True, shared=False)
     measure("fp8", True)
     base = rows[0]["ms"]
     for row in rows:

@@ -10,7 +10,12 @@ Recipe key `attention.fused_norm_rope`. Two kinds of change, each recorded in th
   rebound to `FusedRope`, the same mechanism as 8-bit attention's (processors.rebound_class). Applied before
   8-bit attention, so the 8-bit processor builds on this one and evaluate's float reference keeps the same RoPE.
 
-Under torch.compile both fall back to the torch code, which Inductor fuses by itself.
+- Modules whose code passes one input unchanged to several quantized layers (SHARED_INPUT_MODULES, read off
+  diffusers' code: Krea 2's attention with its stock processor, x -> to_q / to_k / to_v / to_gate, and its SwiGLU,
+  x -> gate / up) get an instance `forward` that opens that input to one activation quantization for the call
+  (lowbit_pipe.kernels.dispatch.shared_inputs) around the class's own forward.
+
+Under torch.compile all of them fall back to the torch code, which Inductor fuses by itself.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from torch import nn
 
 from lowbit_pipe.attention.norm_kinds import NormKind, norm_kind
 from lowbit_pipe.attention.processors import attention_modules, processor_for, rebound_class, swap_processor
-from lowbit_pipe.kernels.dispatch import compiling
+from lowbit_pipe.kernels.dispatch import compiling, shared_inputs
 from lowbit_pipe.ledger import Ledger
 
 ROPE_GLOBAL = "apply_rotary_emb"
@@ -59,6 +64,39 @@ class FusedNormForward:
                 return self.kernels.rms_norm(hidden_states, weight, module.eps, self.kind.offset,
                                              round_first=round_first, out_dtype=out_dtype)
         return type(module).forward(module, hidden_states)
+
+
+# class name -> (the diffusers module defining it, the processor class its code must run under or None)
+SHARED_INPUT_MODULES = {
+    "Krea2Attention": ("diffusers.models.transformers.transformer_krea2", "Krea2AttnProcessor"),
+    "Krea2SwiGLU": ("diffusers.models.transformers.transformer_krea2", None),
+}
+
+
+class SharedInputForward:
+    """A module's forward with its first argument (`hidden_states`) open to one activation quantization for the
+    quantized layers that read it, in eager, while the module runs the code that was read (for an attention
+    module: a processor of the stock class or a subclass, such as the RoPE and 8-bit ones built on it); otherwise
+    the class's forward as it is. Holds the module weakly."""
+
+    def __init__(self, module: nn.Module, processor_class: str | None) -> None:
+        self.module = weakref.ref(module)
+        self.processor_class = processor_class
+
+    def vouched(self, module: nn.Module) -> bool:
+        if self.processor_class is None:
+            return True
+        return any(c.__name__ == self.processor_class and c.__module__.startswith("diffusers.")
+                   for c in type(getattr(module, "processor", None)).__mro__)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module()
+        forward = type(module).forward
+        x = args[0] if args else kwargs.get("hidden_states")
+        if compiling() or not self.vouched(module):
+            return forward(module, *args, **kwargs)
+        with shared_inputs(x):
+            return forward(module, *args, **kwargs)
 
 
 def _dims(dim) -> tuple[int, ...]:
@@ -96,10 +134,12 @@ class AppliedFusion:
     norms: dict[str, FusedNormForward] = field(default_factory=dict)
     processors: list[str] = field(default_factory=list)
     ropes: list[FusedRope] = field(default_factory=list)
+    shared: list[str] = field(default_factory=list)  # modules whose layers quantize their input once
 
     def as_dict(self) -> dict[str, Any]:
         """What was changed (report.json's attention.fused_norm_rope); the kernels' calls, counted since."""
         return {"norm_modules": len(self.norms), "rope_processors": len(self.processors),
+                "shared_input_modules": len(self.shared),
                 "norm_kernel_calls": sum(f.calls for f in self.norms.values()),
                 "rope_kernel_calls": sum(r.calls for r in self.ropes)}
 
@@ -140,4 +180,10 @@ def apply_fused_norm_rope(root: nn.Module, ledger: Ledger) -> AppliedFusion:
                                                "with its rotary embedding as one kernel in eager")
         swap_processor(ledger, name, module, stock, processor_for(stock, classes[stock_cls]))
         applied.processors.append(name)
+    for name, module in root.named_modules():
+        where = SHARED_INPUT_MODULES.get(type(module).__name__)
+        if where is None or type(module).__module__ != where[0] or "forward" in vars(module):
+            continue
+        ledger.patch_attr(module, "forward", SharedInputForward(module, where[1]), name=f"{name}.forward (shared input)")
+        applied.shared.append(name)
     return applied

@@ -397,6 +397,56 @@ def test_fused_norm_rope_applies_under_8bit_attention_and_teardown_restores(tiny
     assert torch.equal(_out(model, arch, inputs), before)
 
 
+def test_fused_norm_rope_opens_krea2s_shared_inputs_for_one_quantization(tiny_model, tmp_path):
+    """attention.fused_norm_rope on Krea 2: the attention modules (under the 8-bit processors built on the stock one)
+    and the SwiGLUs open their input to one activation quantization while they run (dispatch.shared_inputs' tag,
+    seen by q / k / v / gate and the MLP's gate / up; never by the output projections), inference tensors
+    included, and leave nothing on it; a processor of another class gets no scope; teardown removes the forwards."""
+    from lowbit_pipe.kernels import dispatch
+
+    model = tiny_model("krea2")
+    arch, inputs = _inputs(model)
+    args = ["attention.format=int8", "attention.fused_norm_rope=true", "pipeline=[load,detect,quantize]"]
+    result = lowbit_pipe.run("default", args, model=model, run_dir=tmp_path / "run")
+    fused = result.report["attention"]["fused_norm_rope"]
+    shared = [n for n, m in model.named_modules() if type(m).__name__ in ("Krea2Attention", "Krea2SwiGLU")]
+    assert fused["shared_input_modules"] == len(shared) > 4
+    block = model.transformer_blocks[0]
+    probes = {"attn.to_q": True, "attn.to_gate": True, "ff.gate": True, "ff.up": True, "ff.down": False}
+    seen: dict[str, list[bool]] = {}
+    held: list[torch.Tensor] = []
+
+    def probe(name):
+        def hook(module, hook_args):
+            seen.setdefault(name, []).append(bool(hook_args[0].__dict__.get(dispatch.SHARED_INPUT_TAG)))
+            held.append(hook_args[0])
+        return hook
+
+    modules = dict(block.named_modules())
+    handles = [modules[n].register_forward_pre_hook(probe(n)) for n in probes]
+    try:
+        with torch.inference_mode():
+            _out(model, arch, inputs)
+        assert {n: all(v) if probes[n] else any(v) for n, v in seen.items()} == probes, seen
+        assert not [k for t in held for k in t.__dict__ if k.startswith("_lowbit")]
+        seen.clear()
+        processor = block.attn.processor
+        class OtherProcessor:  # code that was not read: it calls the real one, but nothing vouches for it
+            def __call__(self, *call_args, **call_kwargs):
+                return processor(*call_args, **call_kwargs)
+
+        block.attn.processor = OtherProcessor()
+        with torch.inference_mode():
+            _out(model, arch, inputs)
+        assert seen["attn.to_q"] == [False] and all(seen["ff.up"]), seen  # unknown processor code: no scope
+        block.attn.processor = processor
+    finally:
+        for h in handles:
+            h.remove()
+    proof = lowbit_pipe.teardown(result)
+    assert proof["errors"] == [] and not any("forward" in vars(m) for n, m in model.named_modules() if n in shared)
+
+
 def test_fused_rope_serves_only_what_its_kernel_computes():
     """FusedRope hands every form its kernel does not compute (CPU tensors, complex freqs, unbind -2, fp64 cos) to
     the stock function, with the stock arguments."""
@@ -419,7 +469,7 @@ def test_fused_rope_serves_only_what_its_kernel_computes():
 
 
 def test_the_eager_norm_rope_bench_runs_and_writes_its_table(tmp_path):
-    """bench/eager_norm_rope.py --small on the CPU: the four rows, each fused row against its stock one (the torch
+    """bench/eager_norm_rope.py --small on the CPU: the five rows, each fused row against its stock one (the torch
     code on the CPU, so bit-equal and no kernel call), its table, and every ledger unwound clean (it asserts so)."""
     import json
     import os
@@ -435,10 +485,12 @@ def test_the_eager_norm_rope_bench_runs_and_writes_its_table(tmp_path):
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {r["variant"]: r for r in json.loads(out.read_text())["rows"]}
-    assert list(rows) == ["bf16", "bf16 + fused norm/RoPE", "fp8", "fp8 + fused norm/RoPE"]
-    for fused in ("bf16 + fused norm/RoPE", "fp8 + fused norm/RoPE"):
+    unshared = "fp8 + fused norm/RoPE, unshared activations"
+    assert list(rows) == ["bf16", "bf16 + fused norm/RoPE", "fp8", unshared, "fp8 + fused norm/RoPE"]
+    for fused in ("bf16 + fused norm/RoPE", unshared, "fp8 + fused norm/RoPE"):
         assert rows[fused]["rel_err_vs_stock"] == 0.0
         assert rows[fused]["kernel_calls_per_forward"] == {"norm_kernel_calls": 0, "rope_kernel_calls": 0}
+    assert rows["fp8 + fused norm/RoPE"]["bit_equal_to_unshared"] is True  # sharing changes no output bit
     assert "| fp8 + fused norm/RoPE |" in out.with_suffix(".md").read_text()
 
 
