@@ -209,9 +209,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
 
 
 def _rope_grid(m: int, d: int) -> tuple[tuple[int], dict[str, int]]:
-    """The RoPE kernels' grid over m rows of head dim d, and their block sizes (ROPE_ROWS rows, one warp)."""
-    return (triton.cdiv(m, ROPE_ROWS),), {"BLOCK_M": ROPE_ROWS, "BLOCK_H": triton.next_power_of_2(d // 2),
-                                          "num_warps": 1}
+    """The RoPE kernels' grid over m rows of head dim d, and their block sizes: ROPE_ROWS rows, one warp per 64
+    pairs (one for the head dims measured, 64 and 128; more for wider heads, so a thread's share stays put)."""
+    block_h = triton.next_power_of_2(d // 2)
+    return (triton.cdiv(m, ROPE_ROWS),), {"BLOCK_M": ROPE_ROWS, "BLOCK_H": block_h,
+                                          "num_warps": max(1, min(8, block_h // 64))}
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:
