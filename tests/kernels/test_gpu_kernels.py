@@ -610,9 +610,9 @@ def test_a_layer_left_in_host_memory_gives_the_resident_layers_result(fmt):
 
 @pytest.mark.parametrize("b,s,h,d", [(1, 4608, 48, 128), (2, 333, 12, 128), (1, 70, 16, 96), (3, 5, 1, 64)])
 def test_the_rope_kernels_match_their_torch_forms(b, s, h, d):
-    """The token-major RoPE kernels (several token blocks and head groups, a head dim whose half is not a power of
-    two, one head) against their torch forms: bf16 outputs within one ulp of the fp32 result, e4m3 codes equal but
-    for rounding ties, the amax exact."""
+    """The RoPE kernels at real and ragged shapes (a full Krea 2 q, rows not a multiple of the programs' rows, a
+    head dim whose half is not a power of two, one head) against their torch forms: bf16 outputs within one ulp of
+    the fp32 result, e4m3 codes equal but for rounding ties, the amax exact."""
     from lowbit_pipe.kernels import norm_rope as R
 
     gen = torch.Generator(device="cuda").manual_seed(s + h + d)

@@ -941,8 +941,8 @@ def case_norm_rope() -> None:
                                                           out_dtype=want.dtype), want, rtol=0, atol=0)
     finally:
         norm_rope.kernel_serves = saved
-    # token-major programs: (tokens, heads, D) of one block and one head group, then several token blocks, two
-    # groups of 8 heads and a head dim whose half is not a power of two (masked pair columns)
+    # small shapes, then more rows than a few programs take and a head dim whose half is not a power of two
+    # (masked pair columns)
     for seq_dim, (s_len, h, d) in ((1, (9, 3, 64)), (2, (9, 3, 64)), (1, (70, 16, 96)), (2, (70, 16, 96))):
         shape = (2, s_len, h, d) if seq_dim == 1 else (2, h, s_len, d)
         x = torch.randn(*shape, generator=gen).to(torch.bfloat16)
@@ -980,7 +980,7 @@ def case_norm_rope() -> None:
                    f"rope_pairs x {dtype} freqs {fdtype}")
         _close(rope_pairs(x, freqs[:1, :, :1]), reference_rope_pairs(x, freqs[:1, :, :1]), tol,
                f"rope_pairs one batch, one token of freqs (broadcast) {dtype}")
-        # several token blocks, two groups of 8 heads, D / 2 = 48 (masked pair columns), freqs per batch row
+        # many programs, D / 2 = 48 (masked pair columns), freqs per batch row
         angles = torch.rand(2, 1, 70, 48, generator=gen) * 6
         big_f = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).view(2, 1, 70, 48, 2, 2)
         big_x = torch.randn(2, 16, 70, 96, generator=gen).to(dtype)
