@@ -21,7 +21,8 @@
 #   bash bench/gpu_suite.sh comfyui_a "$OUT" / comfyui_b "$OUT"  # issue 47: the running-server table, in two calls
 #   bash bench/gpu_suite.sh comfyui_c "$OUT"  # the uncompiled pack rows again (plain patchers: no per-queue re-upload)
 #   bash bench/gpu_suite.sh comfyui_d "$OUT"  # the file row beside Quantize's (dynamic VRAM kept for ComfyUI's layers)
-#   bash bench/gpu_suite.sh rope "$OUT"  # the RoPE kernels' GPU tests, against .rope_before/norm_rope.py if carried, the fold
+#   bash bench/gpu_suite.sh rope "$OUT"  # the RoPE kernels' GPU tests, against .rope_before/norm_rope.py if carried,
+#                                        # the candidates (rope_e4m3's rows form among them), the fold
 #   bash bench/gpu_suite.sh comfyui_e "$OUT"  # the uncompiled rows after the token-major RoPE and shared activations
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
@@ -146,6 +147,8 @@ case "$part" in
     before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
     timeout 90 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > "$out/rope_kernels.log" 2>&1
     tail -12 "$out/rope_kernels_${card}.md"
+    timeout 120 python3 bench/rope_variants.py $before --out "$out/rope_variants_${card}" > "$out/rope_variants.log" 2>&1
+    grep -E "package|rows 4x64 w1" "$out/rope_variants_${card}.md" | head -24
     timeout 200 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}" > "$out/attention_fold.log" 2>&1
     head -16 "$out/attention_fold_${card}.md" ;;
   comfyui_a|comfyui_b|comfyui_c|comfyui_d|comfyui_e)

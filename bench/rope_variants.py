@@ -4,8 +4,9 @@ the one the package keeps (the candidates live here, not in the package).
     python3 bench/rope_variants.py --before .rope_before/norm_rope.py --out bench/results/rope_variants_h100.json
     TRITON_INTERPRET=1 python bench/rope_variants.py --device cpu --small --out /tmp/rope_variants.json  # check
 
-Both forms: diffusers' interleaved pairs with cos / sin [S, D] fp32 on x [B, S, H, D] (`rope`), and ComfyUI's 2x2
-matrices freqs [1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). Candidates:
+Three kernels: diffusers' interleaved pairs with cos / sin [S, D] fp32 on x [B, S, H, D] (`rope`), the same writing
+e4m3 codes (`rope_e4m3`, attention.fold_qk's: its candidate is the rows form, not yet the package's), and ComfyUI's
+2x2 matrices freqs [1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). Candidates:
 - rows: the package's own kernels (a program takes BLOCK_M rows, the pair's two elements as two stride-2 loads,
   the table per row) with other block sizes and warp counts: the sweep that chose norm_rope.ROPE_ROWS;
 - tokens: a program takes BLOCK_T tokens and loops over a group of heads, the table loaded once per token block,
@@ -80,6 +81,38 @@ def _tokens_pairs(x_ptr, f_ptr, out_ptr, T, HALF, SB, ST, SH, F_TOKEN,
         tl.store(out_ptr + base + 1, (f10 * x0 + f11 * x1).to(dt), mask=ok)
 
 
+@triton.jit
+def _rows_e4m3(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, HALF, S, H,
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+    # the package's `_rope_kernel` form (rows, stride-2 pairs) on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
+    # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
+    # largest |y| of the program into amax_ptr (atomic max: the bound's check).
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    p = tl.arange(0, BLOCK_H)
+    inside = rows < M
+    ok = inside[:, None] & (p < HALF)[None, :]
+    r64 = rows.to(tl.int64)
+    base = r64[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    tb = ((rows // H) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    y0 = x0 * tl.load(cos_ptr + tb, mask=ok, other=0.0) - x1 * tl.load(sin_ptr + tb, mask=ok, other=0.0)
+    y1 = x1 * tl.load(cos_ptr + tb + 1, mask=ok, other=0.0) + x0 * tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1), axis=0))
+    scale = tl.load(scale_ptr)
+    code0 = tl.minimum(tl.maximum(y0 * scale, -448.0), 448.0)
+    code1 = tl.minimum(tl.maximum(y1 * scale, -448.0), 448.0)
+    if MASK:
+        bs = r64 // H  # b S + s
+        keep = (tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None]
+        code0 = tl.where(keep, code0, 0.0)
+        code1 = tl.where(keep, code1, 0.0)
+        slot = tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)
+        base = (((bs // S) * S + slot) * H + r64 % H)[:, None] * (2 * HALF) + 2 * p[None, :]
+    tl.store(out_ptr + base, code0.to(tl.float8e4nv), mask=ok)
+    tl.store(out_ptr + base + 1, code1.to(tl.float8e4nv), mask=ok)
+
+
 def _heads(h: int) -> int:
     return next(g for g in (8, 6, 5, 4, 3, 2, 1) if h % g == 0)
 
@@ -107,6 +140,16 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
                                                                    num_warps=warps)
                 return y
             out[f"tokens {bt} w{warps}"] = tokens
+    elif kind == "rope_e4m3":  # [B, S, H, D] -> e4m3 codes, amax; the package's kernel is the first, row-major form
+        for bm, warps in ((4, 1), (8, 1), (4, 2)):
+            def rows(bm=bm, warps=warps):
+                y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+                amax = torch.zeros(1, device=x.device)
+                _rows_e4m3[(triton.cdiv(m, bm),)](x, t["cos"], t["sin"], y, t["scale"], amax, t["scale"], t["scale"],
+                                                  m, half, n1, n2, MASK=False, BLOCK_M=bm, BLOCK_H=bh,
+                                                  num_warps=warps)
+                return y
+            out[f"rows {bm}x{half} w{warps}"] = rows
     elif kind == "rope_pairs":  # [B, H, L, D], freqs [1, 1, L, D/2, 2, 2]
         f = t["freqs"]
         for bm, warps in ((4, 1), (2, 1), (1, 1), (4, 2)):
@@ -130,11 +173,12 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
 
 
 SHAPES = [("krea2 1024 q", "rope", 1, 4608, 48, 128), ("krea2 2048 q", "rope", 1, 16896, 48, 128),
+          ("krea2 1024 q", "rope_e4m3", 1, 4608, 48, 128), ("krea2 2048 q", "rope_e4m3", 1, 16896, 48, 128),
           ("flux1 1024 q", "rope", 1, 4608, 24, 128),
           ("krea2 1024 q (ComfyUI)", "rope_pairs", 1, 4608, 48, 128),
           ("krea2 1024 k (ComfyUI)", "rope_pairs", 1, 4608, 12, 128),
           ("flux1 512 q (ComfyUI)", "rope_pairs", 1, 1536, 24, 128)]
-SMALL = [("small", "rope", 2, 40, 4, 64), ("small", "rope_pairs", 1, 40, 4, 64)]
+SMALL = [("small", "rope", 2, 40, 4, 64), ("small", "rope_e4m3", 2, 40, 4, 64), ("small", "rope_pairs", 1, 40, 4, 64)]
 
 
 def main() -> None:
@@ -157,22 +201,30 @@ def main() -> None:
             fns["before"] = call(before, kind, t)
         fns.update(candidates(kind, t))
         for label, fn in fns.items():
-            diff = compare(fn(), ref)
+            got = fn()
+            diff = compare(got, ref)
             ms = time_ms(fn, device, settings)
+            # e4m3 codes: the share that differs from the torch form's (a rounding tie moves a code by a whole
+            # step, ~6 % of its value); 16-bit outputs: the largest difference over the largest value
+            err = (float((got.float() != ref.float()).float().mean()) if kind == "rope_e4m3"
+                   else diff["max_rel_diff"])
             row = {"shape": name, "kernel": kind, "variant": label, "ms": ms, "gb_s": moved / ms / 1e6,
-                   "max_rel_diff": diff["max_rel_diff"]}
+                   "max_rel_diff": diff["max_rel_diff"], "err": err}
             rows.append(row)
             print(row, flush=True)
         del t
     lines = [f"`python3 {' '.join(sys.argv)}`", "", f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}",
-             "", "| shape | kernel | variant | ms | GB/s | max rel diff to the torch form |", "|---|---|---|---|---|---|"]
+             "", "| shape | kernel | variant | ms | GB/s | error against the torch form (e4m3: share of codes that "
+             "differ; else max rel diff) |", "|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kernel']} | {r['variant']} | {r['ms']:.4f} | {r['gb_s']:.0f} | "
-                     f"{r['max_rel_diff']:.2e} |")
+                     f"{r['err']:.2e} |")
     table = "\n".join(lines) + "\n"
     print(table)
     save_outputs(args.out, table, {"command": " ".join(sys.argv), "rows": rows})
-    bad = [r for r in rows if not r["max_rel_diff"] < 1e-2]
+    # the interpreter mis-rounds ~1-2 % of fp32 -> e4m3 casts (DESIGN.md's traps): a looser bound on the CPU
+    bound = {"rope_e4m3": 1e-3 if device.type == "cuda" else 5e-2}
+    bad = [r for r in rows if not r["err"] < bound.get(r["kernel"], 1e-2)]
     if bad:
         raise SystemExit(f"wrong outputs: {bad}")
 
