@@ -54,7 +54,6 @@ after a copy: little to gain there). Not timed on a GPU yet.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import weakref
 from collections import Counter
@@ -66,7 +65,7 @@ import torch
 from torch import nn
 
 from lowbit_pipe.attention.processors import rebound_function
-from lowbit_pipe.kernels.dispatch import compiling, shared_inputs
+from lowbit_pipe.kernels.dispatch import compiling, sharing_forward
 from lowbit_pipe.ledger import Ledger
 
 _FP32_EPS = torch.finfo(torch.float32).eps  # F.rms_norm's eps when None, for fp16 / bf16 / fp32 inputs
@@ -252,35 +251,17 @@ def _rebinds(spec: dict[str, Any], fusion: Fusion) -> dict[str, Any]:
     return out
 
 
-def _sharing_forward(forward: Callable[..., Any], shares: tuple[str, ...], fusion: Fusion,
-                     qualname: str) -> Callable[..., Any]:
-    """`forward` with its arguments named `shares` open to one activation quantization for all the quantized layers
-    that read them (dispatch.shared_inputs), in eager while the fusion is on."""
-    params = list(inspect.signature(forward).parameters)[1:]  # after self
-    where = {name: params.index(name) for name in shares}
-
-    def shared(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if not fusion.active or compiling():
-            return forward(self, *args, **kwargs)
-        inputs = [kwargs[n] if n in kwargs else args[i] if i < len(args) else None for n, i in where.items()]
-        with shared_inputs(*inputs):
-            return forward(self, *args, **kwargs)
-
-    shared.__qualname__ = shared.__name__ = qualname
-    shared.__wrapped__ = forward  # inspect.unwrap: the forward it runs (its rebound globals)
-    return shared
-
-
 def _fused_class(stock_cls: type, kind: str, spec: Any, shares: tuple[str, ...], fusion: Fusion) -> type:
     """The subclass a module of `stock_cls` becomes: rope, a forward of the stock code with its RoPE function
     rebound; share, the stock forward; a norm, the kernel forward before the stock class in the MRO. rope and share
-    open their `shares` arguments to one activation quantization (`_sharing_forward`)."""
+    open their `shares` arguments to one activation quantization (dispatch.sharing_forward)."""
     body: dict[str, Any] = {"_lowbit_fusion": fusion, "__module__": __name__}
     if kind in ("rope", "share"):
         name = f"{stock_cls.__name__}{'FusedRope' if kind == 'rope' else 'SharedInput'}"
         forward = (rebound_function(stock_cls.forward, _rebinds(spec, fusion), f"{name}.forward") if kind == "rope"
                    else stock_cls.forward)
-        body["forward"] = _sharing_forward(forward, shares, fusion, f"{name}.forward") if shares else forward
+        body["forward"] = (sharing_forward(forward, shares, lambda module: fusion.active, f"{name}.forward")
+                           if shares else forward)
         body["__doc__"] = (f"ComfyUI's {stock_cls.__name__} with its RoPE as one kernel in eager (lowbit_pipe)."
                            if kind == "rope" else f"ComfyUI's {stock_cls.__name__}, its input quantized once for "
                            "its layers in eager (lowbit_pipe).")

@@ -30,7 +30,7 @@ from torch import nn
 
 from lowbit_pipe.attention.norm_kinds import NormKind, norm_kind
 from lowbit_pipe.attention.processors import attention_modules, processor_for, rebound_class, swap_processor
-from lowbit_pipe.kernels.dispatch import compiling, shared_inputs
+from lowbit_pipe.kernels.dispatch import compiling, sharing_forward
 from lowbit_pipe.ledger import Ledger
 
 ROPE_GLOBAL = "apply_rotary_emb"
@@ -74,14 +74,16 @@ SHARED_INPUT_MODULES = {
 
 
 class SharedInputForward:
-    """A module's forward with its first argument (`hidden_states`) open to one activation quantization for the
-    quantized layers that read it, in eager, while the module runs the code that was read (for an attention
+    """A module's forward with `hidden_states` open to one activation quantization for the quantized layers that
+    read it (dispatch.sharing_forward), in eager, while the module runs the code that was read (for an attention
     module: a processor of the stock class or a subclass, such as the RoPE and 8-bit ones built on it); otherwise
     the class's forward as it is. Holds the module weakly."""
 
     def __init__(self, module: nn.Module, processor_class: str | None) -> None:
         self.module = weakref.ref(module)
         self.processor_class = processor_class
+        cls = type(module)
+        self.forward = sharing_forward(cls.forward, ("hidden_states",), self.vouched, f"{cls.__name__}.forward")
 
     def vouched(self, module: nn.Module) -> bool:
         if self.processor_class is None:
@@ -90,13 +92,7 @@ class SharedInputForward:
                    for c in type(getattr(module, "processor", None)).__mro__)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module()
-        forward = type(module).forward
-        x = args[0] if args else kwargs.get("hidden_states")
-        if compiling() or not self.vouched(module):
-            return forward(module, *args, **kwargs)
-        with shared_inputs(x):
-            return forward(module, *args, **kwargs)
+        return self.forward(self.module(), *args, **kwargs)
 
 
 def _dims(dim) -> tuple[int, ...]:

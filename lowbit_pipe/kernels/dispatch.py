@@ -61,6 +61,7 @@ Ranks above 128 take the plain quantize and a cuBLAS x @ down^T.
 
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -220,6 +221,26 @@ def shared_inputs(*tensors: Any) -> Iterator[None]:
         for t in tagged:
             t.__dict__.pop(SHARED_INPUT_TAG, None)
             t.__dict__.pop(SHARED_ACTIVATIONS_ATTR, None)
+
+
+def sharing_forward(forward: Callable[..., Any], shares: tuple[str, ...], enabled: Callable[[Any], bool],
+                    qualname: str) -> Callable[..., Any]:
+    """`forward(module, ...)` with its arguments named `shares` (positional or keyword) inside a `shared_inputs`
+    scope, in eager where `enabled(module)`; as it is otherwise. For the modules whose code was read to pass those
+    arguments unchanged to several quantized layers (lowbit_pipe.attention.fused, .comfy_fused)."""
+    params = list(inspect.signature(forward).parameters)[1:]  # after the module
+    where = {name: params.index(name) for name in shares}
+
+    def shared(module: Any, *args: Any, **kwargs: Any) -> Any:
+        if compiling() or not enabled(module):
+            return forward(module, *args, **kwargs)
+        inputs = [kwargs[n] if n in kwargs else args[i] if i < len(args) else None for n, i in where.items()]
+        with shared_inputs(*inputs):
+            return forward(module, *args, **kwargs)
+
+    shared.__qualname__ = shared.__name__ = qualname
+    shared.__wrapped__ = forward  # inspect.unwrap: the forward it runs
+    return shared
 
 
 def int8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None,
