@@ -24,6 +24,7 @@
 #   bash bench/gpu_suite.sh rope "$OUT"  # the RoPE kernels' GPU tests, against .rope_before/norm_rope.py if carried,
 #                                        # the candidates (rope_e4m3's rows form among them), the fold
 #   bash bench/gpu_suite.sh comfyui_e "$OUT"  # the uncompiled rows after the token-major RoPE and shared activations
+#   bash bench/gpu_suite.sh gqa "$OUT"   # Krea 2's grouped-query attention: repeated k / v vs SDPA's enable_gqa, per backend
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
 #   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
@@ -37,7 +38,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e or comfyui_all}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -151,6 +152,9 @@ case "$part" in
     grep -E "package|rows 4x64 w1" "$out/rope_variants_${card}.md" | head -24
     timeout 200 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}" > "$out/attention_fold.log" 2>&1
     head -16 "$out/attention_fold_${card}.md" ;;
+  gqa)
+    timeout 120 python3 bench/gqa_attention.py --out "$out/gqa_attention_${card}" > "$out/gqa_attention.log" 2>&1
+    tail -22 "$out/gqa_attention_${card}.md" ;;
   comfyui_a|comfyui_b|comfyui_c|comfyui_d|comfyui_e)
     # one warm machine: part b reuses part a's unpacked ComfyUI, float file and fp8 export under /tmp/cspeed
     if [ "$part" = comfyui_a ]; then
@@ -174,5 +178,5 @@ case "$part" in
     timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
     tail -24 "$out/comfyui_speed_${card}_all.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_all)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_all)"; exit 2 ;;
 esac
