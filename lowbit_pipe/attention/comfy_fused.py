@@ -27,6 +27,13 @@ node runs that stage on its own structural copy of the tree):
   0.29.0's code; it closes with the forward, taking the activations off the inputs. FLUX.1's blocks project
   through one packed layer.
 
+- Grouped k / v. Krea 2's `Attention` (48 q heads, 12 k / v heads) repeats k and v to 48 heads before ComfyUI's
+  attention function; its fused forward hands them over with their own heads and `enable_gqa` instead (every
+  attention function of ComfyUI 0.29.0 takes it; torch's SDPA keeps cuDNN's kernel: 0.93 -> 0.79 ms per call at
+  1024² on an H100, bench/results/gqa_attention_h100.md). That forward is lowbit_pipe's, with ComfyUI's arithmetic
+  (the only forward here that is not ComfyUI's own code object); the stock code runs where something could expect
+  the repeated heads: an attn1 / attn1_output patch, or an attention override other than lowbit_pipe's.
+
 How: each such module's class is swapped, on that module object only, for a subclass of its own class: the norms'
 `forward` runs the kernel where it serves and the class's own forward elsewhere; the attention modules' `forward`
 is the class's own code object run against a copy of its module's globals with the one function rebound
@@ -47,9 +54,9 @@ architectures' attention code (their comfy.ops RMSNorms do get the norm kernel, 
 computes whatever model it sits in).
 
 On CUDA, ComfyUI's apply_rope / apply_rope1 already run as one comfy-kitchen kernel (its CUDA backend), so the
-RoPE part replaces one one-pass kernel by another; the norms are where passes are saved (Krea 2's upcast copy,
-norm and cast back; for FLUX.1 and Qwen-Image torch's own norm is one kernel already, on a strided q / k perhaps
-after a copy: little to gain there). Not timed on a GPU yet.
+RoPE part replaces one one-pass kernel by another (ours 5x faster on Krea 2's q: bench/results/rope_kernels_h100_s55.md);
+the norms save passes (Krea 2's upcast copy, norm and cast back; for FLUX.1 and Qwen-Image torch's own norm is one
+kernel already). The whole effect on a ComfyUI step: docs/comfyui.md.
 """
 
 from __future__ import annotations
@@ -73,6 +80,7 @@ KREA2_MODULE = "comfy.ldm.krea2.model"
 FLUX_LAYERS = "comfy.ldm.flux.layers"
 FLUX_MATH = "comfy.ldm.flux.math"
 QWEN_MODULE = "comfy.ldm.qwen_image.model"
+ATTENTION_MODULE = "comfy.ldm.modules.attention"
 
 
 @dataclass(eq=False)
@@ -86,6 +94,7 @@ class Fusion:
     active: bool = True  # off once the run is torn down (a copy still holding a fused class runs ComfyUI's code)
     norm_calls: int = 0
     rope_calls: int = 0
+    grouped_calls: int = 0  # Krea 2 attention calls that handed k / v over with their own heads
 
     def eager_on(self, x: torch.Tensor) -> bool:
         """Whether this call may take a kernel: eager, CUDA (or any_device), no autograd, not in training."""
@@ -181,6 +190,52 @@ class FusedComfyRope:
         return self.stock(*args)
 
 
+# ------------------------------------------------------------------------------------- Krea 2's grouped attention
+def _groups(module: nn.Module, x: torch.Tensor, transformer_options: Any, fusion: Fusion) -> bool:
+    """Whether this Krea 2 attention call may hand k / v to the attention function with their own heads: fewer k / v
+    heads than q heads, eager, no attention patch that expects the repeated heads (attn1_patch sees k / v), and no
+    attention override but ours (lowbit_pipe.comfy.attention; another pack's may ignore `enable_gqa`)."""
+    if not (module.kvheads != module.heads and module.heads % module.kvheads == 0 and fusion.eager_on(x)
+            and isinstance(transformer_options, dict)):
+        return False
+    patches = transformer_options.get("patches") or {}
+    override = transformer_options.get("optimized_attention_override")
+    return ("attn1_patch" not in patches and "attn1_output_patch" not in patches
+            and (override is None or getattr(override, "takes_enable_gqa", False)))
+
+
+def _krea2_grouped_forward(stock_forward: Callable[..., Any], attend: Callable[..., Any], rope: "FusedComfyRope",
+                           fusion: Fusion, qualname: str) -> Callable[..., Any]:
+    """Krea 2's Attention.forward (ComfyUI 0.29.0's arithmetic) with k / v given to ComfyUI's attention function
+    with their own 12 heads and `enable_gqa`, where `_groups` allows; the stock forward (RoPE rebound) otherwise.
+    The stock code repeats k / v to 48 heads first: two copies of 4x k / v per block, ~30 % of a 1024² step's
+    copies. Every attention function of ComfyUI 0.29.0 takes `enable_gqa` (torch SDPA and flash-attn group the
+    heads in the kernel; the others repeat them themselves)."""
+
+    def forward(self: nn.Module, x: torch.Tensor, freqs: Any = None, mask: Any = None,
+                transformer_options: Any = None) -> torch.Tensor:
+        if transformer_options is None:  # the stock default, a fresh dict
+            transformer_options = {}
+        if not _groups(self, x, transformer_options, fusion):
+            return stock_forward(self, x, freqs, mask, transformer_options)
+        q, k, v, gate = self.wq(x), self.wk(x), self.wv(x), self.gate(x)
+        # [B, L, H * D] -> [B, H, L, D] views, as the stock code's rearrange
+        q = q.unflatten(-1, (self.heads, -1)).transpose(1, 2)
+        k = k.unflatten(-1, (self.kvheads, -1)).transpose(1, 2)
+        v = v.unflatten(-1, (self.kvheads, -1)).transpose(1, 2)
+        q, k = self.qknorm(q, k)
+        if freqs is not None:
+            q, k = rope(q, k, freqs)
+        fusion.grouped_calls += 1
+        out = attend(q, k, v, self.heads, mask=mask, skip_reshape=True, transformer_options=transformer_options,
+                     enable_gqa=True)
+        return self.wo(out * torch.sigmoid(gate))
+
+    forward.__qualname__ = forward.__name__ = qualname
+    forward.__wrapped__ = stock_forward
+    return forward
+
+
 def _comfy_function(func: Any, module: str, name: str) -> bool:
     """Whether `func` is ComfyUI's own function `module.name` (not another pack's replacement of that global)."""
     return getattr(func, "__module__", None) == module and getattr(func, "__qualname__", None) == name \
@@ -196,48 +251,58 @@ class ComfyFusion:
     norms: dict[str, str] = field(default_factory=dict)  # module name -> stock class name
     ropes: dict[str, str] = field(default_factory=dict)
     shares: dict[str, str] = field(default_factory=dict)  # modules whose layers quantize a shared input once
+    grouped: dict[str, str] = field(default_factory=dict)  # attention modules handing k / v over ungrouped
 
     def as_dict(self) -> dict[str, Any]:
         """report.json's attention.fused_norm_rope for a ComfyUI model."""
         return {"code": "ComfyUI's (comfy/ldm)", "norm_modules": len(self.norms), "rope_modules": len(self.ropes),
-                "shared_input_modules": len(self.shares),
+                "shared_input_modules": len(self.shares), "grouped_kv_modules": len(self.grouped),
                 "classes": dict(Counter({**self.norms, **self.ropes, **self.shares}.values())),
-                "norm_kernel_calls": self.fusion.norm_calls, "rope_kernel_calls": self.fusion.rope_calls}
+                "norm_kernel_calls": self.fusion.norm_calls, "rope_kernel_calls": self.fusion.rope_calls,
+                "grouped_kv_calls": self.fusion.grouped_calls}
 
 
-def _stock_classes() -> tuple[dict[type, tuple[str, Any, tuple[str, ...]]], type | None]:
+Stock = tuple[str, Any, tuple[str, ...], Any]  # (kind, what its fused class needs, shared arguments, attention function)
+
+
+def _stock_classes() -> tuple[dict[type, Stock], type | None]:
     """ComfyUI's classes this module fuses, from the ComfyUI modules already imported (none outside ComfyUI):
     ({class: (kind, what its fused class needs, the forward's arguments it passes unchanged to several quantized
-    layers)}, comfy.ops' base RMSNorm class or None). The shared arguments are read off ComfyUI 0.29.0's code: each
-    goes to its projections before anything could change it (tests/comfy/test_comfy_fused.py runs that code)."""
-    found: dict[type, tuple[str, Any, tuple[str, ...]]] = {}
+    layers, ComfyUI's attention function where the fused forward hands it ungrouped k / v, else None)}, comfy.ops'
+    base RMSNorm class or None). The shared arguments are read off ComfyUI 0.29.0's code: each goes to its
+    projections before anything could change it (tests/comfy/test_comfy_fused.py runs that code)."""
+    found: dict[type, Stock] = {}
     krea2, layers, qwen, ops = (sys.modules.get(m) for m in (KREA2_MODULE, FLUX_LAYERS, QWEN_MODULE, "comfy.ops"))
     if krea2 is not None:
-        found[krea2.RMSNorm] = ("krea2_norm", None, ())
+        found[krea2.RMSNorm] = ("krea2_norm", None, (), None)
         stock = krea2.Attention.forward.__globals__.get("apply_rope")
-        if _comfy_function(stock, FLUX_MATH, "apply_rope"):
-            found[krea2.Attention] = ("rope", {"apply_rope": (stock, True)}, ("x",))  # x -> wq, wk, wv, gate
-        found[krea2.SwiGLU] = ("share", None, ("x",))  # x -> gate, up
+        attend = krea2.Attention.forward.__globals__.get("optimized_attention_masked")
+        if not (_comfy_function(attend, ATTENTION_MODULE, getattr(attend, "__qualname__", ""))
+                and attend.__qualname__.startswith("attention_") and hasattr(attend, "__wrapped__")):
+            attend = None  # not one of ComfyUI's wrapped attention functions (which all take enable_gqa)
+        if _comfy_function(stock, FLUX_MATH, "apply_rope"):  # x -> wq, wk, wv, gate
+            found[krea2.Attention] = ("rope", {"apply_rope": (stock, True)}, ("x",), attend)
+        found[krea2.SwiGLU] = ("share", None, ("x",), None)  # x -> gate, up
     if layers is not None:
         attention = layers.DoubleStreamBlock.forward.__globals__.get("attention")
         stock = getattr(attention, "__globals__", {}).get("apply_rope")
         if _comfy_function(attention, FLUX_MATH, "attention") and _comfy_function(stock, FLUX_MATH, "apply_rope"):
             for cls in (layers.DoubleStreamBlock, layers.SingleStreamBlock):  # one packed qkv layer: nothing to share
-                found[cls] = ("rope", {"attention": (attention, {"apply_rope": (stock, True)})}, ())
+                found[cls] = ("rope", {"attention": (attention, {"apply_rope": (stock, True)})}, (), None)
     if qwen is not None:
         stock = qwen.Attention.forward.__globals__.get("apply_rope1")
         if _comfy_function(stock, FLUX_MATH, "apply_rope1"):  # each stream -> its q, k, v projections
-            found[qwen.Attention] = ("rope", {"apply_rope1": (stock, False)}, ("hidden_states", "encoder_hidden_states"))
+            found[qwen.Attention] = ("rope", {"apply_rope1": (stock, False)}, ("hidden_states", "encoder_hidden_states"),
+                                     None)
     return found, (ops.disable_weight_init.RMSNorm if ops is not None else None)
 
 
-def _kind(cls: type, stock: dict[type, tuple[str, Any, tuple[str, ...]]],
-          ops_norm: type | None) -> tuple[str, Any, tuple[str, ...]] | None:
+def _kind(cls: type, stock: dict[type, Stock], ops_norm: type | None) -> Stock | None:
     if cls in stock:
         return stock[cls]
     if ops_norm is not None and issubclass(cls, ops_norm) and cls.forward is ops_norm.forward \
             and cls.forward_comfy_cast_weights is ops_norm.forward_comfy_cast_weights:
-        return "ops_norm", None, ()  # a comfy.ops RMSNorm of any op set whose arithmetic is the base class's
+        return "ops_norm", None, (), None  # a comfy.ops RMSNorm of any op set whose arithmetic is the base class's
     return None
 
 
@@ -251,15 +316,19 @@ def _rebinds(spec: dict[str, Any], fusion: Fusion) -> dict[str, Any]:
     return out
 
 
-def _fused_class(stock_cls: type, kind: str, spec: Any, shares: tuple[str, ...], fusion: Fusion) -> type:
+def _fused_class(stock_cls: type, kind: str, spec: Any, shares: tuple[str, ...], attend: Any, fusion: Fusion) -> type:
     """The subclass a module of `stock_cls` becomes: rope, a forward of the stock code with its RoPE function
-    rebound; share, the stock forward; a norm, the kernel forward before the stock class in the MRO. rope and share
-    open their `shares` arguments to one activation quantization (dispatch.sharing_forward)."""
+    rebound (Krea 2's, with `attend`: the grouped forward around it); share, the stock forward; a norm, the kernel
+    forward before the stock class in the MRO. rope and share open their `shares` arguments to one activation
+    quantization (dispatch.sharing_forward)."""
     body: dict[str, Any] = {"_lowbit_fusion": fusion, "__module__": __name__}
     if kind in ("rope", "share"):
         name = f"{stock_cls.__name__}{'FusedRope' if kind == 'rope' else 'SharedInput'}"
         forward = (rebound_function(stock_cls.forward, _rebinds(spec, fusion), f"{name}.forward") if kind == "rope"
                    else stock_cls.forward)
+        if attend is not None:
+            forward = _krea2_grouped_forward(forward, attend, forward.__globals__["apply_rope"], fusion,
+                                             f"{name}.forward")
         body["forward"] = (sharing_forward(forward, shares, lambda module: fusion.active, f"{name}.forward")
                            if shares else forward)
         body["__doc__"] = (f"ComfyUI's {stock_cls.__name__} with its RoPE as one kernel in eager (lowbit_pipe)."
@@ -317,6 +386,8 @@ def apply_comfy_fused_norm_rope(root: nn.Module, ledger: Ledger, *, any_device: 
             (applied.ropes if kind[0] == "rope" else applied.norms)[name] = cls.__name__
         if kind[2]:
             applied.shares[name] = cls.__name__
+        if kind[3] is not None and module.kvheads != module.heads:
+            applied.grouped[name] = cls.__name__
 
     def off() -> None:
         fusion.active = False

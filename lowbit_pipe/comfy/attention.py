@@ -44,6 +44,10 @@ class Attention8Override:
     """ComfyUI's `optimized_attention_override` callable: on a CUDA MODEL the 8-bit path its router picks per call
     shape, elsewhere sdpa8 in `qk_format`; ComfyUI's own function where neither serves or is faster."""
 
+    # ComfyUI's `enable_gqa` keyword is honoured (k / v with fewer heads than q): the fused Krea 2 attention
+    # (lowbit_pipe.attention.comfy_fused) hands them over ungrouped only to an override that says so
+    takes_enable_gqa = True
+
     def __init__(self, qk_format: str, made_by: str, node_id: str | None = None, blocks_only: bool = True,
                  device: torch.device | None = None, route: str = "auto", speed_cache: str | None = None,
                  router: Any = None) -> None:
@@ -78,19 +82,19 @@ class Attention8Override:
         router = self.router if why is None and self.router is not None and qkv[0].device == self.router.device \
             else None
         if router is not None and compiling():  # picked, counted and run when the graph runs
-            out = routed_attention_op(*qkv, kwargs.get("scale"), key_mask, router.key)
+            out = routed_attention_op(*_repeat_kv(*qkv), kwargs.get("scale"), key_mask, router.key)
         else:
             path = self.qk_format
             if router is not None:
                 path, why = router.pick(qkv[0], key_mask is not None)
-            if why is not None:
+            if why is not None:  # ComfyUI's function, with k / v as given (enable_gqa: ungrouped)
                 count_call(self.calls, f"stock: {why}", self.count_key)
                 return func(q, k, v, heads, *args, **kwargs)
             count_call(self.calls, path, self.count_key)
             if router is not None:
-                out = router.runner(path)(*qkv, kwargs.get("scale"), key_mask)
+                out = router.runner(path)(*_repeat_kv(*qkv), kwargs.get("scale"), key_mask)
             else:
-                out = attend8(*qkv, self.qk_format, kwargs.get("scale"), key_mask)  # [B, H, N, D]
+                out = attend8(*_repeat_kv(*qkv), self.qk_format, kwargs.get("scale"), key_mask)  # [B, H, N, D]
         if kwargs.get("skip_output_reshape", False):
             return out
         return out.transpose(1, 2).reshape(out.shape[0], out.shape[2], -1)
@@ -107,9 +111,14 @@ class Attention8Override:
         if kwargs.get("skip_reshape", False):  # [B, H, N, D]
             if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
                 return "q, k, v not [B, H, N, D]", (), None
-            if kwargs.get("enable_gqa", False) and 0 < k.shape[1] != q.shape[1] and q.shape[1] % k.shape[1] == 0:
-                k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-                v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+            if kwargs.get("enable_gqa", False) and 0 < k.shape[1] != q.shape[1] and q.shape[1] % k.shape[1] == 0 \
+                    and k.shape == v.shape and k.shape[0] == q.shape[0] and k.shape[2:] == q.shape[2:]:
+                # grouped k / v heads: routed by their shape as if repeated (the repeat, a copy of k and v at
+                # q's head count, is made only for the 8-bit kernels: ComfyUI's function takes them as they are)
+                if k.dtype != q.dtype or v.dtype != q.dtype:
+                    return "q, k, v of different dtypes", (), None
+                why, key_mask = route_call(q, q, q, mask=kwargs.get("mask"))
+                return why, (q, k, v), key_mask
         else:  # [B, N, H * D]
             if q.dim() != 3 or q.shape != k.shape or q.shape != v.shape or q.shape[-1] % heads:
                 return "q, k, v of different shapes (cross-attention)", (), None
@@ -123,6 +132,14 @@ class Attention8Override:
         if self.cudnn is not None:  # its graphs, workspaces and handles
             self.cudnn.close()
         PURGES.bump(self.node_id)
+
+
+def _repeat_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [B, H, N, D] with k / v's heads repeated to q's where they have fewer (grouped-query attention)."""
+    if k.shape[1] == q.shape[1]:
+        return q, k, v
+    groups = q.shape[1] // k.shape[1]
+    return q, k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
 
 
 def override_of(model: Any) -> Attention8Override | None:

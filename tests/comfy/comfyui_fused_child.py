@@ -15,6 +15,8 @@ random weights), with the kernels let run on CPU tensors (apply_comfy_fused_norm
 - the whole forward fused against unfused (fp32, bf16; FLUX.1 also with comfy.ops.manual_cast, whose norms cast
   their weight through comfy.ops.cast_bias_weight, and with a weight patch on a q norm), then the ledger unwound:
   every module's class the stock one again (by identity) and the forward bit-equal to before;
+- Krea 2's attention handing k / v over with their own heads (enable_gqa), and the stock code where an attn1_patch
+  or another pack's attention override could expect them repeated;
 - torch.compile of the fused model: ComfyUI's code traced (the unfused model's graphs and breaks, no kernel call);
 - the Quantize node with the recipe key on Krea 2 and FLUX.1 files: the report and summary, the fused classes on
   the node's tree only (the float MODEL upstream untouched), sampling on the CPU (ComfyUI's code: bit-equal to the
@@ -275,6 +277,47 @@ def forward_fused_vs_unfused(arch: str, dtype: Any, ops_name: str = "disable_wei
             "after_undo_equal": bool(torch.equal(again, before))}
 
 
+def grouped_kv_fallbacks() -> dict[str, Any]:
+    """Krea 2's fused attention hands k / v over with their own heads only where nothing expects them repeated: with
+    an attn1_patch (which sees k / v) or another pack's attention override it runs the stock code; each case's
+    output against the unfused model's with the same options (fp32: bf16's one-ulp flips in the fused kernels grow
+    through a tiny random model's layers, which says nothing about the grouping)."""
+    import torch
+
+    from lowbit_pipe.attention.comfy_fused import apply_comfy_fused_norm_rope
+    from lowbit_pipe.ledger import Ledger
+
+    seen_heads: list[int] = []
+
+    def patch(q: Any, k: Any, v: Any, **_: Any) -> dict:
+        seen_heads.append(k.shape[1])
+        return {}
+
+    def foreign(func: Any, *args: Any, **kwargs: Any) -> Any:  # another pack's override: ignores enable_gqa
+        seen_heads.append(args[1].shape[1])
+        kwargs.pop("enable_gqa", None)
+        return func(*args, **kwargs)
+
+    cases = {"none": {}, "attn1_patch": {"patches": {"attn1_patch": [patch]}},
+             "foreign override": {"optimized_attention_override": foreign}}
+    out: dict[str, Any] = {}
+    for case, options in cases.items():
+        model, args, kwargs = build("krea2", torch.float32, seed=6)
+        with torch.no_grad():
+            seen_heads.clear()
+            before = model(*args, **kwargs, transformer_options=dict(options))
+            stock_heads = list(seen_heads)
+            ledger = Ledger()
+            applied = apply_comfy_fused_norm_rope(model, ledger, any_device=True)
+            seen_heads.clear()
+            after = model(*args, **kwargs, transformer_options=dict(options))
+            out[case] = {"grouped_calls": applied.fusion.grouped_calls, "rel": _rel(after, before),
+                         "heads_seen": [stock_heads, list(seen_heads)],
+                         "grouped_modules": applied.as_dict()["grouped_kv_modules"]}
+            ledger.unwind()
+    return out
+
+
 # Layers whose input the fused forward opens to one shared quantization (True) and layers it must not (False)
 SHARED_PROBES = {"krea2": {"blocks.0.attn.wq": True, "blocks.0.attn.gate": True, "blocks.0.mlp.gate": True,
                            "blocks.0.mlp.up": True, "blocks.0.attn.wo": False, "blocks.0.mlp.down": False},
@@ -396,6 +439,7 @@ def check(job: dict[str, Any]) -> dict[str, Any]:
             out[f"forward {arch} {str(dtype).split('.')[-1]}"] = forward_fused_vs_unfused(arch, dtype)
         out[f"compiled {arch}"] = compiled_vs_unfused(arch)
         out[f"shared {arch}"] = shared_inputs_opened(arch)
+    out["grouped krea2"] = grouped_kv_fallbacks()
     out["forward flux1 bfloat16 manual_cast"] = forward_fused_vs_unfused("flux1", torch.bfloat16, "manual_cast")
     out["forward flux1 float32 manual_cast weight patch"] = forward_fused_vs_unfused("flux1", torch.float32,
                                                                                       "manual_cast", weight_patch=True)

@@ -80,6 +80,32 @@ def test_a_forced_route_takes_its_kernel_at_any_shape():
     assert override.calls == Counter({"fp8": 1})
 
 
+def test_grouped_kv_heads_reach_comfyuis_function_as_given_and_the_8bit_path_repeated():
+    """Krea 2's fused attention hands k / v over with their own heads and enable_gqa (skip_reshape, [B, H, N, D]):
+    where the router picks the model's attention ComfyUI's function gets those very tensors (no repeat made for
+    nothing); a picked 8-bit path gets k / v repeated to q's heads, in that order."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 1024, DIM, generator=gen)
+    k, v = (torch.randn(1, 2, 1024, DIM, generator=gen) for _ in range(2))
+    override, runs = _override()
+    seen: list = []
+    out = override(_comfy_func(seen), q, k, v, 4, transformer_options={"block_index": 0}, skip_reshape=True,
+                   enable_gqa=True)
+    assert torch.equal(out, q + 1.0) and seen[0][2]["enable_gqa"] and not runs["triton"].seen
+    got: list = []
+
+    def triton_path(q8, k8, v8, sm_scale, key_mask):
+        got.append((k8, v8))
+        return q8 * 5.0
+
+    override, _ = _override(route="triton")
+    override.router.paths[1].run = triton_path
+    out = override(_comfy_func([]), q, k, v, 4, transformer_options={"block_index": 0}, skip_reshape=True,
+                   enable_gqa=True)
+    assert torch.equal(out, (q * 5.0).transpose(1, 2).reshape(1, 1024, 4 * DIM))
+    assert torch.equal(got[0][0], k.repeat_interleave(2, dim=1)) and torch.equal(got[0][1], v.repeat_interleave(2, 1))
+
+
 def test_calls_the_override_cannot_serve_never_reach_the_router():
     override, runs = _override(route="cudnn")
     q, k, v = _qkv(8192)

@@ -88,8 +88,28 @@ def test_a_whole_fused_forward_equals_the_unfused_one_and_unwinding_restores_it(
         assert r["ulps"]["share_diff"] < 0.01 and r["rel"] < 1e-2, r  # bf16: bit-equal but for rare flips
     else:
         assert r["rel"] < 1e-5, r
+    if case.startswith("krea2"):  # both blocks' attention (2 q heads, 1 k / v head) hand k / v over ungrouped
+        assert calls["grouped_kv_modules"] == 2 and calls["grouped_kv_calls"] == 2, calls
+    else:
+        assert calls["grouped_kv_modules"] == calls["grouped_kv_calls"] == 0, calls
     assert r["errors"] == [] and r["unfreed"] == [] and r["restored"] == len(r["fused"]) + 1, r
     assert r["classes_restored"] and r["forwards_restored"] and r["after_undo_equal"], r
+
+
+def test_krea2_attention_keeps_the_stock_code_where_something_expects_repeated_kv_heads(result):
+    """Without patches the fused Krea 2 attention passes k / v with their own head (enable_gqa); with an attn1_patch
+    (it sees k / v) or another pack's attention override (it may drop enable_gqa) the stock code runs, and those see
+    the k / v they see without the pack; the output equals the unfused model's in every case."""
+    r = result["grouped krea2"]
+    assert r["none"]["grouped_calls"] == 2 and r["none"]["grouped_modules"] == 2, r["none"]
+    for case in ("attn1_patch", "foreign override"):
+        assert r[case]["grouped_calls"] == 0, (case, r[case])
+        stock, fused = r[case]["heads_seen"]
+        assert stock == fused and stock, (case, r[case])  # what they see is what they see without the pack
+    # the patch sees k before the stock code repeats it (1 head); the override after (2, the q heads)
+    assert set(r["attn1_patch"]["heads_seen"][0]) == {1} and set(r["foreign override"]["heads_seen"][0]) == {2}, r
+    for case, v in r.items():
+        assert v["rel"] < 1e-5, (case, v)  # fp32
 
 
 @pytest.mark.parametrize("arch", ARCHS)
