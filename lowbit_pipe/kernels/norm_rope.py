@@ -62,8 +62,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset, N1, N2, SX0, SX1,
 # take few rows per program (ROPE_ROWS, one warp): on an H100 that reached 1.6-1.9 TB/s where 32-row programs of
 # the same code reached 0.2 TB/s and the first kernels (a row per thread group, the partner gathered, 4096
 # elements per program) 0.3-0.8 TB/s (bench/results/rope_variants*_h100.md). A row's table entries come from its
-# token; L1 serves the rows of one token. `_rope_e4m3_kernel` (attention.fold_qk's) keeps the first form until its
-# own GPU check: the device time of the session that measured these ran out before it.
+# token; L1 serves the rows of one token. `_rope_e4m3_kernel` (attention.fold_qk's) has the same form: 0.168 ->
+# 0.102 ms for Krea 2's q at 1024² on an H100, the same codes (bench/results/rope_variants_h100_s55.md).
 ROPE_ROWS = 4
 
 
@@ -88,32 +88,35 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, HALF, S, ROW_DIV,
 
 
 @triton.jit
-def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, D, S, H,
-                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, HALF, S, H,
+                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     # `_rope_kernel` on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
     # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
     # largest |y| of the program into amax_ptr (atomic max: the bound's check).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_D)
+    p = tl.arange(0, BLOCK_H)
     inside = rows < M
-    ok = inside[:, None] & (cols < D)[None, :]
+    ok = inside[:, None] & (p < HALF)[None, :]
     r64 = rows.to(tl.int64)
-    offs = r64[:, None] * D + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    partner = tl.load(x_ptr + r64[:, None] * D + (cols ^ 1)[None, :], mask=ok, other=0.0).to(tl.float32)
-    rotated = tl.where((cols % 2 == 0)[None, :], -partner, partner)
-    token = (rows // H) % S
-    t_offs = token[:, None].to(tl.int64) * D + cols[None, :]
-    y = x * tl.load(cos_ptr + t_offs, mask=ok, other=0.0) + rotated * tl.load(sin_ptr + t_offs, mask=ok, other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(y), axis=1), axis=0))
-    code = tl.minimum(tl.maximum(y * tl.load(scale_ptr), -448.0), 448.0)
+    base = r64[:, None] * (2 * HALF) + 2 * p[None, :]
+    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
+    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
+    tb = ((rows // H) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
+    y0 = x0 * tl.load(cos_ptr + tb, mask=ok, other=0.0) - x1 * tl.load(sin_ptr + tb, mask=ok, other=0.0)
+    y1 = x1 * tl.load(cos_ptr + tb + 1, mask=ok, other=0.0) + x0 * tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1), axis=0))
+    scale = tl.load(scale_ptr)
+    code0 = tl.minimum(tl.maximum(y0 * scale, -448.0), 448.0)
+    code1 = tl.minimum(tl.maximum(y1 * scale, -448.0), 448.0)
     if MASK:
         bs = r64 // H  # b S + s
-        b = bs // S
-        code = tl.where((tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None], code, 0.0)
+        keep = (tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None]
+        code0 = tl.where(keep, code0, 0.0)
+        code1 = tl.where(keep, code1, 0.0)
         slot = tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)
-        offs = ((b * S + slot) * H + r64 % H)[:, None] * D + cols[None, :]
-    tl.store(out_ptr + offs, code.to(tl.float8e4nv), mask=ok)
+        base = (((bs // S) * S + slot) * H + r64 % H)[:, None] * (2 * HALF) + 2 * p[None, :]
+    tl.store(out_ptr + base, code0.to(tl.float8e4nv), mask=ok)
+    tl.store(out_ptr + base + 1, code1.to(tl.float8e4nv), mask=ok)
 
 
 @triton.jit
@@ -239,12 +242,11 @@ def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torc
     b, s_len, h, d = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     m = x.numel() // d
-    block_m, block_d, warps = _blocks(d)
     masked = key_mask is not None
     valid = key_mask.contiguous().view(torch.uint8) if masked else scale
-    _rope_e4m3_kernel[(triton.cdiv(m, block_m),)](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d,
-                                                  s_len, h, MASK=masked, BLOCK_M=block_m, BLOCK_D=block_d,
-                                                  num_warps=warps)
+    grid, meta = _rope_grid(m, d)
+    _rope_e4m3_kernel[grid](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d // 2, s_len, h,
+                            MASK=masked, **meta)
     return out
 
 
