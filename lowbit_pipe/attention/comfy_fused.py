@@ -48,8 +48,9 @@ copy that still has the fused class (a sealed one).
 
 The kernels run on CUDA in eager only (`any_device`, a test-only argument, lets them run on the CPU under
 TRITON_INTERPRET=1): under torch.compile (ComfyUI's TorchCompileModel) the class's own code runs and Inductor
-fuses it, and on the CPU, in training (comfy.model_management.in_training) or with autograd, ComfyUI's code runs
-as it would. Not fused: the modulation around the norms ((1 + scale) * x + shift), LayerNorms, and other
+fuses it (but for Krea 2's grouped k / v, plain torch code that Inductor could not undo: compiled too), and on
+the CPU, in training (comfy.model_management.in_training) or with autograd, ComfyUI's code runs as it would. Not
+fused: the modulation around the norms ((1 + scale) * x + shift), LayerNorms, and other
 architectures' attention code (their comfy.ops RMSNorms do get the norm kernel, which computes what that class
 computes whatever model it sits in).
 
@@ -193,10 +194,13 @@ class FusedComfyRope:
 # ------------------------------------------------------------------------------------- Krea 2's grouped attention
 def _groups(module: nn.Module, x: torch.Tensor, transformer_options: Any, fusion: Fusion) -> bool:
     """Whether this Krea 2 attention call may hand k / v to the attention function with their own heads: fewer k / v
-    heads than q heads, eager, no attention patch that expects the repeated heads (attn1_patch sees k / v), and no
-    attention override but ours (lowbit_pipe.comfy.attention; another pack's may ignore `enable_gqa`)."""
-    if not (module.kvheads != module.heads and module.heads % module.kvheads == 0 and fusion.eager_on(x)
-            and isinstance(transformer_options, dict)):
+    heads than q heads; CUDA (or any_device), no autograd, not in training, eager or under torch.compile (plain
+    torch code: Inductor cannot drop a repeat's copy either); no attention patch that expects the repeated heads
+    (attn1_patch sees k / v), and no attention override but ours (lowbit_pipe.comfy.attention; another pack's may
+    ignore `enable_gqa`)."""
+    if not (module.kvheads != module.heads and module.heads % module.kvheads == 0 and fusion.active
+            and (x.is_cuda or fusion.any_device) and not (x.requires_grad and torch.is_grad_enabled())
+            and not getattr(fusion.model_management, "in_training", False) and isinstance(transformer_options, dict)):
         return False
     patches = transformer_options.get("patches") or {}
     override = transformer_options.get("optimized_attention_override")
@@ -226,7 +230,8 @@ def _krea2_grouped_forward(stock_forward: Callable[..., Any], attend: Callable[.
         q, k = self.qknorm(q, k)
         if freqs is not None:
             q, k = rope(q, k, freqs)
-        fusion.grouped_calls += 1
+        if not compiling():  # counted per call (a compiled graph would count per trace)
+            fusion.grouped_calls += 1
         out = attend(q, k, v, self.heads, mask=mask, skip_reshape=True, transformer_options=transformer_options,
                      enable_gqa=True)
         return self.wo(out * torch.sigmoid(gate))

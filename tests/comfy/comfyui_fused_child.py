@@ -380,18 +380,31 @@ def compiled_vs_unfused(arch: str) -> dict[str, Any]:
         applied = apply_comfy_fused_norm_rope(model, ledger, any_device=True) if fused else None
         torch._dynamo.reset()
         counters.clear()
+        graphs: list = []
+
+        def backend(gm: Any, example_inputs: Any) -> Any:  # the eager backend, keeping the graphs to read
+            graphs.append(gm)
+            return gm.forward
+
         with torch.no_grad():
-            out = torch.compile(model, backend="eager")(*args, **kwargs)
+            out = torch.compile(model, backend=backend)(*args, **kwargs)
+        nodes = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_function"]
+        methods = [n for gm in graphs for n in gm.graph.nodes if n.op == "call_method"]
         seen[fused] = {"breaks": sum(counters["graph_break"].values()), "graphs": counters["stats"]["unique_graphs"],
                        "out": out, "calls": applied.as_dict() if applied else None,
-                       "reasons": sorted(counters["graph_break"])}
+                       "reasons": sorted(counters["graph_break"]),
+                       # Krea 2's own k / v repeat is `repeat_interleave(rep, dim=1)`; ComfyUI's attention functions
+                       # repeat with dim=-3 where their kernel cannot group (on the CPU: attention_basic / split)
+                       "model_repeats": sum(1 for n in nodes + methods if "repeat_interleave" in str(n.target)
+                                            and n.kwargs.get("dim") == 1)}
         torch._dynamo.reset()
         ledger.unwind()
     calls = seen[True]["calls"]
     return {"breaks": [seen[f]["breaks"] for f in (False, True)], "graphs": [seen[f]["graphs"] for f in (False, True)],
             "equal": bool(torch.equal(seen[False]["out"], seen[True]["out"])),
             "kernel_calls": calls["norm_kernel_calls"] + calls["rope_kernel_calls"],
-            "break_reasons": [seen[f]["reasons"] for f in (False, True)], "shared_modules": calls["shared_input_modules"]}
+            "break_reasons": [seen[f]["reasons"] for f in (False, True)], "shared_modules": calls["shared_input_modules"],
+            "model_repeats": [seen[f]["model_repeats"] for f in (False, True)]}
 
 
 # ---------------------------------------------------------------------------------------------- the Quantize node

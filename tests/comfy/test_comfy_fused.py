@@ -115,7 +115,8 @@ def test_krea2_attention_keeps_the_stock_code_where_something_expects_repeated_k
 @pytest.mark.parametrize("arch", ARCHS)
 def test_under_torch_compile_comfyuis_own_code_is_traced(result, arch):
     """ComfyUI's TorchCompileModel compiles the diffusion model: the fused classes trace ComfyUI's code (Inductor
-    fuses it itself), with the unfused model's graphs and graph breaks and its output."""
+    fuses it itself), with the unfused model's graphs and graph breaks and its output; Krea 2's attention traces
+    its grouped form (k / v not repeated, SDPA's enable_gqa)."""
     r = result[f"compiled {arch}"]
     # Dynamo's unique-graph count over ComfyUI's code moved by one between runs of the same model (30 / 31, 15 / 14
     # seen, equal in others); the output and the absence of kernel calls do not move. The graph breaks are the
@@ -126,6 +127,10 @@ def test_under_torch_compile_comfyuis_own_code_is_traced(result, arch):
     assert r["breaks"][0] <= r["breaks"][1] <= r["breaks"][0] + r["shared_modules"], r
     assert abs(r["graphs"][0] - r["graphs"][1]) <= 1 and min(r["graphs"]) > 0, r
     assert r["equal"] and r["kernel_calls"] == 0, r
+    if arch == "krea2":  # but for Krea 2's grouped k / v (plain torch, compiled too): the model repeats nothing
+        assert r["model_repeats"][0] >= 2 and r["model_repeats"][1] == 0, r
+    else:
+        assert r["model_repeats"] == [0, 0], r
 
 
 @pytest.mark.parametrize("arch", ARCHS)
