@@ -35,11 +35,13 @@ from lowbit_pipe.measure.timing import TimingSettings, time_ms
 SHAPES = [
     ("krea2 1024 q", "rope", 1, 4608, 48, 128), ("krea2 2048 q", "rope", 1, 16896, 48, 128),
     ("krea2 1024 q", "rope_e4m3", 1, 4608, 48, 128), ("krea2 2048 q", "rope_e4m3", 1, 16896, 48, 128),
+    ("krea2 1024 q", "rope_e4m3 untracked", 1, 4608, 48, 128),
     ("krea2 1024 q (ComfyUI)", "rope_pairs", 1, 4608, 48, 128), ("krea2 1024 k (ComfyUI)", "rope_pairs", 1, 4608, 12, 128),
     ("krea2 2048 q (ComfyUI)", "rope_pairs", 1, 16896, 48, 128),
     ("flux1 1024 q (ComfyUI)", "rope_pairs", 1, 4608, 24, 128), ("flux1 512 q (ComfyUI)", "rope_pairs", 1, 1536, 24, 128),
 ]
-SMALL = [("small", "rope", 2, 40, 4, 64), ("small", "rope_e4m3", 2, 40, 4, 64), ("small", "rope_pairs", 2, 40, 4, 64)]
+SMALL = [("small", "rope", 2, 40, 4, 64), ("small", "rope_e4m3", 2, 40, 4, 64), ("small", "rope_e4m3 untracked", 2, 40, 4, 64),
+         ("small", "rope_pairs", 2, 40, 4, 64)]
 
 
 def load_tree_module(path: str) -> ModuleType:
@@ -66,8 +68,8 @@ def inputs(kind: str, b: int, s: int, h: int, d: int, device: torch.device) -> d
 def call(module: ModuleType, kind: str, t: dict[str, Any]) -> Callable[[], torch.Tensor]:
     if kind == "rope":
         return lambda: module.rope(t["x"], t["cos"], t["sin"], 1)
-    if kind == "rope_e4m3":
-        amax = torch.zeros(1, device=t["x"].device)
+    if kind.startswith("rope_e4m3"):  # "untracked": this tree's kernel without the amax (the fold's default)
+        amax = None if kind.endswith("untracked") and module is norm_rope else torch.zeros(1, device=t["x"].device)
         return lambda: module.rope_e4m3(t["x"], t["cos"], t["sin"], t["scale"], amax)
     return lambda: module.rope_pairs(t["x"], t["freqs"])
 
@@ -75,7 +77,7 @@ def call(module: ModuleType, kind: str, t: dict[str, Any]) -> Callable[[], torch
 def reference(kind: str, t: dict[str, Any]) -> torch.Tensor:
     if kind == "rope":
         return norm_rope.reference_rope(t["x"], t["cos"], t["sin"], 1)
-    if kind == "rope_e4m3":
+    if kind.startswith("rope_e4m3"):
         return norm_rope.reference_rope_e4m3(t["x"], t["cos"], t["sin"], float(t["scale"]))
     return norm_rope.reference_rope_pairs(t["x"], t["freqs"])
 
@@ -89,7 +91,7 @@ def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
 
 def traffic_bytes(kind: str, t: dict[str, Any]) -> int:
     x = t["x"]
-    out = x.numel() * (1 if kind == "rope_e4m3" else x.element_size())
+    out = x.numel() * (1 if kind.startswith("rope_e4m3") else x.element_size())
     tables = t["freqs"].numel() * 4 if kind == "rope_pairs" else 2 * t["cos"].numel() * 4
     return x.numel() * x.element_size() + out + tables
 

@@ -89,10 +89,10 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, HALF, S, ROW_DIV,
 
 @triton.jit
 def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, HALF, S, H,
-                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
+                      MASK: tl.constexpr, AMAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
     # `_rope_kernel` on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
-    # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
-    # largest |y| of the program into amax_ptr (atomic max: the bound's check).
+    # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); AMAX: the
+    # largest |y| of the program into amax_ptr (atomic max: the bound's check; one per 4 rows, so it is optional).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     p = tl.arange(0, BLOCK_H)
     inside = rows < M
@@ -104,7 +104,8 @@ def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, val
     tb = ((rows // H) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
     y0 = x0 * tl.load(cos_ptr + tb, mask=ok, other=0.0) - x1 * tl.load(sin_ptr + tb, mask=ok, other=0.0)
     y1 = x1 * tl.load(cos_ptr + tb + 1, mask=ok, other=0.0) + x0 * tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1), axis=0))
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1), axis=0))
     scale = tl.load(scale_ptr)
     code0 = tl.minimum(tl.maximum(y0 * scale, -448.0), 448.0)
     code1 = tl.minimum(tl.maximum(y1 * scale, -448.0), 448.0)
@@ -232,12 +233,12 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
     return out
 
 
-def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor,
+def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor | None,
               key_mask: torch.Tensor | None = None, pos: torch.Tensor | None = None) -> torch.Tensor:
     """`rope` of x [B, S, H, D] (sequence_dim 1, contiguous) written as e4m3 codes y * scale (saturating at +-448):
     [B, S, H, D] e4m3, cuDNN's FP8 attention's layout (lowbit_pipe.kernels.qkv_fp8). `scale` [1] fp32 on x's device
     (448 / a bound of |y|: `norm_bound`); `amax` [1] fp32, raised to the largest |y| seen (a check of the bound;
-    zero it first). `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of
+    zero it first), or None: not tracked (the bound holds by construction; the check costs an atomic per program). `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of
     batch b written to slot pos[b, s], masked ones as zero codes."""
     b, s_len, h, d = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
@@ -245,8 +246,8 @@ def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torc
     masked = key_mask is not None
     valid = key_mask.contiguous().view(torch.uint8) if masked else scale
     grid, meta = _rope_grid(m, d)
-    _rope_e4m3_kernel[grid](x, cos, sin, out, scale, amax, valid, pos if masked else scale, m, d // 2, s_len, h,
-                            MASK=masked, **meta)
+    _rope_e4m3_kernel[grid](x, cos, sin, out, scale, scale if amax is None else amax, valid, pos if masked else scale,
+                            m, d // 2, s_len, h, MASK=masked, AMAX=amax is not None, **meta)
     return out
 
 

@@ -174,6 +174,8 @@ def _child_kernels() -> None:
                  * sin[None, :, None]).abs().max()
         torch.testing.assert_close(amax[0], exact, rtol=1e-6, atol=0, msg=f"amax, {what}")
         assert float(amax) * float(scale) <= 448.0, what  # the bound held: nothing saturated
+        untracked = R.rope_e4m3(y, cos, sin, scale, None, mask, pos)  # the fold's default: no amax atomics
+        assert torch.equal(untracked.view(torch.uint8), got.view(torch.uint8)), what
         # v alone: statistics exact, codes and scales as the unfolded quantization writes them
         v = torch.randn(b, s, h, d, generator=gen).bfloat16().transpose(1, 2) + 1.5
         k8 = ref
@@ -248,7 +250,7 @@ def _child_module() -> None:
     stock = attn.processor
     calls = Counter()
     cudnn, router = _ModelCudnn(), _AlwaysFolded()
-    fold = QKFold(router, cudnn, calls, P.traced_counting(calls), devices=("cpu",))
+    fold = QKFold(router, cudnn, calls, P.traced_counting(calls), devices=("cpu",), check_bounds=True)
     dispatch = P.Dispatch8("fp8", Krea2AttnProcessor.__call__.__globals__[P.DISPATCH_GLOBAL], calls, (), None, cudnn,
                            fold)
     proc = P.processor_for(stock, P.processor_class(Krea2AttnProcessor, dispatch))

@@ -612,7 +612,7 @@ def test_a_layer_left_in_host_memory_gives_the_resident_layers_result(fmt):
 def test_the_rope_kernels_match_their_torch_forms(b, s, h, d):
     """The RoPE kernels at real and ragged shapes (a full Krea 2 q, rows not a multiple of the programs' rows, a
     head dim whose half is not a power of two, one head) against their torch forms: bf16 outputs within one ulp of
-    the fp32 result, e4m3 codes equal but for rounding ties, the amax exact."""
+    the fp32 result, e4m3 codes equal but for rounding ties, the amax exact, the same codes without it."""
     from lowbit_pipe.kernels import norm_rope as R
 
     gen = torch.Generator(device="cuda").manual_seed(s + h + d)
@@ -629,6 +629,7 @@ def test_the_rope_kernels_match_their_torch_forms(b, s, h, d):
     assert (codes.float() != ref.float()).float().mean() < 1e-3
     exact = R.reference_rope(x.float(), cos, sin, 1).abs().max()
     torch.testing.assert_close(amax[0], exact, rtol=1e-6, atol=0)
+    assert torch.equal(R.rope_e4m3(x, cos, sin, scale, None).view(torch.uint8), codes.view(torch.uint8))  # untracked
     freqs = torch.stack([angles.cos(), -angles.sin(), angles.sin(), angles.cos()], -1).float().view(1, 1, s, d // 2, 2, 2)
     x = torch.randn(b, h, s, d, device="cuda", generator=gen).bfloat16()
     for f, tol in ((freqs, 2 ** -7), (freqs.bfloat16(), 2 ** -6)):
