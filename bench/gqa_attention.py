@@ -25,7 +25,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from outputs import save_outputs
+from outputs import print_and_save
 
 from lowbit_pipe.measure.timing import TimingSettings, time_ms
 
@@ -156,10 +156,7 @@ def main() -> None:
         extra = f"contiguous: {r['contiguous']}" if "contiguous" in r else "; ".join(r.get("kernels", []))
         diff = f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-"
         lines.append(f"| {r['shape']} | {r['form']} | {r['backend']} | {r['ms']:.4f} | {ratio} | {diff} | {extra} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    save_outputs(args.out, table, {"command": " ".join(sys.argv), "device": dev, "torch": torch.__version__,
-                                   "rows": rows})
+    print_and_save(args.out, lines, {"device": dev, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

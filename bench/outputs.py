@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +18,10 @@ def save_outputs(out: str | Path, table: str, payload: dict[str, Any]) -> None:
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text(text)
         tmp.replace(path)
+
+
+def print_and_save(out: str | Path, lines: list[str], payload: dict[str, Any]) -> None:
+    """A finished table: its lines printed, then saved (`save_outputs`) with the command line added to `payload`."""
+    table = "\n".join(lines) + "\n"
+    print(table)
+    save_outputs(out, table, {"command": " ".join(sys.argv), **payload})

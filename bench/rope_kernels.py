@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from outputs import save_outputs
+from outputs import print_and_save
 
 from lowbit_pipe.kernels import norm_rope
 from lowbit_pipe.measure.timing import TimingSettings, time_ms
@@ -139,10 +139,7 @@ def main() -> None:
                      f"{_cell(r, 'speedup', '.2f')} | {_cell(r, 'before_gb_s', '.0f')} | {r['after_gb_s']:.0f} | "
                      f"{r['vs_before']['bit_equal'] if 'vs_before' in r else '-'} | "
                      f"{r['vs_reference']['max_rel_diff']:.2e} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    save_outputs(args.out, table, {"command": " ".join(sys.argv), "device": dev, "torch": torch.__version__,
-                                   "rows": rows})
+    print_and_save(args.out, lines, {"device": dev, "torch": torch.__version__, "rows": rows})
 
 
 if __name__ == "__main__":

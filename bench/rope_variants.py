@@ -5,7 +5,7 @@ the one the package keeps (the candidates live here, not in the package).
     TRITON_INTERPRET=1 python bench/rope_variants.py --device cpu --small --out /tmp/rope_variants.json  # check
 
 Three kernels: diffusers' interleaved pairs with cos / sin [S, D] fp32 on x [B, S, H, D] (`rope`), the same writing
-e4m3 codes (`rope_e4m3`, attention.fold_qk's: its candidate is the rows form, not yet the package's), and ComfyUI's
+e4m3 codes (`rope_e4m3`, attention.fold_qk's; with and without the amax atomics), and ComfyUI's
 2x2 matrices freqs [1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). Candidates:
 - rows: the package's own kernels (a program takes BLOCK_M rows, the pair's two elements as two stride-2 loads,
   the table per row) with other block sizes and warp counts: the sweep that chose norm_rope.ROPE_ROWS;
@@ -81,38 +81,6 @@ def _tokens_pairs(x_ptr, f_ptr, out_ptr, T, HALF, SB, ST, SH, F_TOKEN,
         tl.store(out_ptr + base + 1, (f10 * x0 + f11 * x1).to(dt), mask=ok)
 
 
-@triton.jit
-def _rows_e4m3(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, valid_ptr, pos_ptr, M, HALF, S, H,
-                      MASK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
-    # the package's `_rope_kernel` form (rows, stride-2 pairs) on [B, S, H, D] rows (r = (b S + s) H + h) with an e4m3 epilogue: y * scale saturated at +-448,
-    # row (b, s) written to token slot pos[b, s] (MASK: qkv_fp8.key_order, masked tokens as zero codes); the
-    # largest |y| of the program into amax_ptr (atomic max: the bound's check).
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    p = tl.arange(0, BLOCK_H)
-    inside = rows < M
-    ok = inside[:, None] & (p < HALF)[None, :]
-    r64 = rows.to(tl.int64)
-    base = r64[:, None] * (2 * HALF) + 2 * p[None, :]
-    x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-    x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
-    tb = ((rows // H) % S).to(tl.int64)[:, None] * (2 * HALF) + 2 * p[None, :]
-    y0 = x0 * tl.load(cos_ptr + tb, mask=ok, other=0.0) - x1 * tl.load(sin_ptr + tb, mask=ok, other=0.0)
-    y1 = x1 * tl.load(cos_ptr + tb + 1, mask=ok, other=0.0) + x0 * tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
-    tl.atomic_max(amax_ptr, tl.max(tl.max(tl.maximum(tl.abs(y0), tl.abs(y1)), axis=1), axis=0))
-    scale = tl.load(scale_ptr)
-    code0 = tl.minimum(tl.maximum(y0 * scale, -448.0), 448.0)
-    code1 = tl.minimum(tl.maximum(y1 * scale, -448.0), 448.0)
-    if MASK:
-        bs = r64 // H  # b S + s
-        keep = (tl.load(valid_ptr + bs, mask=inside, other=0) != 0)[:, None]
-        code0 = tl.where(keep, code0, 0.0)
-        code1 = tl.where(keep, code1, 0.0)
-        slot = tl.load(pos_ptr + bs, mask=inside, other=0).to(tl.int64)
-        base = (((bs // S) * S + slot) * H + r64 % H)[:, None] * (2 * HALF) + 2 * p[None, :]
-    tl.store(out_ptr + base, code0.to(tl.float8e4nv), mask=ok)
-    tl.store(out_ptr + base + 1, code1.to(tl.float8e4nv), mask=ok)
-
-
 def _heads(h: int) -> int:
     return next(g for g in (8, 6, 5, 4, 3, 2, 1) if h % g == 0)
 
@@ -140,16 +108,16 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
                                                                    num_warps=warps)
                 return y
             out[f"tokens {bt} w{warps}"] = tokens
-    elif kind == "rope_e4m3":  # [B, S, H, D] -> e4m3 codes, amax; the package's kernel is the first, row-major form
-        for bm, warps in ((4, 1), (8, 1), (4, 2)):
-            def rows(bm=bm, warps=warps):
+    elif kind == "rope_e4m3":  # [B, S, H, D] -> e4m3 codes; the package's kernel with other block sizes, amax or not
+        for bm, warps, amax_on in ((4, 1, True), (8, 1, True), (4, 2, True), (4, 1, False), (8, 1, False)):
+            def rows(bm=bm, warps=warps, amax_on=amax_on):
                 y = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
                 amax = torch.zeros(1, device=x.device)
-                _rows_e4m3[(triton.cdiv(m, bm),)](x, t["cos"], t["sin"], y, t["scale"], amax, t["scale"], t["scale"],
-                                                  m, half, n1, n2, MASK=False, BLOCK_M=bm, BLOCK_H=bh,
-                                                  num_warps=warps)
+                norm_rope._rope_e4m3_kernel[(triton.cdiv(m, bm),)](
+                    x, t["cos"], t["sin"], y, t["scale"], amax, t["scale"], t["scale"], m, half, n1, n2, MASK=False,
+                    AMAX=amax_on, BLOCK_M=bm, BLOCK_H=bh, num_warps=warps)
                 return y
-            out[f"rows {bm}x{half} w{warps}"] = rows
+            out[f"rows {bm}x{half} w{warps}{'' if amax_on else ' no amax'}"] = rows
     elif kind == "rope_pairs":  # [B, H, L, D], freqs [1, 1, L, D/2, 2, 2]
         f = t["freqs"]
         for bm, warps in ((4, 1), (2, 1), (1, 1), (4, 2)):
