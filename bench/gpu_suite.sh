@@ -25,6 +25,8 @@
 #                                        # the candidates (rope_e4m3's rows form among them), the fold
 #   bash bench/gpu_suite.sh comfyui_e "$OUT"  # the uncompiled rows after the token-major RoPE and shared activations
 #   bash bench/gpu_suite.sh gqa "$OUT"   # Krea 2's grouped-query attention: repeated k / v vs SDPA's enable_gqa, per backend
+#   bash bench/gpu_suite.sh modulation "$OUT"  # Krea 2's modulated norms / gated residuals: GPU test, kernels vs torch
+#   bash bench/gpu_suite.sh comfyui_g "$OUT"  # the uncompiled and compiled rows after grouped k / v and the modulation
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
 #   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
@@ -38,7 +40,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e or comfyui_all}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -152,10 +154,15 @@ case "$part" in
     grep -E "package|rows 4x64 w1" "$out/rope_variants_${card}.md" | head -24
     timeout 200 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}" > "$out/attention_fold.log" 2>&1
     head -16 "$out/attention_fold_${card}.md" ;;
+  modulation)
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py -k "modulation or rope" \
+      2>&1 | tail -4 > "$out/pytest_modulation.log"; tail -2 "$out/pytest_modulation.log"
+    timeout 90 python3 bench/modulation_kernels.py --out "$out/modulation_kernels_${card}" > "$out/modulation.log" 2>&1
+    tail -12 "$out/modulation_kernels_${card}.md" ;;
   gqa)
     timeout 120 python3 bench/gqa_attention.py --out "$out/gqa_attention_${card}" > "$out/gqa_attention.log" 2>&1
     tail -22 "$out/gqa_attention_${card}.md" ;;
-  comfyui_a|comfyui_b|comfyui_c|comfyui_d|comfyui_e)
+  comfyui_a|comfyui_b|comfyui_c|comfyui_d|comfyui_e|comfyui_g)
     # one warm machine: part b reuses part a's unpacked ComfyUI, float file and fp8 export under /tmp/cspeed
     if [ "$part" = comfyui_a ]; then
       rows="stock_bf16 pack_fp8 stock_fp8 pack_krea2_nvfp4 pack_fp8_compile pack_fp8_attn pack_file_nvfp4_fp8"
@@ -165,8 +172,10 @@ case "$part" in
       rows="stock_bf16 pack_fp8 pack_int8 pack_krea2_nvfp4 pack_fp8_attn stock_fp8 stock_fp8_tc pack_file_nvfp4_fp8"
     elif [ "$part" = comfyui_d ]; then
       rows="stock_bf16 pack_file_nvfp4_fp8 pack_krea2_nvfp4 pack_fp8"
-    else
+    elif [ "$part" = comfyui_e ]; then
       rows="stock_bf16 pack_fp8 pack_krea2_nvfp4 stock_fp8 pack_int8 pack_fp8_attn pack_fp8_compile"
+    else
+      rows="stock_bf16 pack_fp8 pack_fp8_attn pack_fp8_compile pack_krea2_nvfp4 pack_int8 stock_fp8"
     fi
     timeout 570 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_${part#comfyui_}" --rows $rows --profile --deadline-s 430 \
@@ -178,5 +187,5 @@ case "$part" in
     timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
     tail -24 "$out/comfyui_speed_${card}_all.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_all)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_all)"; exit 2 ;;
 esac

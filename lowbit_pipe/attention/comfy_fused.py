@@ -34,6 +34,12 @@ node runs that stage on its own structural copy of the tree):
   (the only forward here that is not ComfyUI's own code object); the stock code runs where something could expect
   the repeated heads: an attn1 / attn1_output patch, or an attention override other than lowbit_pipe's.
 
+- Modulation and residuals. Krea 2's `SingleStreamBlock` runs `(1 + scale) * norm(x) + shift` (the norm, a
+  multiply, an add: three passes over the block's activations) and `x + gate * y` (two) twice per block; its fused
+  forward (lowbit_pipe's, with ComfyUI 0.29.0's arithmetic) runs each as one kernel (norm_rope.modulated_rms_norm,
+  gated_residual) that rounds after each op as torch does, so the result is torch's bit for bit but for the norm's
+  rare last-place flip; the stock forward where a reference image brings its own timestep-zero rows.
+
 How: each such module's class is swapped, on that module object only, for a subclass of its own class: the norms'
 `forward` runs the kernel where it serves and the class's own forward elsewhere; the attention modules' `forward`
 is the class's own code object run against a copy of its module's globals with the one function rebound
@@ -96,6 +102,7 @@ class Fusion:
     norm_calls: int = 0
     rope_calls: int = 0
     grouped_calls: int = 0  # Krea 2 attention calls that handed k / v over with their own heads
+    modulation_calls: int = 0  # Krea 2 blocks' modulated norms and gated residuals run as one kernel each
 
     def eager_on(self, x: torch.Tensor) -> bool:
         """Whether this call may take a kernel: eager, CUDA (or any_device), no autograd, not in training."""
@@ -241,6 +248,55 @@ def _krea2_grouped_forward(stock_forward: Callable[..., Any], attend: Callable[.
     return forward
 
 
+# ------------------------------------------------------------------------------ Krea 2's modulation and residuals
+def _krea2_block_forward(stock_forward: Callable[..., Any], fusion: Fusion, qualname: str) -> Callable[..., Any]:
+    """Krea 2's SingleStreamBlock.forward (ComfyUI 0.29.0's arithmetic): `(1 + scale) * norm(x) + shift` as one
+    kernel (norm_rope.modulated_rms_norm, three torch passes) and `x + gate * y` as one (gated_residual, two), each
+    op's rounding kept; eager on CUDA (or any_device) only, the stock forward otherwise and for a reference image's
+    timestep-zero tokens (their own modulation rows)."""
+
+    def forward(self: nn.Module, x: torch.Tensor, vec: torch.Tensor, freqs: Any, mask: Any = None,
+                timestep_zero_index: Any = None, transformer_options: Any = None) -> torch.Tensor:
+        if transformer_options is None:  # the stock default, a fresh dict
+            transformer_options = {}
+        if timestep_zero_index is not None or not fusion.eager_on(x) or x.dim() != 3 or not x.is_contiguous():
+            return stock_forward(self, x, vec, freqs, mask, timestep_zero_index, transformer_options)
+        prescale, preshift, pregate, postscale, postshift, postgate = self.mod(vec)
+        pre = _modulated_norm(self.prenorm, x, prescale, preshift, fusion)
+        x = _gated_residual(x, pregate, self.attn(pre, freqs, mask, transformer_options=transformer_options), fusion)
+        del pre
+        post = _modulated_norm(self.postnorm, x, postscale, postshift, fusion)
+        return _gated_residual(x, postgate, self.mlp(post), fusion)
+
+    forward.__qualname__ = forward.__name__ = qualname
+    forward.__wrapped__ = stock_forward
+    return forward
+
+
+def _modulated_norm(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor,
+                    fusion: Fusion) -> torch.Tensor:
+    """`(1 + scale) * norm(x) + shift` for a Krea 2 RMSNorm (weight `scale + 1` in fp32, as the class casts it)."""
+    kernels, mult = fusion.kernels, 1 + scale
+    weight = getattr(norm, "scale", None)
+    if (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+            and x.dtype in kernels.DTYPES and 0 < x.shape[-1] <= kernels.MAX_DIM
+            and kernels.batch_rows(mult, x) is not None and kernels.batch_rows(shift, x) is not None):
+        weight = fusion.model_management.cast_to(weight, device=x.device)
+        if weight.is_contiguous():
+            fusion.modulation_calls += 1
+            return kernels.modulated_rms_norm(x, weight, norm.eps, 1.0, mult, shift)
+    return mult * norm(x) + shift
+
+
+def _gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor, fusion: Fusion) -> torch.Tensor:
+    """`x + gate * y` (Krea 2's block residuals)."""
+    if (y.shape == x.shape and y.dtype == x.dtype and y.is_contiguous() and y.device == x.device
+            and fusion.kernels.batch_rows(gate, x) is not None):
+        fusion.modulation_calls += 1
+        return fusion.kernels.gated_residual(x, gate, y)
+    return x + gate * y
+
+
 def _comfy_function(func: Any, module: str, name: str) -> bool:
     """Whether `func` is ComfyUI's own function `module.name` (not another pack's replacement of that global)."""
     return getattr(func, "__module__", None) == module and getattr(func, "__qualname__", None) == name \
@@ -257,14 +313,16 @@ class ComfyFusion:
     ropes: dict[str, str] = field(default_factory=dict)
     shares: dict[str, str] = field(default_factory=dict)  # modules whose layers quantize a shared input once
     grouped: dict[str, str] = field(default_factory=dict)  # attention modules handing k / v over ungrouped
+    modulated: dict[str, str] = field(default_factory=dict)  # blocks whose modulation / residuals are kernels
 
     def as_dict(self) -> dict[str, Any]:
         """report.json's attention.fused_norm_rope for a ComfyUI model."""
         return {"code": "ComfyUI's (comfy/ldm)", "norm_modules": len(self.norms), "rope_modules": len(self.ropes),
                 "shared_input_modules": len(self.shares), "grouped_kv_modules": len(self.grouped),
-                "classes": dict(Counter({**self.norms, **self.ropes, **self.shares}.values())),
+                "modulated_blocks": len(self.modulated),
+                "classes": dict(Counter({**self.norms, **self.ropes, **self.shares, **self.modulated}.values())),
                 "norm_kernel_calls": self.fusion.norm_calls, "rope_kernel_calls": self.fusion.rope_calls,
-                "grouped_kv_calls": self.fusion.grouped_calls}
+                "grouped_kv_calls": self.fusion.grouped_calls, "modulation_kernel_calls": self.fusion.modulation_calls}
 
 
 Stock = tuple[str, Any, tuple[str, ...], Any]  # (kind, what its fused class needs, shared arguments, attention function)
@@ -288,6 +346,7 @@ def _stock_classes() -> tuple[dict[type, Stock], type | None]:
         if _comfy_function(stock, FLUX_MATH, "apply_rope"):  # x -> wq, wk, wv, gate
             found[krea2.Attention] = ("rope", {"apply_rope": (stock, True)}, ("x",), attend)
         found[krea2.SwiGLU] = ("share", None, ("x",), None)  # x -> gate, up
+        found[krea2.SingleStreamBlock] = ("krea2_block", None, (), None)
     if layers is not None:
         attention = layers.DoubleStreamBlock.forward.__globals__.get("attention")
         stock = getattr(attention, "__globals__", {}).get("apply_rope")
@@ -327,6 +386,11 @@ def _fused_class(stock_cls: type, kind: str, spec: Any, shares: tuple[str, ...],
     forward before the stock class in the MRO. rope and share open their `shares` arguments to one activation
     quantization (dispatch.sharing_forward)."""
     body: dict[str, Any] = {"_lowbit_fusion": fusion, "__module__": __name__}
+    if kind == "krea2_block":
+        name = f"{stock_cls.__name__}Modulated"
+        body["forward"] = _krea2_block_forward(stock_cls.forward, fusion, f"{name}.forward")
+        body["__doc__"] = f"ComfyUI's {stock_cls.__name__} with its modulation and residuals as kernels (lowbit_pipe)."
+        return type(name, (stock_cls,), body)
     if kind in ("rope", "share"):
         name = f"{stock_cls.__name__}{'FusedRope' if kind == 'rope' else 'SharedInput'}"
         forward = (rebound_function(stock_cls.forward, _rebinds(spec, fusion), f"{name}.forward") if kind == "rope"
@@ -387,7 +451,9 @@ def apply_comfy_fused_norm_rope(root: nn.Module, ledger: Ledger, *, any_device: 
         if cls not in made:
             made[cls] = _fused_class(cls, *kind, fusion)
         _swap_class(ledger, module, made[cls], f"{name or '<root>'} ({cls.__name__} -> {made[cls].__name__})")
-        if kind[0] != "share":
+        if kind[0] == "krea2_block":
+            applied.modulated[name] = cls.__name__
+        elif kind[0] != "share":
             (applied.ropes if kind[0] == "rope" else applied.norms)[name] = cls.__name__
         if kind[2]:
             applied.shares[name] = cls.__name__

@@ -19,6 +19,12 @@ Each computes in fp32 what the torch code computes, and rounds once to the outpu
                                                                          pair; 16-bit F computes in F's dtype,
                                                                          as ComfyUI's torch code does)
 
+and, for the modulation and gated residuals around them (ComfyUI's Krea 2 blocks, three and two passes each in
+torch), with each op's rounding kept so the result is bit for bit torch's:
+
+    modulated_rms_norm: y = rms_norm(x) * mult + shift                   (mult = 1 + scale, per batch row)
+    gated_residual:     y = x + gate * y'                                (gate per batch row)
+
 The fp32 sums may round differently from torch's (order, fused multiply-add, 1 / sqrt against rsqrt): within an
 fp32 ulp or a few, so the rounded outputs agree but for a rare bf16 ulp (tests/kernels/test_kernels.py, case norm_rope;
 tests/comfy/test_comfy_fused.py against ComfyUI's own modules and functions).
@@ -35,8 +41,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset, N1, N2, SX0, SX1, SX2,
-                     WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr, STRIDED: tl.constexpr,
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, mult_ptr, shift_ptr, M, D, eps, offset, N1, N2, SX0, SX1, SX2, L, SMB, SSB,
+                     WEIGHT: tl.constexpr, ROUND_FIRST: tl.constexpr, STRIDED: tl.constexpr, MODULATE: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_D)
@@ -55,7 +61,25 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, M, D, eps, offset, N1, N2, SX0, SX1,
         if ROUND_FIRST:  # diffusers' RMSNorm with a 16-bit weight: x̂ in the weight's dtype, then the product
             y = y.to(dt).to(tl.float32)
         y = y * (tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32) + offset)[None, :]
+    if MODULATE:  # y * mult + shift per batch row (rows of L tokens), each op rounded to dt as torch's ops round
+        b = (rows // L).to(tl.int64)[:, None]
+        y = y.to(dt).to(tl.float32) * tl.load(mult_ptr + b * SMB + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        y = y.to(dt).to(tl.float32) + tl.load(shift_ptr + b * SSB + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, y.to(dt), mask=ok)
+
+
+@triton.jit
+def _gated_residual_kernel(x_ptr, g_ptr, y_ptr, out_ptr, M, D, L, SGB, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    # out = x + gate * y, gate one row per batch (rows of L tokens); the product rounded to dt first, as torch's two
+    # ops round
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_D)
+    ok = (rows < M)[:, None] & (cols < D)[None, :]
+    offs = rows[:, None].to(tl.int64) * D + cols[None, :]
+    dt = out_ptr.dtype.element_ty
+    g = tl.load(g_ptr + (rows // L).to(tl.int64)[:, None] * SGB + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    gy = (g * tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+    tl.store(out_ptr + offs, (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) + gy).to(dt), mask=ok)
 
 
 # The RoPE kernels read a pair's two elements as two stride-2 loads (no gather of a partner, no split / join) and
@@ -205,10 +229,51 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     strided = not x.is_contiguous()
     n1, n2, s0, s1, s2 = row_layout(x) if strided else (1, 1, 0, 0, 0)
     block_m, block_d, warps = _blocks(d)
-    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight if weight is not None else x, out, m, d, float(eps),
-                                                 float(offset), n1, n2, s0, s1, s2, WEIGHT=weight is not None,
-                                                 ROUND_FIRST=round_first, STRIDED=strided, BLOCK_M=block_m,
+    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight if weight is not None else x, out, x, x, m, d, float(eps),
+                                                 float(offset), n1, n2, s0, s1, s2, 1, 0, 0, WEIGHT=weight is not None,
+                                                 ROUND_FIRST=round_first, STRIDED=strided, MODULATE=False,
+                                                 BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
+    return out
+
+
+def batch_rows(t: torch.Tensor, x: torch.Tensor) -> int | None:
+    """The batch stride of `t` read as one row of x's last dim per batch of x [B, L, F]: t [B or 1, 1, F] (or [F])
+    with unit-stride rows, on x's device, in x's dtype; None when it is not such a tensor."""
+    b, f = x.shape[0], x.shape[-1]
+    if t.dtype != x.dtype or t.device != x.device or t.shape[-1] != f or (f > 1 and t.stride(-1) != 1):
+        return None
+    if t.dim() == 1:
+        return 0
+    if t.dim() != 3 or t.shape[1] != 1 or t.shape[0] not in (1, b):
+        return None
+    return t.stride(0) if t.shape[0] == b and b > 1 else 0
+
+
+def modulated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, mult: torch.Tensor,
+                       shift: torch.Tensor) -> torch.Tensor:
+    """`rms_norm(x, weight, eps, offset) * mult + shift` in one pass, each of the three results rounded to x's dtype as
+    torch's three ops round them (ComfyUI's Krea 2 blocks: `(1 + scale) * norm(x) + shift`). x [B, L, F]
+    contiguous; mult / shift one row per batch (`batch_rows`)."""
+    b, seq, d = x.shape
+    out = torch.empty_like(x)
+    m = x.numel() // d
+    block_m, block_d, warps = _blocks(d)
+    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight, out, mult, shift, m, d, float(eps), float(offset), 1, 1,
+                                                 0, 0, 0, seq, batch_rows(mult, x), batch_rows(shift, x), WEIGHT=True,
+                                                 ROUND_FIRST=False, STRIDED=False, MODULATE=True, BLOCK_M=block_m,
                                                  BLOCK_D=block_d, num_warps=warps)
+    return out
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """`x + gate * y` in one pass, the product rounded to x's dtype first as torch's two ops round it (ComfyUI's Krea 2
+    blocks). x, y [B, L, F] contiguous, same dtype; gate one row per batch (`batch_rows`)."""
+    b, seq, d = x.shape
+    out = torch.empty_like(x)
+    m = x.numel() // d
+    block_m, block_d, warps = _blocks(d)
+    _gated_residual_kernel[(triton.cdiv(m, block_m),)](x, gate, y, out, m, d, seq, batch_rows(gate, x),
+                                                       BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
     return out
 
 
@@ -291,6 +356,16 @@ def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     if round_first:
         y = y.to(out_dtype).float()
     return (y * (weight.float() + offset if offset else weight.float())).to(out_dtype)
+
+
+def reference_modulated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, mult: torch.Tensor,
+                                 shift: torch.Tensor) -> torch.Tensor:
+    """`modulated_rms_norm` in torch: the norm (`reference_rms_norm`), then torch's own multiply and add."""
+    return reference_rms_norm(x, weight, eps, offset) * mult + shift
+
+
+def reference_gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return x + gate * y
 
 
 def reference_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: int) -> torch.Tensor:

@@ -88,10 +88,12 @@ def test_a_whole_fused_forward_equals_the_unfused_one_and_unwinding_restores_it(
         assert r["ulps"]["share_diff"] < 0.01 and r["rel"] < 1e-2, r  # bf16: bit-equal but for rare flips
     else:
         assert r["rel"] < 1e-5, r
-    if case.startswith("krea2"):  # both blocks' attention (2 q heads, 1 k / v head) hand k / v over ungrouped
+    if case.startswith("krea2"):  # both blocks' attention (2 q heads, 1 k / v head) hand k / v over ungrouped;
+        # each block's two modulated norms and two gated residuals are kernels
         assert calls["grouped_kv_modules"] == 2 and calls["grouped_kv_calls"] == 2, calls
+        assert calls["modulated_blocks"] == 2 and calls["modulation_kernel_calls"] == 8, calls
     else:
-        assert calls["grouped_kv_modules"] == calls["grouped_kv_calls"] == 0, calls
+        assert calls["grouped_kv_modules"] == calls["grouped_kv_calls"] == calls["modulated_blocks"] == 0, calls
     assert r["errors"] == [] and r["unfreed"] == [] and r["restored"] == len(r["fused"]) + 1, r
     assert r["classes_restored"] and r["forwards_restored"] and r["after_undo_equal"], r
 

@@ -608,6 +608,23 @@ def test_a_layer_left_in_host_memory_gives_the_resident_layers_result(fmt):
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("b,s,f", [(1, 4608, 6144), (2, 333, 256)])
+def test_the_modulation_kernels_equal_torchs_ops(b, s, f):
+    """ComfyUI's Krea 2 block arithmetic as one pass each: `x + gate * y` bit for bit torch's two ops; `(1 + scale) *
+    norm(x) + shift` torch's three ops but for a rare last-place flip (the norm's fp32 sum order)."""
+    from lowbit_pipe.kernels import norm_rope as R
+
+    gen = torch.Generator(device="cuda").manual_seed(b + s)
+    x = (torch.randn(b, s, f, device="cuda", generator=gen) * 3 + 1).bfloat16()
+    y = torch.randn(b, s, f, device="cuda", generator=gen).bfloat16()
+    w = torch.randn(f, device="cuda", generator=gen) * 0.1
+    scale, shift, gate = (torch.randn(b, 1, 6 * f, device="cuda", generator=gen) * 0.5).bfloat16().chunk(6, -1)[:3]
+    assert torch.equal(R.gated_residual(x, gate, y), x + gate * y)
+    got = R.modulated_rms_norm(x, w, 1e-5, 1.0, 1 + scale, shift)
+    want = (1 + scale) * R.reference_rms_norm(x, w, 1e-5, 1.0) + shift
+    assert (got != want).float().mean() < 1e-3 and (got.float() - want.float()).abs().max() <= 2 ** -6 * want.abs().max()
+
+
 @pytest.mark.parametrize("b,s,h,d", [(1, 4608, 48, 128), (2, 333, 12, 128), (1, 70, 16, 96), (3, 5, 1, 64)])
 def test_the_rope_kernels_match_their_torch_forms(b, s, h, d):
     """The RoPE kernels at real and ragged shapes (a full Krea 2 q, rows not a multiple of the programs' rows, a

@@ -908,6 +908,29 @@ def case_norm_rope() -> None:
         got, want = rms_norm(x, w, 1e-5, offset), reference_rms_norm(x, w, 1e-5, offset)
         assert got.dtype == dtype and got.shape == x.shape
         _close(got, want, tol, f"rms_norm d={d} {dtype}")
+    # the modulated norm and the gated residual (ComfyUI's Krea 2 blocks): one row of mult / shift / gate per batch,
+    # shift and gate strided chunks of the modulation vector as the block gets them, a batch-1 row broadcast
+    from lowbit_pipe.kernels.norm_rope import (
+        gated_residual,
+        modulated_rms_norm,
+        reference_gated_residual,
+        reference_modulated_rms_norm,
+    )
+
+    for dtype, tol in ((torch.float32, 1e-6), (torch.float16, 1e-3), (torch.bfloat16, 1e-2)):
+        x = (torch.randn(2, 33, 96, generator=gen) * 3 + 1).to(dtype)
+        y = torch.randn(2, 33, 96, generator=gen).to(dtype)
+        w = torch.randn(96, generator=gen) * 0.1
+        scale, shift, gate = (torch.randn(2, 1, 6 * 96, generator=gen) * 0.5).to(dtype).chunk(6, dim=-1)[:3]
+        assert not shift.is_contiguous()
+        for mult, sh, g, what in ((1 + scale, shift, gate, "per batch"), (1 + scale[:1], shift[:1], gate[:1], "one row")):
+            got = modulated_rms_norm(x, w, 1e-5, 1.0, mult, sh)
+            assert got.dtype == dtype and got.shape == x.shape
+            _close(got, reference_modulated_rms_norm(x, w, 1e-5, 1.0, mult, sh), tol, f"modulated_rms_norm {dtype} {what}")
+            _close(gated_residual(x, g, y), reference_gated_residual(x, g, y), tol, f"gated_residual {dtype} {what}")
+        # the product is rounded before the sum, as torch's two ops: exact in fp16 (the interpreter rounds fp16)
+        if dtype == torch.float16:
+            assert torch.equal(gated_residual(x, gate, y), x + gate * y)
     # Krea 2's own RMSNorm module (fp32 weight, zero-centred) on bf16 input: the reference is its very code
     from diffusers.models.transformers.transformer_krea2 import Krea2RMSNorm
 
