@@ -31,8 +31,8 @@ node runs that stage on its own structural copy of the tree):
   attention function; its fused forward hands them over with their own heads and `enable_gqa` instead (every
   attention function of ComfyUI 0.29.0 takes it; torch's SDPA keeps cuDNN's kernel: 0.93 -> 0.79 ms per call at
   1024² on an H100, bench/results/gqa_attention_h100.md). That forward is lowbit_pipe's, with ComfyUI's arithmetic
-  (the only forward here that is not ComfyUI's own code object); the stock code runs where something could expect
-  the repeated heads: an attn1 / attn1_output patch, or an attention override other than lowbit_pipe's.
+  (as the block forward below; the others run ComfyUI's own code objects); the stock code runs where something
+  could expect the repeated heads: an attn1 / attn1_output patch, or an attention override other than ours.
 
 - Modulation and residuals. Krea 2's `SingleStreamBlock` runs `(1 + scale) * norm(x) + shift` (the norm, a
   multiply, an add: three passes over the block's activations) and `x + gate * y` (two) twice per block; its fused
@@ -43,8 +43,9 @@ node runs that stage on its own structural copy of the tree):
 How: each such module's class is swapped, on that module object only, for a subclass of its own class: the norms'
 `forward` runs the kernel where it serves and the class's own forward elsewhere; the attention modules' `forward`
 is the class's own code object run against a copy of its module's globals with the one function rebound
-(lowbit_pipe.attention.processors.rebound_function, as 8-bit attention rebinds diffusers' dispatch). Nothing of
-ComfyUI's code is copied and no module global changes: another model in the process (a stock MODEL, the float
+(lowbit_pipe.attention.processors.rebound_function, as 8-bit attention rebinds diffusers' dispatch), under
+Krea 2's grouped-k / v forward; Krea 2's blocks get their modulated forward (those two are our code computing
+ComfyUI's arithmetic, nothing of its source copied). No module global changes: another model in the process (a stock MODEL, the float
 MODEL upstream of the Quantize node) runs ComfyUI's code untouched. A class rather than an instance `forward`:
 the nodes' structural copies of the tree (tree.structural_copy: the LoRA node's copy, ComfyUI's per-device
 rebuilds) copy each module with its class, so every copy runs its own module through the fused forward, where an
@@ -56,7 +57,7 @@ The kernels run on CUDA in eager only (`any_device`, a test-only argument, lets 
 TRITON_INTERPRET=1): under torch.compile (ComfyUI's TorchCompileModel) the class's own code runs and Inductor
 fuses it (but for Krea 2's grouped k / v, plain torch code that Inductor could not undo: compiled too), and on
 the CPU, in training (comfy.model_management.in_training) or with autograd, ComfyUI's code runs as it would. Not
-fused: the modulation around the norms ((1 + scale) * x + shift), LayerNorms, and other
+fused: the modulation around other architectures' norms (FLUX.1's, Qwen-Image's), LayerNorms, and other
 architectures' attention code (their comfy.ops RMSNorms do get the norm kernel, which computes what that class
 computes whatever model it sits in).
 
@@ -219,8 +220,7 @@ def _krea2_grouped_forward(stock_forward: Callable[..., Any], attend: Callable[.
                            fusion: Fusion, qualname: str) -> Callable[..., Any]:
     """Krea 2's Attention.forward (ComfyUI 0.29.0's arithmetic) with k / v given to ComfyUI's attention function
     with their own 12 heads and `enable_gqa`, where `_groups` allows; the stock forward (RoPE rebound) otherwise.
-    The stock code repeats k / v to 48 heads first: two copies of 4x k / v per block, ~30 % of a 1024² step's
-    copies. Every attention function of ComfyUI 0.29.0 takes `enable_gqa` (torch SDPA and flash-attn group the
+    The stock code repeats k / v to 48 heads first: two copies of 4x k / v per block. Every attention function of ComfyUI 0.29.0 takes `enable_gqa` (torch SDPA and flash-attn group the
     heads in the kernel; the others repeat them themselves)."""
 
     def forward(self: nn.Module, x: torch.Tensor, freqs: Any = None, mask: Any = None,
