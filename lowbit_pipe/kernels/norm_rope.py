@@ -86,8 +86,8 @@ def _gated_residual_kernel(x_ptr, g_ptr, y_ptr, out_ptr, M, D, L, SGB, BLOCK_M: 
 # take few rows per program (ROPE_ROWS, one warp): on an H100 that reached 1.6-1.9 TB/s where 32-row programs of
 # the same code reached 0.2 TB/s and the first kernels (a row per thread group, the partner gathered, 4096
 # elements per program) 0.3-0.8 TB/s (bench/results/rope_variants*_h100.md). A row's table entries come from its
-# token; L1 serves the rows of one token. `_rope_e4m3_kernel` (attention.fold_qk's) has the same form: 0.168 ->
-# 0.102 ms for Krea 2's q at 1024² on an H100, the same codes (bench/results/rope_variants_h100_s55.md).
+# token; L1 serves the rows of one token. `_rope_e4m3_kernel` (attention.fold_qk's) has the same form: 0.167 ->
+# 0.097 ms for Krea 2's q at 1024² on an H100, the same codes (bench/results/rope_kernels_h100_s55.md).
 ROPE_ROWS = 4
 
 
