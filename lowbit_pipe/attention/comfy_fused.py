@@ -120,13 +120,21 @@ class _Krea2NormFused:
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fusion = self._lowbit_fusion
-        scale = self.scale
-        if fusion.eager_on(x) and scale.dim() == 1 and fusion.kernels.norm_serves(x, scale.shape[0]):
-            weight = fusion.model_management.cast_to(scale, device=x.device)  # as the class moves it; fp32 in-kernel
-            if weight.is_contiguous():
-                fusion.norm_calls += 1
-                return fusion.kernels.rms_norm(x, weight, self.eps, 1.0)
+        weight = _krea2_norm_weight(self, x, fusion) if fusion.eager_on(x) else None
+        if weight is not None:
+            fusion.norm_calls += 1
+            return fusion.kernels.rms_norm(x, weight, self.eps, 1.0)
         return super().forward(x)
+
+
+def _krea2_norm_weight(norm: nn.Module, x: torch.Tensor, fusion: Fusion) -> torch.Tensor | None:
+    """A Krea 2 RMSNorm's zero-centred weight on x's device as the class moves it (the kernels add the 1 in fp32),
+    where the norm kernel takes x and it; None otherwise."""
+    scale = getattr(norm, "scale", None)
+    if not (isinstance(scale, torch.Tensor) and scale.dim() == 1 and fusion.kernels.norm_serves(x, scale.shape[0])):
+        return None
+    weight = fusion.model_management.cast_to(scale, device=x.device)
+    return weight if weight.is_contiguous() else None
 
 
 class _OpsNormFused:
@@ -277,12 +285,9 @@ def _modulated_norm(norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift
                     fusion: Fusion) -> torch.Tensor:
     """`(1 + scale) * norm(x) + shift` for a Krea 2 RMSNorm (weight `scale + 1` in fp32, as the class casts it)."""
     kernels, mult = fusion.kernels, 1 + scale
-    weight = getattr(norm, "scale", None)
-    if (isinstance(weight, torch.Tensor) and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
-            and x.dtype in kernels.DTYPES and 0 < x.shape[-1] <= kernels.MAX_DIM
-            and kernels.batch_rows(mult, x) is not None and kernels.batch_rows(shift, x) is not None):
-        weight = fusion.model_management.cast_to(weight, device=x.device)
-        if weight.is_contiguous():
+    if kernels.batch_rows(mult, x) is not None and kernels.batch_rows(shift, x) is not None:
+        weight = _krea2_norm_weight(norm, x, fusion)
+        if weight is not None:
             fusion.modulation_calls += 1
             return kernels.modulated_rms_norm(x, weight, norm.eps, 1.0, mult, shift)
     return mult * norm(x) + shift

@@ -178,7 +178,8 @@ FUSED_DOWN_MAX_R = 128
 
 # An input several layers read (a DiT block's q / k / v / gate projections, SwiGLU's gate and up) is rotated and
 # quantized once per mode, inside a `shared_inputs` scope opened by code that passes that input unchanged to those
-# layers (lowbit_pipe.attention.comfy_fused: ComfyUI's Krea 2 and Qwen-Image blocks, read off their code). The
+# layers (read off that code: lowbit_pipe.attention.comfy_fused for ComfyUI's Krea 2 and Qwen-Image blocks,
+# lowbit_pipe.attention.fused for diffusers' Krea 2 attention and SwiGLU). The
 # Activations ride on the input tensor object (identity, not the address: storage reused by a later tensor is a
 # new object) and the scope takes them off on exit, so nothing outlives the block, and nothing is ever left on a
 # tensor the caller holds. Inside the scope the version counter still catches an in-place change (an inference
