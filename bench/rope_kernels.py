@@ -100,8 +100,10 @@ def _cell(row: dict[str, Any], key: str, spec: str) -> str:
     return format(row[key], spec) if key in row else "-"
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def command_line(doc: str) -> tuple[argparse.Namespace, torch.device, ModuleType | None, TimingSettings]:
+    """The RoPE benches' arguments (this one's and rope_variants'): (args, device, the --before module or None,
+    timing settings for the device)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument("--before", help="another tree's lowbit_pipe/kernels/norm_rope.py, timed beside this tree's")
     p.add_argument("--device", default="cuda")
     p.add_argument("--small", action="store_true", help="small shapes (the CPU smoke)")
@@ -110,6 +112,11 @@ def main() -> None:
     device = torch.device(args.device)
     before = load_tree_module(args.before) if args.before else None
     settings = TimingSettings(warmup=3, reps=50) if device.type == "cuda" else TimingSettings(warmup=0, reps=1)
+    return args, device, before, settings
+
+
+def main() -> None:
+    args, device, before, settings = command_line(__doc__)
     rows: list[dict[str, Any]] = []
     for name, kind, b, s, h, d in SMALL if args.small else SHAPES:
         t = inputs(kind, b, s, h, d, device)

@@ -1,88 +1,35 @@
-"""Candidate layouts for the RoPE kernels, timed beside lowbit_pipe.kernels.norm_rope's and another tree's, to pick
-the one the package keeps (the candidates live here, not in the package).
+"""Block sizes for the RoPE kernels: lowbit_pipe.kernels.norm_rope's own kernels at other rows per program and warp
+counts, timed beside the package's launch and another tree's kernels (the sweep that chose norm_rope.ROPE_ROWS).
 
     python3 bench/rope_variants.py --before .rope_before/norm_rope.py --out bench/results/rope_variants_h100.json
     TRITON_INTERPRET=1 python bench/rope_variants.py --device cpu --small --out /tmp/rope_variants.json  # check
 
 Three kernels: diffusers' interleaved pairs with cos / sin [S, D] fp32 on x [B, S, H, D] (`rope`), the same writing
-e4m3 codes (`rope_e4m3`, attention.fold_qk's; with and without the amax atomics), and ComfyUI's
-2x2 matrices freqs [1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). Candidates:
-- rows: the package's own kernels (a program takes BLOCK_M rows, the pair's two elements as two stride-2 loads,
-  the table per row) with other block sizes and warp counts: the sweep that chose norm_rope.ROPE_ROWS;
-- tokens: a program takes BLOCK_T tokens and loops over a group of heads, the table loaded once per token block,
-  x as in rows.
-Every candidate's output is compared with the package's torch form; GB/s counts x in, out and the tables once.
+e4m3 codes (`rope_e4m3`, attention.fold_qk's; with and without the amax atomics), and ComfyUI's 2x2 matrices freqs
+[1, 1, L, D/2, 2, 2] fp32 on x [B, H, L, D] (`rope_pairs`). A program takes BLOCK_M rows, a pair's two elements as
+two stride-2 loads, the table per row. The token-major candidates of session 54 (a block of tokens looping over a
+group of heads, the table loaded once per block) lost to these and are gone; their rows stay in the committed
+bench/results/rope_variants*_h100.md (bench/rope_variants.py at 8af31b6 ran them). Every variant's output is compared
+with the package's torch form; GB/s counts x in, out and the tables once.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from outputs import save_outputs
-from rope_kernels import call, compare, inputs, load_tree_module, reference, traffic_bytes
+from outputs import print_and_save
+from rope_kernels import call, command_line, compare, inputs, reference, traffic_bytes
 
 from lowbit_pipe.kernels import norm_rope
-from lowbit_pipe.measure.timing import TimingSettings, time_ms
-
-
-@triton.jit
-def _tokens_cos_sin(x_ptr, cos_ptr, sin_ptr, out_ptr, T, HALF, SB, ST, SH,
-                    HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    p = tl.arange(0, BLOCK_H)
-    ok = (t < T)[:, None] & (p < HALF)[None, :]
-    t64 = t.to(tl.int64)
-    tb = t64[:, None] * (2 * HALF) + 2 * p[None, :]
-    c0 = tl.load(cos_ptr + tb, mask=ok, other=0.0)
-    c1 = tl.load(cos_ptr + tb + 1, mask=ok, other=0.0)
-    s0 = tl.load(sin_ptr + tb, mask=ok, other=0.0)
-    s1 = tl.load(sin_ptr + tb + 1, mask=ok, other=0.0)
-    rows = tl.program_id(2).to(tl.int64) * SB + t64 * ST
-    dt = out_ptr.dtype.element_ty
-    for i in range(HEADS):
-        h = (tl.program_id(1) * HEADS + i).to(tl.int64)
-        base = (rows + h * SH)[:, None] + 2 * p[None, :]
-        x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
-        tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
-
-
-@triton.jit
-def _tokens_pairs(x_ptr, f_ptr, out_ptr, T, HALF, SB, ST, SH, F_TOKEN,
-                  HEADS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    p = tl.arange(0, BLOCK_H)
-    ok = (t < T)[:, None] & (p < HALF)[None, :]
-    t64 = t.to(tl.int64)
-    fb = t64[:, None] * F_TOKEN + 4 * p[None, :]
-    f00 = tl.load(f_ptr + fb, mask=ok, other=0.0)
-    f01 = tl.load(f_ptr + fb + 1, mask=ok, other=0.0)
-    f10 = tl.load(f_ptr + fb + 2, mask=ok, other=0.0)
-    f11 = tl.load(f_ptr + fb + 3, mask=ok, other=0.0)
-    rows = tl.program_id(2).to(tl.int64) * SB + t64 * ST
-    dt = out_ptr.dtype.element_ty
-    for i in range(HEADS):
-        h = (tl.program_id(1) * HEADS + i).to(tl.int64)
-        base = (rows + h * SH)[:, None] + 2 * p[None, :]
-        x0 = tl.load(x_ptr + base, mask=ok, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + base + 1, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + base, (f00 * x0 + f01 * x1).to(dt), mask=ok)
-        tl.store(out_ptr + base + 1, (f10 * x0 + f11 * x1).to(dt), mask=ok)
-
-
-def _heads(h: int) -> int:
-    return next(g for g in (8, 6, 5, 4, 3, 2, 1) if h % g == 0)
+from lowbit_pipe.measure.timing import time_ms
 
 
 def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Tensor]]:
@@ -99,15 +46,6 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
                                                               BLOCK_H=bh, num_warps=warps)
                 return y
             out[f"rows {bm}x{half} w{warps}"] = rows
-        for bt, warps in ((4, 1), (2, 1), (4, 2)):
-            def tokens(bt=bt, warps=warps):
-                y = torch.empty_like(x)
-                g = _heads(n2)
-                _tokens_cos_sin[(triton.cdiv(n1, bt), n2 // g, b)](x, t["cos"], t["sin"], y, n1, half, n1 * n2 * d,
-                                                                   n2 * d, d, HEADS=g, BLOCK_T=bt, BLOCK_H=bh,
-                                                                   num_warps=warps)
-                return y
-            out[f"tokens {bt} w{warps}"] = tokens
     elif kind == "rope_e4m3":  # [B, S, H, D] -> e4m3 codes; the package's kernel with other block sizes, amax or not
         for bm, warps, amax_on in ((4, 1, True), (8, 1, True), (4, 2, True), (4, 1, False), (8, 1, False)):
             def rows(bm=bm, warps=warps, amax_on=amax_on):
@@ -128,15 +66,6 @@ def candidates(kind: str, t: dict[str, Any]) -> dict[str, Callable[[], torch.Ten
                                                                     num_warps=warps)
                 return y
             out[f"rows {bm}x{half} w{warps}"] = rows
-        for bt, warps in ((4, 1), (2, 1), (4, 2)):
-            def tokens(bt=bt, warps=warps):
-                y = torch.empty_like(x)
-                g = _heads(n1)
-                _tokens_pairs[(triton.cdiv(n2, bt), n1 // g, b)](x, f, y, n2, half, n1 * n2 * d, d, n2 * d,
-                                                                 f.stride(2), HEADS=g, BLOCK_T=bt, BLOCK_H=bh,
-                                                                 num_warps=warps)
-                return y
-            out[f"tokens {bt} w{warps}"] = tokens
     return out
 
 
@@ -150,15 +79,7 @@ SMALL = [("small", "rope", 2, 40, 4, 64), ("small", "rope_e4m3", 2, 40, 4, 64), 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--before")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--small", action="store_true")
-    p.add_argument("--out", required=True)
-    args = p.parse_args()
-    device = torch.device(args.device)
-    before = load_tree_module(args.before) if args.before else None
-    settings = TimingSettings(warmup=3, reps=50) if device.type == "cuda" else TimingSettings(warmup=0, reps=1)
+    args, device, before, settings = command_line(__doc__)
     rows: list[dict[str, Any]] = []
     for name, kind, b, s, h, d in SMALL if args.small else SHAPES:
         t = inputs(kind, b, s, h, d, device)
@@ -187,9 +108,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['shape']} | {r['kernel']} | {r['variant']} | {r['ms']:.4f} | {r['gb_s']:.0f} | "
                      f"{r['err']:.2e} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    save_outputs(args.out, table, {"command": " ".join(sys.argv), "rows": rows})
+    print_and_save(args.out, lines, {"rows": rows})
     # the interpreter mis-rounds ~2 % of fp32 -> e4m3 casts (docs/testing.md, interpreter traps): a looser bound
     bound = {"rope_e4m3": 1e-3 if device.type == "cuda" else 5e-2}
     bad = [r for r in rows if not r["err"] < bound.get(r["kernel"], 1e-2)]
