@@ -14,6 +14,7 @@ kernels the profiler saw for one call. A backend that refuses the call is a row 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import platform
 import sys
 from pathlib import Path
@@ -52,25 +53,20 @@ def inputs(b: int, s: int, hq: int, hkv: int, d: int, valid: int | None, device:
     return t
 
 
+def _sdpa(backend: SDPBackend | None, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """torch's SDPA with its own pick (backend None) or only `backend`."""
+    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(*args, **kwargs)
+
+
 def repeated(t: dict[str, Any], backend: SDPBackend | None) -> Callable[[], torch.Tensor]:
     rep = t["q"].shape[1] // t["k"].shape[1]
-
-    def run() -> torch.Tensor:
-        k, v = t["k"].repeat_interleave(rep, dim=1), t["v"].repeat_interleave(rep, dim=1)
-        if backend is None:
-            return F.scaled_dot_product_attention(t["q"], k, v, attn_mask=t["mask"])
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(t["q"], k, v, attn_mask=t["mask"])
-    return run
+    return lambda: _sdpa(backend, t["q"], t["k"].repeat_interleave(rep, dim=1), t["v"].repeat_interleave(rep, dim=1),
+                         attn_mask=t["mask"])
 
 
 def grouped(t: dict[str, Any], backend: SDPBackend | None) -> Callable[[], torch.Tensor]:
-    def run() -> torch.Tensor:
-        if backend is None:
-            return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"], enable_gqa=True)
-        with sdpa_kernel(backend):
-            return F.scaled_dot_product_attention(t["q"], t["k"], t["v"], attn_mask=t["mask"], enable_gqa=True)
-    return run
+    return lambda: _sdpa(backend, t["q"], t["k"], t["v"], attn_mask=t["mask"], enable_gqa=True)
 
 
 def gated_output(name: str, out: torch.Tensor, device: torch.device, settings: TimingSettings) -> list[dict[str, Any]]:
