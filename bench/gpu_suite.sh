@@ -27,6 +27,7 @@
 #   bash bench/gpu_suite.sh gqa "$OUT"   # Krea 2's grouped-query attention: repeated k / v vs SDPA's enable_gqa, per backend
 #   bash bench/gpu_suite.sh modulation "$OUT"  # Krea 2's modulated norms / gated residuals: GPU test, kernels vs torch
 #   bash bench/gpu_suite.sh comfyui_g "$OUT"  # the uncompiled and compiled rows after grouped k / v and the modulation
+#   bash bench/gpu_suite.sh comfyui_h "$OUT"  # the modulation kernels' GPU check (gating), their bench, rope_kernels, then comfyui_g's rows
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
 #   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
@@ -40,7 +41,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g or comfyui_all}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_h or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -181,11 +182,29 @@ case "$part" in
       --out "$out/comfyui_speed_${card}_${part#comfyui_}" --rows $rows --profile --deadline-s 430 \
       > "$out/comfyui_speed_${part}.log" 2>&1
     tail -30 "$out/comfyui_speed_${card}_${part#comfyui_}.md" ;;
+  comfyui_h)
+    # the modulation kernels' GPU test gates the server rows (a kernel unlike torch's ops is not timed as the pack's
+    # speed); their bench and rope_kernels' (rope_e4m3 untracked) on the same machine; the rows in what time is left
+    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py -k "modulation or rope" \
+      2>&1 | tail -6 > "$out/pytest_modulation.log"; tail -3 "$out/pytest_modulation.log"
+    if grep -q failed "$out/pytest_modulation.log" || ! grep -q passed "$out/pytest_modulation.log"; then
+      echo "the modulation / RoPE GPU tests did not pass: no server rows"; exit 1
+    fi
+    timeout 60 python3 bench/modulation_kernels.py --out "$out/modulation_kernels_${card}" > /tmp/modulation.log 2>&1
+    tail -10 "$out/modulation_kernels_${card}.md"
+    before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
+    timeout 60 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > /tmp/rope_kernels.log 2>&1
+    tail -8 "$out/rope_kernels_${card}.md"
+    left=$((585 - SECONDS))
+    timeout $left python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
+      --out "$out/comfyui_speed_${card}_h" --rows stock_bf16 pack_fp8 pack_fp8_attn pack_fp8_compile pack_krea2_nvfp4 \
+      pack_int8 stock_fp8 --profile --deadline-s $((left - 120)) > /tmp/comfyui_speed_h.log 2>&1 || tail -20 /tmp/comfyui_speed_h.log
+    tail -30 "$out/comfyui_speed_${card}_h.md" ;;
   comfyui_all)
     # every row of bench/comfyui_speed.py in one server and one call: no profiled queues (a/b/c/d have them); rows
     # ~25-35 s each, the float file and two exports ~150 s
     timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
     tail -24 "$out/comfyui_speed_${card}_all.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_all)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_h, comfyui_all)"; exit 2 ;;
 esac
