@@ -197,8 +197,8 @@ case "$part" in
     tail -8 "$out/rope_kernels_${card}.md"
     left=$((585 - SECONDS))
     timeout $left python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
-      --out "$out/comfyui_speed_${card}_h" --rows stock_bf16 pack_fp8 pack_fp8_attn pack_fp8_compile pack_krea2_nvfp4 \
-      pack_int8 stock_fp8 --profile --deadline-s $((left - 120)) > /tmp/comfyui_speed_h.log 2>&1 || tail -20 /tmp/comfyui_speed_h.log
+      --out "$out/comfyui_speed_${card}_h" --rows stock_bf16 pack_fp8 pack_krea2_nvfp4 pack_fp8_compile pack_int8 \
+      pack_fp8_attn stock_fp8 --profile --deadline-s $((left - 120)) > /tmp/comfyui_speed_h.log 2>&1 || tail -20 /tmp/comfyui_speed_h.log
     tail -30 "$out/comfyui_speed_${card}_h.md" ;;
   comfyui_all)
     # every row of bench/comfyui_speed.py in one server and one call: no profiled queues (a/b/c/d have them); rows
