@@ -34,6 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_pipe.kernels import ROUND_EACH_OP
 from lowbit_pipe.kernels.nvfp4_gemm import e2m1_half, scale_col_offsets, scale_row_offsets
 
 BLOCK_N = 32
@@ -190,7 +191,8 @@ def _int4_group_decode(op: str, weight: torch.Tensor, scale: torch.Tensor, zero:
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
         _int4_group_decode_kernel[grid](w, s, z, out, n, k, w.stride(0), s.stride(0), out.stride(0),
-                                        AWQ=zero is not None, GROUP=64, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
+                                        AWQ=zero is not None, GROUP=64, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
+                                        **ROUND_EACH_OP)
     return out
 
 

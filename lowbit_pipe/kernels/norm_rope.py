@@ -36,12 +36,10 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit_pipe.kernels import ROUND_EACH_OP
+
 MAX_DIM = 16384  # one row in registers per program
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# Launch options of kernels that round each op as torch's ops do: Triton's default fp fusion lets LLVM contract
-# `bf16(x + bf16(g * y))` into one fma.rn.bf16 (one rounding; 10-28 % of outputs differed on an H100). Checked on
-# the compiled PTX by tests/kernels/test_compiled_form.py.
-ROUND_EACH_OP = {"enable_fp_fusion": False}
 
 
 @triton.jit
