@@ -49,6 +49,19 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'H[0-9]{3}' | head -1 | tr 'A-Z' 'a-z')
 card=${card:-gpu}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/device.txt"
+# Steps two parts share. The modulation kernels' GPU test (with the RoPE ones) and their bench:
+modulation_check() {
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py -k "modulation or rope" \
+    2>&1 | tail -6 > "$out/pytest_modulation.log"; tail -3 "$out/pytest_modulation.log"
+  timeout 90 python3 bench/modulation_kernels.py --out "$out/modulation_kernels_${card}" > /tmp/modulation.log 2>&1
+  tail -12 "$out/modulation_kernels_${card}.md"
+}
+# the RoPE kernels' table, against .rope_before/norm_rope.py (another tree's kernels) where it is carried:
+rope_table() {
+  before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
+  timeout 90 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > /tmp/rope_kernels.log 2>&1
+  tail -12 "$out/rope_kernels_${card}.md"
+}
 case "$part" in
   kernels)
     # autotuning every kernel specialization dominates: 290 s for 63 tests at c23f1fe, more since
@@ -148,18 +161,13 @@ case "$part" in
     timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py \
       tests/attention/test_gpu_cudnn_attention.py -k "rope or folded" 2>&1 | tail -8 > "$out/pytest_rope.log"
     tail -3 "$out/pytest_rope.log"
-    before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
-    timeout 90 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > "$out/rope_kernels.log" 2>&1
-    tail -12 "$out/rope_kernels_${card}.md"
+    rope_table
     timeout 120 python3 bench/rope_variants.py $before --out "$out/rope_variants_${card}" > "$out/rope_variants.log" 2>&1
     grep -E "package|rows 4x64 w1" "$out/rope_variants_${card}.md" | head -24
     timeout 200 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}" > "$out/attention_fold.log" 2>&1
     head -16 "$out/attention_fold_${card}.md" ;;
   modulation)
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py -k "modulation or rope" \
-      2>&1 | tail -4 > "$out/pytest_modulation.log"; tail -2 "$out/pytest_modulation.log"
-    timeout 90 python3 bench/modulation_kernels.py --out "$out/modulation_kernels_${card}" > "$out/modulation.log" 2>&1
-    tail -12 "$out/modulation_kernels_${card}.md" ;;
+    modulation_check ;;
   gqa)
     timeout 120 python3 bench/gqa_attention.py --out "$out/gqa_attention_${card}" > "$out/gqa_attention.log" 2>&1
     tail -22 "$out/gqa_attention_${card}.md" ;;
@@ -184,17 +192,12 @@ case "$part" in
     tail -30 "$out/comfyui_speed_${card}_${part#comfyui_}.md" ;;
   comfyui_h)
     # the modulation kernels' GPU test gates the server rows (a kernel unlike torch's ops is not timed as the pack's
-    # speed); their bench and rope_kernels' (rope_e4m3 untracked) on the same machine; the rows in what time is left
-    timeout 90 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py -k "modulation or rope" \
-      2>&1 | tail -6 > "$out/pytest_modulation.log"; tail -3 "$out/pytest_modulation.log"
+    # speed); their bench and the RoPE table on the same machine; the rows in what time is left
+    modulation_check
     if grep -q failed "$out/pytest_modulation.log" || ! grep -q passed "$out/pytest_modulation.log"; then
       echo "the modulation / RoPE GPU tests did not pass: no server rows"; exit 1
     fi
-    timeout 60 python3 bench/modulation_kernels.py --out "$out/modulation_kernels_${card}" > /tmp/modulation.log 2>&1
-    tail -10 "$out/modulation_kernels_${card}.md"
-    before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
-    timeout 60 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > /tmp/rope_kernels.log 2>&1
-    tail -8 "$out/rope_kernels_${card}.md"
+    rope_table
     left=$((585 - SECONDS))
     timeout $left python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_h" --rows stock_bf16 pack_fp8 pack_krea2_nvfp4 pack_fp8_compile pack_int8 \
