@@ -45,13 +45,13 @@ How: each such module's class is swapped, on that module object only, for a subc
 is the class's own code object run against a copy of its module's globals with the one function rebound
 (lowbit_pipe.attention.processors.rebound_function, as 8-bit attention rebinds diffusers' dispatch), under
 Krea 2's grouped-k / v forward; Krea 2's blocks get their modulated forward (those two are our code computing
-ComfyUI's arithmetic, nothing of its source copied). No module global changes: another model in the process (a stock MODEL, the float
-MODEL upstream of the Quantize node) runs ComfyUI's code untouched. A class rather than an instance `forward`:
-the nodes' structural copies of the tree (tree.structural_copy: the LoRA node's copy, ComfyUI's per-device
-rebuilds) copy each module with its class, so every copy runs its own module through the fused forward, where an
-instance attribute would have carried a forward bound to the original module. Every swap is a ledger entry; the
-undo (teardown, Purge) restores the exact stock class, checked by identity, and switches the kernels off for any
-copy that still has the fused class (a sealed one).
+ComfyUI's arithmetic, nothing of its source copied). No module global changes: another model in the process (a
+stock MODEL, the float MODEL upstream of the Quantize node) runs ComfyUI's code untouched. A class rather than an
+instance `forward`: the nodes' structural copies of the tree (tree.structural_copy: the LoRA node's copy,
+ComfyUI's per-device rebuilds) copy each module with its class, so every copy runs its own module through the fused
+forward, where an instance attribute would have carried a forward bound to the original module. Every swap is a
+ledger entry; the undo (teardown, Purge) restores the exact stock class, checked by identity, and switches the
+kernels off for any copy that still has the fused class (a sealed one).
 
 The kernels run on CUDA in eager only (`any_device`, a test-only argument, lets them run on the CPU under
 TRITON_INTERPRET=1): under torch.compile (ComfyUI's TorchCompileModel) the class's own code runs and Inductor
@@ -62,9 +62,9 @@ architectures' attention code (their comfy.ops RMSNorms do get the norm kernel, 
 computes whatever model it sits in).
 
 On CUDA, ComfyUI's apply_rope / apply_rope1 already run as one comfy-kitchen kernel (its CUDA backend), so the
-RoPE part replaces one one-pass kernel by another (ours 5x faster on Krea 2's q: bench/results/rope_kernels_h100_s55.md);
-the norms save passes (Krea 2's upcast copy, norm and cast back; for FLUX.1 and Qwen-Image torch's own norm is one
-kernel already). The whole effect on a ComfyUI step: docs/comfyui.md.
+RoPE part replaces one one-pass kernel by another (ours 5x faster on Krea 2's q:
+bench/results/rope_kernels_h100_s55.md); the norms save passes (Krea 2's upcast copy, norm and cast back; for
+FLUX.1 and Qwen-Image torch's own norm is one kernel already). The whole effect on a ComfyUI step: docs/comfyui.md.
 """
 
 from __future__ import annotations
@@ -228,8 +228,9 @@ def _krea2_grouped_forward(stock_forward: Callable[..., Any], attend: Callable[.
                            fusion: Fusion, qualname: str) -> Callable[..., Any]:
     """Krea 2's Attention.forward (ComfyUI 0.29.0's arithmetic) with k / v given to ComfyUI's attention function
     with their own 12 heads and `enable_gqa`, where `_groups` allows; the stock forward (RoPE rebound) otherwise.
-    The stock code repeats k / v to 48 heads first: two copies of 4x k / v per block. Every attention function of ComfyUI 0.29.0 takes `enable_gqa` (torch SDPA and flash-attn group the
-    heads in the kernel; the others repeat them themselves)."""
+    The stock code repeats k / v to 48 heads first: two copies of 4x k / v per block. Every attention function of
+    ComfyUI 0.29.0 takes `enable_gqa` (torch SDPA and flash-attn group the heads in the kernel; the others repeat
+    them themselves)."""
 
     def forward(self: nn.Module, x: torch.Tensor, freqs: Any = None, mask: Any = None,
                 transformer_options: Any = None) -> torch.Tensor:
@@ -330,7 +331,8 @@ class ComfyFusion:
                 "grouped_kv_calls": self.fusion.grouped_calls, "modulation_kernel_calls": self.fusion.modulation_calls}
 
 
-Stock = tuple[str, Any, tuple[str, ...], Any]  # (kind, what its fused class needs, shared arguments, attention function)
+# (kind, what its fused class needs, shared arguments, attention function)
+Stock = tuple[str, Any, tuple[str, ...], Any]
 
 
 def _stock_classes() -> tuple[dict[type, Stock], type | None]:
@@ -361,8 +363,8 @@ def _stock_classes() -> tuple[dict[type, Stock], type | None]:
     if qwen is not None:
         stock = qwen.Attention.forward.__globals__.get("apply_rope1")
         if _comfy_function(stock, FLUX_MATH, "apply_rope1"):  # each stream -> its q, k, v projections
-            found[qwen.Attention] = ("rope", {"apply_rope1": (stock, False)}, ("hidden_states", "encoder_hidden_states"),
-                                     None)
+            found[qwen.Attention] = ("rope", {"apply_rope1": (stock, False)},
+                                     ("hidden_states", "encoder_hidden_states"), None)
     return found, (ops.disable_weight_init.RMSNorm if ops is not None else None)
 
 

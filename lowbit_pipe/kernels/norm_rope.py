@@ -306,8 +306,9 @@ def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torc
     """`rope` of x [B, S, H, D] (sequence_dim 1, contiguous) written as e4m3 codes y * scale (saturating at +-448):
     [B, S, H, D] e4m3, cuDNN's FP8 attention's layout (lowbit_pipe.kernels.qkv_fp8). `scale` [1] fp32 on x's device
     (448 / a bound of |y|: `norm_bound`); `amax` [1] fp32, raised to the largest |y| seen (a check of the bound;
-    zero it first), or None: not tracked (the bound holds by construction; the check costs an atomic per program). `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of
-    batch b written to slot pos[b, s], masked ones as zero codes."""
+    zero it first), or None: not tracked (the bound holds by construction; the check costs an atomic per program).
+    `key_mask` [B, S] bool with `pos` (qkv_fp8.key_order's): the keys of a masked call, token s of batch b written to
+    slot pos[b, s], masked ones as zero codes."""
     b, s_len, h, d = x.shape
     out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
     m = x.numel() // d
