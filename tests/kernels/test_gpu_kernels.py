@@ -652,3 +652,59 @@ def test_the_rope_kernels_match_their_torch_forms(b, s, h, d):
     for f, tol in ((freqs, 2 ** -7), (freqs.bfloat16(), 2 ** -6)):
         got, want = R.rope_pairs(x, f).float(), R.reference_rope_pairs(x, f).float()
         assert (got - want).abs().max() <= tol * want.abs().max(), (f.dtype, x.shape)
+
+
+def test_a_fast_launch_runs_the_kernel_tritons_own_launch_picks(monkeypatch):
+    """kernels.launch.FastLaunch: every launch served from its memo runs the CompiledKernel Triton's own run picks
+    for those arguments (asked with warmup=True, which launches nothing; autotuned launches: the outputs check
+    them), and repeats the output of the first call, which went through Triton. Inputs at 16-byte aligned and
+    unaligned addresses (a row stride not a multiple of 16), 1 / 37 / 259 / 1031 rows (int8's TMA GEMM from 1024),
+    through the quantized linears and the norm / RoPE / modulation kernels."""
+    from lowbit_pipe.formats import FormatSpec
+    from lowbit_pipe.kernels import launch
+    from lowbit_pipe.kernels import norm_rope as R
+    from lowbit_pipe.quant.nn import QuantLinear
+
+    served = {}
+    run = launch.FastLaunch._run
+
+    def checked(self, entry, grid, args, kwargs, device):
+        if self.jit is self.kernel:
+            assert self.jit.run(*args, grid=grid, warmup=True, **kwargs) is entry.compiled, self.jit.fn.__name__
+        served[self.jit.fn.__name__] = served.get(self.jit.fn.__name__, 0) + 1
+        run(self, entry, grid, args, kwargs, device)
+
+    monkeypatch.setattr(launch.FastLaunch, "_run", checked)
+    gen = torch.Generator().manual_seed(8)
+    k, n = 768, 208
+    linear = nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=gen) * 0.02)
+    layers = []
+    for fmt, opts, compute in (("int8", {}, None), ("fp8", {}, None), ("int8", {"rotation": "convrot"}, None),
+                               ("nvfp4", {"activations": "none"}, None), ("nvfp4", {}, "fp8"),
+                               ("awq_w4a16", {}, None)):
+        q = QuantLinear.from_linear(linear, FormatSpec(fmt, **opts))
+        if compute:
+            q.compute = compute
+        layers.append(q.to("cuda", torch.bfloat16))
+    buf = torch.randn(1031, k + 9, generator=gen).to("cuda", torch.bfloat16)
+    with torch.inference_mode():
+        for m in (1, 37, 259, 1031):
+            for x in (buf[:m, :k], buf[:m, 1:k + 1]):  # aligned / unaligned base address
+                for layer in layers:
+                    first = layer(x)
+                    assert torch.equal(layer(x), first), (layer.format.name, m, x.data_ptr() % 16)
+        x = buf[:259, 1:k + 1].reshape(1, 259, k)  # unaligned rows: rms_norm reads the view as it is
+        xc = x.contiguous()  # the others take contiguous tensors
+        w = torch.randn(k, device="cuda").bfloat16()
+        scale, shift, gate = torch.randn(3, 1, 1, k, device="cuda").bfloat16()
+        cos, sin = torch.randn(2, 259, 64, device="cuda").unbind(0)
+        for call in (lambda: R.rms_norm(x, w, 1e-6), lambda: R.modulated_rms_norm(xc, w, 1e-6, 1.0, 1 + scale, shift),
+                     lambda: R.gated_residual(xc, gate, xc), lambda: R.rope(xc.reshape(1, 259, 12, 64), cos, sin, 1)):
+            first = call()
+            assert torch.equal(call(), first)
+    for name in ("_quant_rows_kernel", "_int8_gemm_kernel", "_int8_tma_kernel", "_fp8_gemm_kernel",
+                 "_nvfp4_decode_kernel", "_int4_group_decode_kernel", "_rms_norm_kernel", "_gated_residual_kernel",
+                 "_rope_kernel"):
+        assert served.get(name), f"{name}: no launch served from the memo ({served})"
