@@ -39,19 +39,25 @@ class _Unkeyable(Exception):
 
 
 def _spec(v: Any) -> Any:
-    """What of `v` Triton's specialization (and the autotuner's key) may read."""
+    """What of `v` Triton's specialization (and the autotuner's key) may read; a tensor's address modulo 16 (finer
+    than Triton's aligned or not)."""
     t = type(v)
-    if t is torch.Tensor:
-        return v.dtype, not v.data_ptr() & 15
     if t in _SCALARS:
         return t, v
     if isinstance(v, torch.Tensor):
-        return v.dtype, not v.data_ptr() & 15
+        return v.dtype, v.data_ptr() & 15
     if t.__name__ == "TensorDescriptor":
         b = v.base
         return (t, b.dtype, b.data_ptr() % 16 == 0, tuple(v.shape), tuple(v.strides), tuple(v.block_shape),
                 getattr(v, "padding", None))
     raise _Unkeyable(t.__name__)
+
+
+def _key(args: tuple, kwargs: dict) -> tuple:
+    """`_spec` of every argument, the common kinds inline (a function call per argument is most of the key's cost:
+    some 20 arguments per launch)."""
+    return (tuple([(a.dtype, a.data_ptr() & 15) if type(a) is torch.Tensor else _spec(a) for a in args]),
+            tuple(kwargs), tuple([(type(v), v) if type(v) in _SCALARS else _spec(v) for v in kwargs.values()]))
 
 
 @dataclass(frozen=True)
@@ -80,7 +86,7 @@ class FastLaunch:
         fast = isinstance(self.jit, JITFunction) and _no_hooks()
         if fast:
             try:
-                key = (tuple(map(_spec, args)), tuple(kwargs), tuple(map(_spec, kwargs.values())))
+                key = _key(args, kwargs)
             except _Unkeyable:
                 fast = False
         if fast:
@@ -136,4 +142,7 @@ class FastLaunch:
 
 
 def _no_hooks() -> bool:
-    return knobs.runtime.launch_enter_hook is None and knobs.runtime.launch_exit_hook is None
+    """No launch hook set: Triton's knobs hold an empty HookChain (its `calls`) then, which the launcher would call
+    for nothing; given None it calls nothing (Triton 3.6 and 3.9 alike). A hook of another kind counts as set."""
+    return all(h is None or getattr(h, "calls", None) == []
+               for h in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))

@@ -19,14 +19,21 @@ from lowbit_pipe.kernels import launch  # noqa: E402
 def test_the_key_separates_what_triton_specializes_on():
     buf = torch.zeros(64, dtype=torch.bfloat16)
     assert buf.data_ptr() % 16 == 0
-    assert launch._spec(buf) != launch._spec(buf[1:])  # 16-byte alignment
-    assert launch._spec(buf) == launch._spec(torch.ones(8, dtype=torch.bfloat16))
-    assert launch._spec(buf) != launch._spec(buf.float())
-    # integers by value: Triton specializes 1 and multiples of 16, the autotuner keys read values
-    specs = [launch._spec(v) for v in (1, 2, 16, 32, True, 1.0, None)]
-    assert len(set(specs)) == len(specs)
-    with pytest.raises(launch._Unkeyable):
-        launch._spec(object())
+
+    def key(*args, **kwargs):
+        return launch._key(args, kwargs)
+
+    for spec in (launch._spec, key):
+        assert spec(buf) != spec(buf[1:])  # 16-byte alignment
+        assert spec(buf) == spec(torch.ones(8, dtype=torch.bfloat16))
+        assert spec(buf) != spec(buf.float())
+        assert spec(torch.nn.Parameter(buf)) == spec(buf)
+        # integers by value: Triton specializes 1 and multiples of 16, the autotuner keys read values
+        specs = [spec(v) for v in (1, 2, 16, 32, True, 1.0, None)]
+        assert len(set(specs)) == len(specs)
+        with pytest.raises(launch._Unkeyable):
+            spec(object())
+    assert key(buf, BLOCK=1) != key(buf, BLOCK=True) != key(buf, STEP=1)
 
 
 def test_a_tensor_descriptors_key_holds_its_block_shape_and_alignment():
