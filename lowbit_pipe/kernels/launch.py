@@ -2,19 +2,20 @@
 
 Triton's own launch binds the arguments, specializes each (dtype, 16-byte alignment, integer value 1 / multiple of
 16), hashes that into a cache key, runs the autotuner's dict building, reads its knobs and asks for the current
-device and stream: 0.05-0.1 ms of Python per launch on an H100 (bench/results/host_cost_*.md), where cuBLAS's whole
-bf16 linear costs 0.015 ms. A quantized linear launches two or three kernels per call, uncompiled (how ComfyUI
-runs a model) on every call.
+device and stream, on every call. A quantized linear launches two or three kernels per call; uncompiled (how ComfyUI
+runs a model) such a call cost 0.13-0.21 ms of host time on an H100 against bf16's 0.015
+(bench/results/host_cost_resolve_h100.md), most of it in those steps (the cProfile in host_cost_h200.md).
 
 `FastLaunch(kernel)[grid](*args, **kwargs)` takes the same arguments. Its first call of a specialization goes
 through Triton and keeps the CompiledKernel it returned (and the autotuner's chosen config) under a key that is at
-least as fine as Triton's: per tensor its dtype and whether its address is 16-byte aligned, every scalar's type and
+least as fine as Triton's: per tensor its dtype and its address modulo 16, every scalar's type and
 value (so Triton's integer specializations and the autotuner's key, which reads values, are both inside it), per
 tensor descriptor its base's dtype and alignment, shape, strides, block shape and padding. Later calls with that key
 call the compiled kernel's launcher directly (what Triton's run ends with). The key's finer grain costs a compile
 lookup per new value (a new M), never a wrong kernel. Anything else takes Triton's path every time: an argument type
 the key does not know, launch hooks set (a profiler such as proton reads them), the interpreter (TRITON_INTERPRET:
-the kernel is not a JITFunction), or an autotuner config with a pre-hook (it must run before each launch).
+the kernel is not a JITFunction), a kernel's pre-run hooks, or an autotuner config with a pre-hook (each must run
+before every launch).
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ class FastLaunch:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def launch(self, grid, args: tuple, kwargs: dict) -> None:
-        fast = isinstance(self.jit, JITFunction) and _no_hooks()
+        fast = isinstance(self.jit, JITFunction) and not self.jit.pre_run_hooks and _no_hooks()
         if fast:
             try:
                 key = _key(args, kwargs)
