@@ -257,7 +257,9 @@ def test_uniform_probes_correct_a_speed_table_that_is_off(tmp_path):
     probe = t["speed_model"]["int8"]
     assert probe["layers"] == t["free_layers"] and probe["scale"] < 0.5
     assert t["predicted"]["time_ms"] == pytest.approx(probe["measured_ms"], rel=1e-4)  # uniform: its measured time
-    assert abs(t["forward_check"]["off"]) < 0.25  # the same model timed again (CPU timing noise only)
+    # the same model timed again: CPU timing noise only (0.28 seen with the suite's two workers busy), still apart
+    # from the stale table's < -0.4
+    assert abs(t["forward_check"]["off"]) < 0.35
     assert t["selection"]["chosen"] == "solver"  # it is the uniform plan
     assert probe["error"] == pytest.approx(t["forward_check"]["measured_error"], rel=1e-3)
 
