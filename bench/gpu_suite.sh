@@ -28,8 +28,6 @@
 #   bash bench/gpu_suite.sh modulation "$OUT"  # Krea 2's modulated norms / gated residuals: GPU test, kernels vs torch
 #   bash bench/gpu_suite.sh comfyui_g "$OUT"  # the uncompiled and compiled rows after grouped k / v and the modulation
 #   bash bench/gpu_suite.sh comfyui_h "$OUT"  # the modulation kernels' GPU check (gating), their bench, rope_kernels, then comfyui_g's rows
-#   bash bench/gpu_suite.sh launch "$OUT"  # FastLaunch's GPU test and the host cost per call before / after it
-#   bash bench/gpu_suite.sh launch_comfy "$OUT"  # both in one call (the comfy carry and .gpu_before, no bench/results)
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
 #   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
@@ -43,7 +41,7 @@
 # profile, linear_speed of two formats and headline's torchao + fp8 took 235 together.
 # Each part writes its logs, JSON and tables under the output dir; commit them to bench/results/.
 set -uo pipefail
-part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_h, comfyui_all, launch or launch_comfy}
+part=${1:?part: kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_h or comfyui_all}
 out=${2:?output dir}
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
@@ -205,40 +203,11 @@ case "$part" in
       --out "$out/comfyui_speed_${card}_h" --rows stock_bf16 pack_fp8 pack_krea2_nvfp4 pack_fp8_compile pack_int8 \
       pack_fp8_attn stock_fp8 --profile --deadline-s $((left - 120)) > /tmp/comfyui_speed_h.log 2>&1 || tail -20 /tmp/comfyui_speed_h.log
     tail -30 "$out/comfyui_speed_${card}_h.md" ;;
-  launch)
-    # kernels.launch.FastLaunch: its GPU test with the paths it serves, then the host cost per call against the tree
-    # before it (.gpu_before = `git archive <base> lowbit_pipe conf recipes`, carried) in one run
-    timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py \
-      -k "fast_launch or quantized_linear_on_the_gpu or modulation or rope_kernels or decode" 2>&1 | tail -30 \
-      > "$out/pytest_launch.log"; tail -3 "$out/pytest_launch.log"
-    before=""; [ -d .gpu_before ] && before="--tree before=.gpu_before"
-    timeout 300 python3 bench/host_cost.py $before --tree after=. --rounds 2 --out "$out/host_cost_launch_${card}" \
-      > /tmp/host_cost.log 2>&1 || tail -20 /tmp/host_cost.log
-    tail -25 "$out/host_cost_launch_${card}.md" ;;
-  launch_comfy)
-    # one call for both, where the device is scarce: FastLaunch's GPU test with the modulation / RoPE ones (gating),
-    # the host cost before / after it, then comfyui_h's server rows in the time left (carry the comfy set and
-    # .gpu_before; bench/results/ stays behind for the 64 MiB)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_gpu_kernels.py \
-      -k "fast_launch or modulation or rope_kernels or decode" 2>&1 | tail -30 > "$out/pytest_launch.log"
-    tail -3 "$out/pytest_launch.log"
-    if grep -q failed "$out/pytest_launch.log" || ! grep -q passed "$out/pytest_launch.log"; then
-      echo "the launch / modulation / RoPE GPU tests did not pass: no timings"; exit 1
-    fi
-    before=""; [ -d .gpu_before ] && before="--tree before=.gpu_before"
-    timeout 150 python3 bench/host_cost.py $before --tree after=. --rounds 2 --out "$out/host_cost_launch_${card}" \
-      > /tmp/host_cost.log 2>&1 || tail -20 /tmp/host_cost.log
-    tail -22 "$out/host_cost_launch_${card}.md"
-    left=$((585 - SECONDS))
-    timeout $left python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
-      --out "$out/comfyui_speed_${card}_launch" --rows stock_bf16 pack_fp8 pack_krea2_nvfp4 pack_fp8_compile stock_fp8 pack_int8 \
-      --deadline-s $((left - 60)) > /tmp/comfyui_speed.log 2>&1 || tail -20 /tmp/comfyui_speed.log
-    tail -20 "$out/comfyui_speed_${card}_launch.md" ;;
   comfyui_all)
     # every row of bench/comfyui_speed.py in one server and one call: no profiled queues (a/b/c/d have them); rows
     # ~25-35 s each, the float file and two exports ~150 s
     timeout 585 python3 bench/comfyui_speed.py --work /tmp/cspeed --archive .carry/comfyui-0.29.0.tar.xz \
       --out "$out/comfyui_speed_${card}_all" --deadline-s 540 > "$out/comfyui_speed_all.log" 2>&1
     tail -24 "$out/comfyui_speed_${card}_all.md" ;;
-  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_h, comfyui_all, launch, launch_comfy)"; exit 2 ;;
+  *) echo "unknown part '$part' (kernels, linear, headline, stream, pipeline, gptq, profile, profile_eager, attention, headline_attention, headline_all, solver_targets, solver_speed_singles, solver_ratio_nvfp4, headline_mask, pipeline_steps, attention_fold, rope, gqa, modulation, comfyui_a, comfyui_b, comfyui_c, comfyui_d, comfyui_e, comfyui_g, comfyui_h, comfyui_all)"; exit 2 ;;
 esac

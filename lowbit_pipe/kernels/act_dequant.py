@@ -29,7 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_pipe.kernels.launch import FastLaunch
 from lowbit_pipe.kernels.reference import SVDQUANT_GROUP as GROUP
 
 BLOCK_M = 8
@@ -57,9 +56,6 @@ def _svdquant_act_kernel(x_ptr, smooth_ptr, out_ptr, M, K, stride_xm, stride_om,
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(dt), mask=ok)
 
 
-_svdquant_act_launch = FastLaunch(_svdquant_act_kernel)
-
-
 def svdquant_act(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
     """x [M, K] and smooth [K] in the layer's dtype (bf16 or fp16; K a multiple of 64) -> the dequantized int4
     activations [M, K] in that dtype (reference.svdquant_activations' values)."""
@@ -74,7 +70,7 @@ def svdquant_act(x: torch.Tensor, smooth: torch.Tensor) -> torch.Tensor:
     out = torch.empty((m, k), dtype=x.dtype, device=x.device)
     if m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
-        _svdquant_act_launch[grid](x, smooth.contiguous(), out, m, k, x.stride(0), out.stride(0),
+        _svdquant_act_kernel[grid](x, smooth.contiguous(), out, m, k, x.stride(0), out.stride(0),
                                    GROUP=GROUP, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
@@ -104,9 +100,6 @@ def _mxfp8_act_kernel(x_ptr, out_ptr, M, K, stride_xm, stride_om, BLOCK: tl.cons
     tl.store(out_ptr + rows[:, None] * stride_om + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_mxfp8_act_launch = FastLaunch(_mxfp8_act_kernel)
-
-
 def mxfp8_act(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """x [M, K] (fp32 / bf16 / fp16; K a multiple of 32) -> its MXFP8 fake quantization [M, K] in bf16 (or fp32,
     for the interpreter tests)."""
@@ -121,7 +114,7 @@ def mxfp8_act(x: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch
     out = torch.empty((m, k), dtype=out_dtype, device=x.device)
     if m:
         grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(k, BLOCK_K))
-        _mxfp8_act_launch[grid](x, out, m, k, x.stride(0), out.stride(0), BLOCK=MX_BLOCK, BLOCK_M=BLOCK_M,
+        _mxfp8_act_kernel[grid](x, out, m, k, x.stride(0), out.stride(0), BLOCK=MX_BLOCK, BLOCK_M=BLOCK_M,
                                 BLOCK_K=BLOCK_K, num_warps=4)
     return out
 

@@ -35,7 +35,6 @@ import triton
 import triton.language as tl
 
 from lowbit_pipe.kernels import ROUND_EACH_OP
-from lowbit_pipe.kernels.launch import FastLaunch
 from lowbit_pipe.kernels.nvfp4_gemm import e2m1_half, scale_col_offsets, scale_row_offsets
 
 BLOCK_N = 32
@@ -67,9 +66,6 @@ def _nvfp4_decode_kernel(w_ptr, ws_ptr, g_ptr, rs_ptr, out_ptr, N, K, SCALE_COLS
              mask=r_ok[:, None] & (cols < K)[None, :])
 
 
-_nvfp4_decode_launch = FastLaunch(_nvfp4_decode_kernel)
-
-
 def nvfp4_decode(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: torch.Tensor, n: int, k: int,
                  out_dtype: torch.dtype, row_scale: torch.Tensor | None = None) -> torch.Tensor:
     """w_packed uint8 [Np, Kp/2], w_block e4m3 swizzled [roundup(Np,128), roundup(Kp/16,4)], global_scale fp32
@@ -89,7 +85,7 @@ def nvfp4_decode(w_packed: torch.Tensor, w_block: torch.Tensor, global_scale: to
     out = torch.empty((n, k), dtype=out_dtype, device=w_packed.device)
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-        _nvfp4_decode_launch[grid](w_packed, w_block, g, rs, out, n, k, w_block.shape[1], w_packed.stride(0),
+        _nvfp4_decode_kernel[grid](w_packed, w_block, g, rs, out, n, k, w_block.shape[1], w_packed.stride(0),
                                    out.stride(0), FP8=fp8, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
@@ -124,9 +120,6 @@ def _grid_decode_kernel(w_ptr, srel_ptr, book_ptr, out_ptr, N, K, stride_wn, str
     tl.store(out_ptr + rows[:, None] * stride_on + cols[None, :], q, mask=r_ok[:, None] & (cols < K)[None, :])
 
 
-_grid_decode_launch = FastLaunch(_grid_decode_kernel)
-
-
 def grid_decode_int8(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.Tensor | None, k: int, bits: int,
                      group_size: int = 16) -> torch.Tensor:
     """asym_w4a8_int8 storage -> int8 [N, K]: weight int8 [N, K*bits/8], s_rel e4m3 [N, K/group], codebook fp32
@@ -143,7 +136,7 @@ def grid_decode_int8(weight: torch.Tensor, s_rel: torch.Tensor, codebook: torch.
     out = torch.empty((n, k), dtype=torch.int8, device=weight.device)
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-        _grid_decode_launch[grid](w, s, book, out, n, k, w.stride(0), s.stride(0), out.stride(0),
+        _grid_decode_kernel[grid](w, s, book, out, n, k, w.stride(0), s.stride(0), out.stride(0),
                                   BITS=bits, GROUP=group_size, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 
@@ -180,9 +173,6 @@ def _int4_group_decode_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, stride_wn, str
              mask=r_ok[:, None] & (cols < K)[None, :])
 
 
-_int4_group_decode_launch = FastLaunch(_int4_group_decode_kernel)
-
-
 def _int4_group_decode(op: str, weight: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, k: int,
                        out_dtype: torch.dtype) -> torch.Tensor:
     """awq_decode (zero given) or svdquant_decode (none): the checks, naming `op`, and the launch."""
@@ -200,7 +190,7 @@ def _int4_group_decode(op: str, weight: torch.Tensor, scale: torch.Tensor, zero:
     out = torch.empty((n, k), dtype=out_dtype, device=weight.device)
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-        _int4_group_decode_launch[grid](w, s, z, out, n, k, w.stride(0), s.stride(0), out.stride(0),
+        _int4_group_decode_kernel[grid](w, s, z, out, n, k, w.stride(0), s.stride(0), out.stride(0),
                                         AWQ=zero is not None, GROUP=64, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
                                         **ROUND_EACH_OP)
     return out
@@ -237,9 +227,6 @@ def _mxfp8_decode_kernel(w_ptr, e_ptr, out_ptr, N, K, SCALE_COLS, stride_wn, str
              mask=r_ok[:, None] & (cols < K)[None, :])
 
 
-_mxfp8_decode_launch = FastLaunch(_mxfp8_decode_kernel)
-
-
 def mxfp8_decode(weight: torch.Tensor, exponents: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """mxfp8 storage -> out_dtype [N, K]: weight e4m3 [N, K] (K a multiple of 32), exponents E8M0 (or uint8)
     swizzled [roundup(N,128), roundup(K/32,4)]. Same values as formats.mxfp8.dequantize_blocks, then cast."""
@@ -252,7 +239,7 @@ def mxfp8_decode(weight: torch.Tensor, exponents: torch.Tensor, out_dtype: torch
     out = torch.empty((n, k), dtype=out_dtype, device=weight.device)
     if n and k:
         grid = (triton.cdiv(n, BLOCK_N), triton.cdiv(k, BLOCK_K))
-        _mxfp8_decode_launch[grid](w, e, out, n, k, e.shape[1], w.stride(0), out.stride(0),
+        _mxfp8_decode_kernel[grid](w, e, out, n, k, e.shape[1], w.stride(0), out.stride(0),
                                    BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4)
     return out
 

@@ -48,7 +48,6 @@ from lowbit_pipe.kernels.gemm_common import (
     scaled_tile,
     tile_offsets,
 )
-from lowbit_pipe.kernels.launch import FastLaunch
 
 
 @triton.jit
@@ -90,9 +89,6 @@ def _fp8_gemm_kernel(
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-_fp8_gemm_launch = FastLaunch(_fp8_gemm_kernel)
-
-
 def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16,
              xa: torch.Tensor | None = None, up_t: torch.Tensor | None = None,
@@ -121,7 +117,7 @@ def fp8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: t
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    launch_tma_gemm(_fp8_gemm_launch, a, w, c, config,
+    launch_tma_gemm(_fp8_gemm_kernel, a, w, c, config,
                     (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides),
                     {**ep.flags, "PROMOTE": promote})
     return c
@@ -150,7 +146,7 @@ def float_gemm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
     c = torch.empty((m, n), dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return c
-    launch_tma_gemm(_fp8_gemm_launch, a, w, c, config,
+    launch_tma_gemm(_fp8_gemm_kernel, a, w, c, config,
                     (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides), {**ep.flags, "PROMOTE": 0})
     return c
 

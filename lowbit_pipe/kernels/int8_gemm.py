@@ -49,7 +49,6 @@ from lowbit_pipe.kernels.gemm_common import (
     scaled_tile,
     tile_offsets,
 )
-from lowbit_pipe.kernels.launch import FastLaunch
 
 
 def _cfg(bm: int, bn: int, bk: int, warps: int, stages: int, group_m: int = 8) -> triton.Config:
@@ -118,9 +117,6 @@ def _int8_gemm_kernel(
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-_int8_gemm_launch = FastLaunch(_int8_gemm_kernel)
-
-
 @triton.jit
 def _int8_tma_kernel(
     a_desc, b_desc, c_ptr, as_ptr, bs_ptr, bias_ptr, xa_ptr, up_ptr,
@@ -147,9 +143,6 @@ def _int8_tma_kernel(
     tl.store(c_ptrs, y.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
-_int8_tma_launch = FastLaunch(_int8_tma_kernel)
-
-
 def tma_operands(a: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether a [M, K] and w [N, K] can go through TMA descriptors: K-contiguous rows starting on 16-byte
     boundaries (int8: one byte per value)."""
@@ -171,8 +164,7 @@ def use_tma(a: torch.Tensor, w: torch.Tensor, w_mode: int) -> bool:
             and torch.cuda.get_device_properties(a.device).major == 9 and tma_operands(a, w))
 
 
-_int8_gemm_tuned = FastLaunch(triton.autotune(
-    configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel))
+_int8_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET", "W_MODE", "HAS_LORA", "R_PAD"])(_int8_gemm_kernel)
 
 def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16, w_mode: int = 0,
@@ -213,12 +205,12 @@ def int8_gemm(a: torch.Tensor, w: torch.Tensor, a_scale: torch.Tensor, w_scale: 
         if w_mode != 0 or not tma_operands(a, w):
             raise ValueError(f"int8_gemm: TMA needs int8 weights (w_mode 0) and K-contiguous operands with 16-byte "
                              f"aligned rows, got w_mode {w_mode}, K={k}")
-        launch_tma_gemm(_int8_tma_launch, a, w, c, config,
+        launch_tma_gemm(_int8_tma_kernel, a, w, c, config,
                         (*ep.pointers, m, n, k, ep.r, c.stride(0), c.stride(1), *ep.lora_strides), ep.flags)
         return c
     args = (a, w, c, *ep.pointers, m, n, k, m_bucket(m), ep.r,
             a.stride(0), a.stride(1), w.stride(0), w.stride(1), c.stride(0), c.stride(1), *ep.lora_strides)
-    launch_gemm(_int8_gemm_tuned, _int8_gemm_launch, args, {"W_MODE": w_mode, **ep.flags}, m, n, config, a.is_cuda)
+    launch_gemm(_int8_gemm_tuned, _int8_gemm_kernel, args, {"W_MODE": w_mode, **ep.flags}, m, n, config, a.is_cuda)
     return c
 
 

@@ -37,7 +37,6 @@ import triton
 import triton.language as tl
 
 from lowbit_pipe.kernels import ROUND_EACH_OP
-from lowbit_pipe.kernels.launch import FastLaunch
 
 MAX_DIM = 16384  # one row in registers per program
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -71,9 +70,6 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, mult_ptr, shift_ptr, M, D, eps, offs
     tl.store(out_ptr + offs, y.to(dt), mask=ok)
 
 
-_rms_norm_launch = FastLaunch(_rms_norm_kernel)
-
-
 @triton.jit
 def _gated_residual_kernel(x_ptr, g_ptr, y_ptr, out_ptr, M, D, L, SGB, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     # out = x + gate * y, gate one row per batch (rows of L tokens); the product rounded to dt first, as torch's two
@@ -86,9 +82,6 @@ def _gated_residual_kernel(x_ptr, g_ptr, y_ptr, out_ptr, M, D, L, SGB, BLOCK_M: 
     g = tl.load(g_ptr + (rows // L).to(tl.int64)[:, None] * SGB + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     gy = (g * tl.load(y_ptr + offs, mask=ok, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
     tl.store(out_ptr + offs, (tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32) + gy).to(dt), mask=ok)
-
-
-_gated_residual_launch = FastLaunch(_gated_residual_kernel)
 
 
 # The RoPE kernels read a pair's two elements as two stride-2 loads (no gather of a partner, no split / join) and
@@ -118,9 +111,6 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, M, HALF, S, ROW_DIV,
     dt = out_ptr.dtype.element_ty
     tl.store(out_ptr + base, (x0 * c0 - x1 * s0).to(dt), mask=ok)
     tl.store(out_ptr + base + 1, (x1 * c1 + x0 * s1).to(dt), mask=ok)
-
-
-_rope_launch = FastLaunch(_rope_kernel)
 
 
 @triton.jit
@@ -156,9 +146,6 @@ def _rope_e4m3_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, scale_ptr, amax_ptr, val
     tl.store(out_ptr + base + 1, code1.to(tl.float8e4nv), mask=ok)
 
 
-_rope_e4m3_launch = FastLaunch(_rope_e4m3_kernel)
-
-
 @triton.jit
 def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, M, HALF, L, ROWS_PER_BATCH, F_BATCH, F_TOKEN,
                        ROUND16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -189,9 +176,6 @@ def _rope_pairs_kernel(x_ptr, f_ptr, out_ptr, M, HALF, L, ROWS_PER_BATCH, F_BATC
         y1 = f10 * x0 + f11 * x1
     tl.store(out_ptr + base, y0.to(dt), mask=ok)
     tl.store(out_ptr + base + 1, y1.to(dt), mask=ok)
-
-
-_rope_pairs_launch = FastLaunch(_rope_pairs_kernel)
 
 
 def _blocks(d: int) -> tuple[int, int, int]:
@@ -247,7 +231,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     strided = not x.is_contiguous()
     n1, n2, s0, s1, s2 = row_layout(x) if strided else (1, 1, 0, 0, 0)
     block_m, block_d, warps = _blocks(d)
-    _rms_norm_launch[(triton.cdiv(m, block_m),)](x, weight if weight is not None else x, out, x, x, m, d, float(eps),
+    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight if weight is not None else x, out, x, x, m, d, float(eps),
                                                  float(offset), n1, n2, s0, s1, s2, 1, 0, 0, WEIGHT=weight is not None,
                                                  ROUND_FIRST=round_first, STRIDED=strided, MODULATE=False,
                                                  BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps)
@@ -276,7 +260,7 @@ def modulated_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
     out = torch.empty_like(x)
     m = x.numel() // d
     block_m, block_d, warps = _blocks(d)
-    _rms_norm_launch[(triton.cdiv(m, block_m),)](x, weight, out, mult, shift, m, d, float(eps), float(offset), 1, 1,
+    _rms_norm_kernel[(triton.cdiv(m, block_m),)](x, weight, out, mult, shift, m, d, float(eps), float(offset), 1, 1,
                                                  0, 0, 0, seq, batch_rows(mult, x), batch_rows(shift, x), WEIGHT=True,
                                                  ROUND_FIRST=False, STRIDED=False, MODULATE=True, BLOCK_M=block_m,
                                                  BLOCK_D=block_d, num_warps=warps, **ROUND_EACH_OP)
@@ -290,7 +274,7 @@ def gated_residual(x: torch.Tensor, gate: torch.Tensor, y: torch.Tensor) -> torc
     out = torch.empty_like(x)
     m = x.numel() // d
     block_m, block_d, warps = _blocks(d)
-    _gated_residual_launch[(triton.cdiv(m, block_m),)](x, gate, y, out, m, d, seq, batch_rows(gate, x),
+    _gated_residual_kernel[(triton.cdiv(m, block_m),)](x, gate, y, out, m, d, seq, batch_rows(gate, x),
                                                        BLOCK_M=block_m, BLOCK_D=block_d, num_warps=warps,
                                                        **ROUND_EACH_OP)
     return out
@@ -313,7 +297,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sequence_dim: in
     out = torch.empty_like(x)
     m = x.numel() // d
     grid, meta = _rope_grid(m, d)
-    _rope_launch[grid](x, cos, sin, out, m, d // 2, s_len, row_div, **meta)
+    _rope_kernel[grid](x, cos, sin, out, m, d // 2, s_len, row_div, **meta)
     return out
 
 
@@ -331,7 +315,7 @@ def rope_e4m3(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torc
     masked = key_mask is not None
     valid = key_mask.contiguous().view(torch.uint8) if masked else scale
     grid, meta = _rope_grid(m, d)
-    _rope_e4m3_launch[grid](x, cos, sin, out, scale, scale if amax is None else amax, valid, pos if masked else scale,
+    _rope_e4m3_kernel[grid](x, cos, sin, out, scale, scale if amax is None else amax, valid, pos if masked else scale,
                             m, d // 2, s_len, h, MASK=masked, AMAX=amax is not None, **meta)
     return out
 
@@ -359,7 +343,7 @@ def rope_pairs(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     f_batch = freqs.stride(0) if freqs.shape[0] > 1 else 0
     f_token = freqs.stride(2) if freqs.shape[2] > 1 else 0
     grid, meta = _rope_grid(m, d)
-    _rope_pairs_launch[grid](x, freqs, out, m, d // 2, l_len, h * l_len, f_batch, f_token,
+    _rope_pairs_kernel[grid](x, freqs, out, m, d // 2, l_len, h * l_len, f_batch, f_token,
                              ROUND16=freqs.dtype != torch.float32, **meta)
     return out
 

@@ -24,7 +24,6 @@ import triton
 import triton.language as tl
 
 from lowbit_pipe.kernels.gemm_common import grouped_tile, launch_gemm, m_bucket
-from lowbit_pipe.kernels.launch import FastLaunch
 
 E2M1_MAX = tl.constexpr(6.0)  # constexpr: read inside the kernels
 FP8_MAX = tl.constexpr(448.0)
@@ -66,9 +65,6 @@ def _nvfp4_act_kernel(x_ptr, g_ptr, out_ptr, M, K, KP, stride_xm, stride_om,
              mask=r_ok[:, None] & (cols[None, :] < KP))
 
 
-_nvfp4_act_launch = FastLaunch(_nvfp4_act_kernel)
-
-
 def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor, k_padded: int | None = None,
                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] -> a' [M, Kp] (e2m1 * e4m3 block scale, zero beyond K); Kp = k_padded or K. `global_scale`: one
@@ -91,7 +87,7 @@ def nvfp4_act_quant(x: torch.Tensor, global_scale: torch.Tensor, k_padded: int |
     block_k = min(triton.next_power_of_2(kp), 256)
     block_m = 16
     grid = (triton.cdiv(m, block_m), triton.cdiv(kp, block_k))
-    _nvfp4_act_launch[grid](x, g, out, m, k, kp, x.stride(0), out.stride(0), PER_ROW=per_row, BLOCK_M=block_m,
+    _nvfp4_act_kernel[grid](x, g, out, m, k, kp, x.stride(0), out.stride(0), PER_ROW=per_row, BLOCK_M=block_m,
                             BLOCK_K=block_k, num_warps=4)
     return out
 
@@ -184,11 +180,7 @@ def _nvfp4_gemm_kernel(
              mask=m_ok[:, None] & n_ok[None, :])
 
 
-_nvfp4_gemm_launch = FastLaunch(_nvfp4_gemm_kernel)
-
-
-_nvfp4_gemm_tuned = FastLaunch(triton.autotune(
-    configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET"])(_nvfp4_gemm_kernel))
+_nvfp4_gemm_tuned = triton.autotune(configs=list(CONFIGS.values()), key=["N", "K", "M_BUCKET"])(_nvfp4_gemm_kernel)
 
 
 def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, scale: torch.Tensor, n: int,
@@ -223,7 +215,7 @@ def nvfp4_gemm(a: torch.Tensor, w_packed: torch.Tensor, w_block: torch.Tensor, s
     args = (a, w_packed, w_block, scale, row_arg, bias_arg, c, m, n, kp, m_bucket(m), w_block.shape[1],
             a.stride(0), w_packed.stride(0), c.stride(0))
     flags = {"HAS_BIAS": bias is not None, "ROW_SCALE": row_scale is not None, "IEEE": a.dtype == torch.float32}
-    launch_gemm(_nvfp4_gemm_tuned, _nvfp4_gemm_launch, args, flags, m, n, config, a.is_cuda)
+    launch_gemm(_nvfp4_gemm_tuned, _nvfp4_gemm_kernel, args, flags, m, n, config, a.is_cuda)
     return c
 
 

@@ -39,8 +39,6 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit_pipe.kernels.launch import FastLaunch
-
 MODES = {"int8": (0, 127.0, 1e-12), "int4": (0, 7.0, 1e-10), "fp8": (1, 448.0, 0.0)}
 
 
@@ -76,9 +74,6 @@ def _amax_down_kernel(
     if AMAX:
         tl.store(amax_ptr + sl * M + rows, amax, mask=r_ok)
     tl.store(xa_ptr + (sl * M + rows)[:, None] * R_PAD + offs_r[None, :], xa, mask=r_ok[:, None])
-
-
-_amax_down_launch = FastLaunch(_amax_down_kernel)
 
 
 @triton.jit
@@ -133,9 +128,6 @@ def _quant_rows_kernel(
         tl.store(q_ptr + rows[:, None] * stride_qm + oc[None, :], q, mask=r_ok[:, None] & (oc[None, :] < K))
 
 
-_quant_rows_launch = FastLaunch(_quant_rows_kernel)
-
-
 def launch_config(k: int, override: dict | None = None) -> dict:
     """Launch shapes, from the H200 sweep in bench/results/lora_kernel_tune_h200.md (timings there).
 
@@ -182,7 +174,7 @@ def _amax_down(x: torch.Tensor, down: torch.Tensor, cfg: dict, scale: torch.Tens
     parts = triton.cdiv(k, slice_k)
     amax_part = torch.empty((parts, m), dtype=torch.float32, device=x.device) if amax else scale
     xa_part = torch.empty((parts, m, r_pad), dtype=torch.float32, device=x.device)
-    _amax_down_launch[(triton.cdiv(m, dbm), parts)](
+    _amax_down_kernel[(triton.cdiv(m, dbm), parts)](
         x, down, amax_part, xa_part, m, k, slice_k, x.stride(0), r, down.stride(1),
         down.stride(0), AMAX=amax, IEEE=ieee, R_PAD=r_pad, BLOCK_M=dbm, BLOCK_K=dbk,
         num_warps=cfg["down_warps"], num_stages=cfg["down_stages"])
@@ -230,7 +222,7 @@ def quantize_act(x: torch.Tensor, mode: str = "int8", static_scale: torch.Tensor
         parts, amax_part, xa_part = _amax_down(x, down, cfg, scale, amax=static_scale is None, ieee=ieee,
                                                r_pad=r_pad)
     bm = cfg["BLOCK_M"]
-    _quant_rows_launch[(triton.cdiv(m, bm),)](
+    _quant_rows_kernel[(triton.cdiv(m, bm),)](
         x, q, scale, static, amax_part, xa_part, xa if down is not None else scale,
         m, k, x.stride(0), q.stride(0), r, r,
         QMAX=qmax, EPS=eps, FP8=bool(is_fp8), STATIC=static_scale is not None, PARTS=parts, R_PAD=r_pad,
