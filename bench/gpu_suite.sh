@@ -30,7 +30,8 @@
 #   bash bench/gpu_suite.sh comfyui_h "$OUT"  # the modulation kernels' GPU check (gating), their bench, rope_kernels, then comfyui_g's rows
 #   bash bench/gpu_suite.sh comfyui_all "$OUT"  # issue 47's item 6: every row in one server run, no profiles (~9 min)
 # The comfyui parts need ComfyUI's archive and requirements carried (the device has neither, nor ../shared):
-#   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md),
+#   .carry/comfyui-0.29.0.tar.xz and .carry/whl/ (ComfyUI's requirements the device lacks, 13 MB; docs/testing.md;
+#   bash bench/comfy_carry.sh fills both folders),
 #   and the wheels as .whl_comfy/ = hydra-core, omegaconf, antlr4, diffusers, comfy-kitchen (43 MB): with the tree
 #   that is 63 MiB of the 64 MiB a call may carry, so torchao / sageattention / cudnn-frontend stay behind.
 # Seconds measured on the H200 (2026-12-03/04): kernels 221 (72 tests); linear ~80 for every row at --rep-ms 20
