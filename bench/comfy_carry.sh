@@ -17,9 +17,9 @@ cp .whl/antlr4_python3_runtime-*.whl .whl/comfy_kitchen-*.whl .whl/diffusers-*.w
   .whl/omegaconf-*.whl .whl_comfy/
 cp ../shared/comfyui-0.29.0.tar.xz .carry/
 plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any"
-# what ComfyUI 0.29.0 imports at start or while loading and sampling that the device lacks (its torch, numpy,
-# safetensors, transformers, tqdm, psutil, pyyaml, requests are there; PyAV, SciPy, Pillow and SentencePiece get
-# stand-ins from bench/comfyui_speed.py)
+# what ComfyUI 0.29.0 imports at start or while loading and sampling that the device lacks: the set the server runs
+# of sessions 53-56 used (the rest is in the device's Python; PyAV, SciPy, Pillow and SentencePiece get stand-ins
+# from bench/comfyui_speed.py)
 # shellcheck disable=SC2086
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
   -d .carry/whl SQLAlchemy alembic Mako greenlet aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict \
