@@ -57,10 +57,10 @@ modulation_check() {
   timeout 90 python3 bench/modulation_kernels.py --out "$out/modulation_kernels_${card}" > /tmp/modulation.log 2>&1
   tail -12 "$out/modulation_kernels_${card}.md"
 }
-# the RoPE kernels' table, against .rope_before/norm_rope.py (another tree's kernels) where it is carried:
+# the RoPE benches compare against .rope_before/norm_rope.py (another tree's kernels) where it is carried:
+rope_before=""; [ -f .rope_before/norm_rope.py ] && rope_before="--before .rope_before/norm_rope.py"
 rope_table() {
-  before=""; [ -f .rope_before/norm_rope.py ] && before="--before .rope_before/norm_rope.py"
-  timeout 90 python3 bench/rope_kernels.py $before --out "$out/rope_kernels_${card}" > /tmp/rope_kernels.log 2>&1
+  timeout 90 python3 bench/rope_kernels.py $rope_before --out "$out/rope_kernels_${card}" > /tmp/rope_kernels.log 2>&1
   tail -12 "$out/rope_kernels_${card}.md"
 }
 case "$part" in
@@ -163,7 +163,7 @@ case "$part" in
       tests/attention/test_gpu_cudnn_attention.py -k "rope or folded" 2>&1 | tail -8 > "$out/pytest_rope.log"
     tail -3 "$out/pytest_rope.log"
     rope_table
-    timeout 120 python3 bench/rope_variants.py $before --out "$out/rope_variants_${card}" > "$out/rope_variants.log" 2>&1
+    timeout 120 python3 bench/rope_variants.py $rope_before --out "$out/rope_variants_${card}" > "$out/rope_variants.log" 2>&1
     grep -E "package|rows 4x64 w1" "$out/rope_variants_${card}.md" | head -24
     timeout 200 python3 bench/attention_fold_gpu.py --out "$out/attention_fold_${card}" > "$out/attention_fold.log" 2>&1
     head -16 "$out/attention_fold_${card}.md" ;;
